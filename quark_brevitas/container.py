@@ -1,0 +1,41 @@
+"""Dependency-injection wiring of the pipeline's replaceable parts.
+
+The pipeline stages are plain functions and classes; this container only says which ones
+:class:`~quark_brevitas.api.ModelQuantizer` uses, so that a user can swap or extend one of them
+without patching the library. For example, to quantize a custom layer type::
+
+    from quark_brevitas import Container, DEFAULT_LAYER_MAP, LayerMapping
+
+    container = Container()
+    container.layer_map.override({**DEFAULT_LAYER_MAP, MyConv: LayerMapping(MyQuantConv)})
+    quant_model = ModelQuantizer(config, container=container).quantize_model(model, loader)
+
+Replaceable parts: ``layer_map`` (float class -> LayerMapping), ``backends`` (one per
+:class:`~quark_brevitas.config.Backend` name), ``calibrator`` (``(model, loader) -> model``) and
+``onnx_exporter`` (``(model, args, path) -> report``).
+"""
+
+from __future__ import annotations
+
+from dependency_injector import containers, providers
+
+from quark_brevitas.algos import calibrate
+from quark_brevitas.backend import DEFAULT_LAYER_MAP, LayerwiseBackend
+
+
+def _onnx_exporter():  # imported lazily: onnx/onnxruntime are only needed when exporting
+    from quark_brevitas.export import export_onnx_qcdq
+
+    return export_onnx_qcdq
+
+
+class Container(containers.DeclarativeContainer):
+    """The replaceable parts of the quantization pipeline."""
+
+    layer_map = providers.Object(DEFAULT_LAYER_MAP)
+    backends = providers.Dict(layerwise=providers.Factory(LayerwiseBackend, layer_map=layer_map))
+    calibrator = providers.Object(calibrate)
+    onnx_exporter = providers.Callable(_onnx_exporter)
+
+
+__all__ = ["Container"]

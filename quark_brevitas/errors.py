@@ -1,0 +1,34 @@
+"""Exception types raised by quark_brevitas.
+
+All of them subclass ``ValueError`` (bad input) so callers can catch one family; each message
+names the field, module or batch at fault and says what is allowed.
+"""
+
+from __future__ import annotations
+
+
+class QuarkBrevitasError(ValueError):
+    """Base class of every error raised for bad input."""
+
+
+class ConfigError(QuarkBrevitasError):
+    """A configuration cannot be honoured. Raised before the model is touched.
+
+    ``path`` names the offending field, e.g. ``global_quant_config.weight.bit_width``.
+    """
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class CalibrationDataError(QuarkBrevitasError):
+    """A calibration batch is malformed, non-finite, or rejected by the model."""
+
+
+class ModelError(QuarkBrevitasError):
+    """The model cannot be quantized as asked (e.g. it has no parameters)."""
+
+
+class UnsupportedAlgorithmError(QuarkBrevitasError):
+    """The installed Brevitas cannot run the requested algorithm."""

@@ -1,0 +1,97 @@
+"""Quark's quantization enums (reference 000: ``quark.torch.quantization.config.type``).
+
+Every enum and member of the reference exists here under the same name, so code written for
+Quark runs after changing only its imports. Members carry string values so that configs
+serialise to readable JSON/YAML. Whether a member is *supported* by the Brevitas translation is
+decided in one place, :mod:`quark_brevitas.quantizers`; unsupported members are rejected at
+config-verification time with a message, never silently mapped to something else.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class QSchemeType(Enum):
+    """Granularity of the quantization parameters."""
+
+    per_tensor = "per_tensor"
+    per_channel = "per_channel"
+    per_group = "per_group"
+
+
+class ZeroPointType(Enum):
+    """The dtype of the zero point."""
+
+    int32 = "int32"
+    float32 = "float32"
+
+
+class Dtype(Enum):
+    """Data types used for quantized tensors."""
+
+    int8 = "int8"
+    uint8 = "uint8"
+    int4 = "int4"
+    uint4 = "uint4"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    fp8_e4m3 = "fp8_e4m3"
+    fp8_e5m2 = "fp8_e5m2"
+    fp6_e3m2 = "fp6_e3m2"
+    fp6_e2m3 = "fp6_e2m3"
+    fp4 = "fp4"
+    mx = "mx"
+    mx6 = "mx6"
+    mx9 = "mx9"
+
+
+class ScaleType(Enum):
+    """How scale values are represented."""
+
+    float = "float"
+    pof2 = "pof2"
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+class RoundType(Enum):
+    """Rounding methods used when mapping to the quantized grid."""
+
+    round = "round"
+    floor = "floor"
+    half_even = "half_even"
+
+
+class DeviceType(Enum):
+    """Target devices for deployment."""
+
+    CPU = "cpu"
+    IPU = "ipu"
+
+
+class QuantizationMode(Enum):
+    """Eager (module replacement) or FX graph mode."""
+
+    eager_mode = "eager_mode"
+    fx_graph_mode = "fx_graph_mode"
+
+
+class TQTThresholdInitMeth(Enum):
+    """Threshold initialisation of the TQT algorithm (Table 2 of arXiv:1903.08066)."""
+
+    _3SD = "_3sd"
+    _LL_J = "_ll_j"
+
+
+__all__ = [
+    "DeviceType",
+    "Dtype",
+    "QSchemeType",
+    "QuantizationMode",
+    "RoundType",
+    "ScaleType",
+    "TQTThresholdInitMeth",
+    "ZeroPointType",
+]
