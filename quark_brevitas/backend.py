@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import brevitas.nn as qnn
+import torch
 from brevitas import config as brevitas_config
 from brevitas.graph.base import ModuleToModuleByInstance
 from brevitas.graph.utils import set_module
+from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer as QuantWBIOL
 from torch import nn
 
 from quark_brevitas.config import Config, QuantizationConfig
@@ -153,11 +155,25 @@ class LayerwiseBackend:
                 set_module(model, rewriter.init_new_module(old, name=row.name), row.name)
         finally:
             brevitas_config.IGNORE_MISSING_KEYS = ignore_missing
+        _init_weight_scales(model)
         kept = [f"{r.name} ({r.module_type})" for r in rows
                 if r.layer_config is None and not any(r.name.startswith(t + ".") for t in targets)
                 and not list(modules[r.name].children())]
         logger.info("Quantized %d layers; kept in float: %s", len(targets), ", ".join(kept) if kept else "none")
         return model
+
+
+def _init_weight_scales(model: nn.Module) -> None:
+    """Compute every weight scale (and zero point) from its float weight now.
+
+    Parameter-from-stats weight scales are otherwise initialised lazily on the first quantized
+    forward pass; doing it here makes weight-only quantization data-free and gives GPTQ/GPFQ the
+    initialised grid they require (Brevitas's calibration mode does not touch weight quantizers).
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, QuantWBIOL) and module.weight_quant.is_quant_enabled:
+                module.quant_weight()
 
 
 __all__ = ["DEFAULT_LAYER_MAP", "LayerMapping", "LayerwiseBackend", "PlannedLayer", "mha_kwargs", "wbiol_kwargs"]

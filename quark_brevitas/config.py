@@ -312,7 +312,8 @@ def _config_from_dict(data: Any) -> Config:
     _check_keys(data, allowed, "")
     if "global_quant_config" not in data:
         raise ConfigError("global_quant_config", "is required")
-    kwargs: dict[str, Any] = {"global_quant_config": _layer_from_dict(data["global_quant_config"], "global_quant_config")}
+    global_layer = _layer_from_dict(data["global_quant_config"], "global_quant_config")
+    kwargs: dict[str, Any] = {"global_quant_config": global_layer}
     if "pre_quant_opt_config" in data:
         kwargs["pre_quant_opt_config"] = _algo_list_from_dict(
             data["pre_quant_opt_config"], "pre_quant_opt_config", _algos.PreQuantOptConfig
