@@ -114,7 +114,11 @@ class LayerwiseBackend:
         self.layer_map = dict(layer_map)
 
     def _walk(self, module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, bool]]:
-        """Yield (name, module, mapped); do not descend into mapped modules (e.g. MHA's out_proj)."""
+        """Yield (name, module, mapped) in pre-order, not descending into mapped modules (e.g.
+        MultiheadAttention's out_proj). A model that is itself a single layer is named ``""``."""
+        if not prefix and type(module) in self.layer_map:
+            yield "", module, True
+            return
         for name, child in module.named_children():
             full = f"{prefix}.{name}" if prefix else name
             mapped = type(child) in self.layer_map
@@ -151,8 +155,11 @@ class LayerwiseBackend:
                 old = modules[row.name]
                 mapping = self.layer_map[type(old)]
                 kwargs = mapping.build_kwargs(row.layer_config)
-                rewriter = ModuleToModuleByInstance(old, mapping.quant_class, **kwargs)
-                set_module(model, rewriter.init_new_module(old, name=row.name), row.name)
+                new = ModuleToModuleByInstance(old, mapping.quant_class, **kwargs).init_new_module(old, name=row.name)
+                if row.name == "":
+                    model = new  # the model is itself a single supported layer
+                else:
+                    set_module(model, new, row.name)
         finally:
             brevitas_config.IGNORE_MISSING_KEYS = ignore_missing
         _init_weight_scales(model)

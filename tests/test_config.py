@@ -1,0 +1,197 @@
+"""The schema: reference names and defaults, verification before the model is touched, files."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from quark_brevitas import algos
+from quark_brevitas.api import ModelQuantizer
+from quark_brevitas.config import (
+    Backend,
+    Config,
+    ParamType,
+    QLayerConfig,
+    QTensorConfig,
+    QuantizationConfig,
+    QuantizationSpec,
+    QuantType,
+    verify_config,
+)
+from quark_brevitas.errors import ConfigError
+from quark_brevitas.types import QSchemeType, ScaleType
+
+W8A8 = QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig(), bias=QTensorConfig(bit_width=32))
+FP8 = QTensorConfig(quant_type=QuantType.float_quant, exponent_bit_width=4, mantissa_bit_width=3)
+
+
+def test_reference_defaults_and_aliases() -> None:
+    spec = QuantizationSpec()
+    assert (spec.qscheme, spec.symmetric, spec.scale_type, spec.quant_type, spec.param_type, spec.bit_width) == (
+        QSchemeType.per_tensor, True, ScaleType.float, QuantType.int_quant, ParamType.stats, 8)
+    assert spec.exponent_bit_width is None and spec.mantissa_bit_width is None
+    assert QTensorConfig is QuantizationSpec and QLayerConfig is QuantizationConfig
+    layer = QuantizationConfig()
+    assert (layer.input_tensors, layer.output_tensors, layer.weight, layer.bias) == (None, None, None, None)
+    config = Config(global_quant_config=layer)
+    assert config.pre_quant_opt_config == [algos.Preprocess()]
+    assert config.algo_config == [] and config.backend is Backend.layerwise
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.bit_width = 4  # type: ignore[misc]
+
+
+def test_config_error_is_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)
+
+
+BAD_CONFIGS = [
+    (QLayerConfig(weight=QTensorConfig(quant_type=QuantType.float_quant)), "global_quant_config.weight",
+     "exponent_bit_width"),
+    (QLayerConfig(weight=QTensorConfig(quant_type=QuantType.float_quant, exponent_bit_width=4, mantissa_bit_width=2)),
+     "global_quant_config.weight", "1 (sign)"),
+    (QLayerConfig(input_tensors=dataclasses.replace(FP8, symmetric=False)),
+     "global_quant_config.input_tensors.symmetric", "asymmetric"),
+    (QLayerConfig(weight=QTensorConfig(), bias=QTensorConfig(bit_width=32)), "global_quant_config.bias",
+     "input quantization"),
+    (QLayerConfig(input_tensors=QTensorConfig(), bias=QTensorConfig(bit_width=32)), "global_quant_config.bias",
+     "weight quantization"),
+    (QLayerConfig(weight=FP8, input_tensors=QTensorConfig(), bias=QTensorConfig(bit_width=32)),
+     "global_quant_config.bias", "int_quant weight"),
+    (QLayerConfig(weight=QTensorConfig(bit_width=9)), "global_quant_config.weight.bit_width", "2..8"),
+    (QLayerConfig(weight=QTensorConfig(bit_width=1)), "global_quant_config.weight.bit_width", "2..8"),
+    (QLayerConfig(input_tensors=QTensorConfig(bit_width=17)), "global_quant_config.input_tensors.bit_width",
+     "2..16"),
+    (QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig(), bias=QTensorConfig(bit_width=12)),
+     "global_quant_config.bias.bit_width", "[8, 16, 24, 32]"),
+    (QLayerConfig(weight=QTensorConfig(qscheme=QSchemeType.per_group)), "global_quant_config.weight.qscheme",
+     "per_tensor, per_channel"),
+    (QLayerConfig(input_tensors=QTensorConfig(qscheme=QSchemeType.per_channel)),
+     "global_quant_config.input_tensors.qscheme", "per_tensor"),
+    (QLayerConfig(weight=QTensorConfig(scale_type=ScaleType.float16)), "global_quant_config.weight.scale_type",
+     "float, pof2"),
+    (QLayerConfig(weight=QTensorConfig(exponent_bit_width=4)), "global_quant_config.weight.exponent_bit_width",
+     "float_quant"),
+    (QLayerConfig(weight=QTensorConfig(bit_width="8")), "global_quant_config.weight.bit_width",  # type: ignore
+     "integer"),
+    (QLayerConfig(weight=QTensorConfig(qscheme="per_tensor")), "global_quant_config.weight.qscheme",  # type: ignore
+     "QSchemeType"),
+    (QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig(),
+                  bias=QTensorConfig(bit_width=32, param_type=ParamType.mse)),
+     "global_quant_config.bias.param_type", "only bit_width"),
+]
+
+
+@pytest.mark.parametrize(("layer", "path", "fragment"), BAD_CONFIGS)
+def test_verification_names_field_and_allowed_values(layer: QLayerConfig, path: str, fragment: str) -> None:
+    model = nn.Linear(4, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError) as info:
+        ModelQuantizer(Config(global_quant_config=layer)).quantize_model(model)
+    assert info.value.path == path
+    assert fragment in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+BAD_ALGOS = [
+    ([algos.GPTQ(), algos.GPFQ()], "algo_config", "at most one"),
+    ([algos.GPFQ(percentage_of_processed_inputs=0.5)], "algo_config[0].percentage_of_processed_inputs", "1.0"),
+    ([algos.GPFA2Q(accumulator_bit_width=4)], "algo_config[0].accumulator_bit_width", "8..32"),
+    ([algos.GPTQ(act_order="yes")], "algo_config[0].act_order", "True or False"),  # type: ignore[arg-type]
+    ([algos.Preprocess()], "algo_config[0]", "must be a AlgoConfig"),
+]
+
+
+@pytest.mark.parametrize(("algo_list", "path", "fragment"), BAD_ALGOS)
+def test_algorithm_verification(algo_list: list, path: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        verify_config(Config(global_quant_config=W8A8, algo_config=algo_list))
+    assert info.value.path == path
+    assert fragment in str(info.value)
+
+
+def test_gpfq_needs_input_quantization() -> None:
+    with pytest.raises(ConfigError, match="input_tensors"):
+        verify_config(Config(global_quant_config=QLayerConfig(weight=QTensorConfig()), algo_config=[algos.GPFQ()]))
+
+
+def test_activation_equalization_must_be_layerwise() -> None:
+    with pytest.raises(ConfigError) as info:
+        verify_config(Config(global_quant_config=W8A8,
+                             pre_quant_opt_config=[algos.ActivationEqualization(is_layerwise=False)]))
+    assert info.value.path == "pre_quant_opt_config[0].is_layerwise"
+
+
+FULL = Config(
+    global_quant_config=QLayerConfig(
+        weight=QTensorConfig(bit_width=4, qscheme=QSchemeType.per_channel, param_type=ParamType.mse),
+        input_tensors=QTensorConfig(symmetric=False, scale_type=ScaleType.pof2),
+        output_tensors=FP8,
+        bias=None,
+    ),
+    pre_quant_opt_config=[algos.Preprocess(equalize_iterations=3), algos.ActivationEqualization(alpha=0.7)],
+    algo_config=[algos.GPTQ(act_order=True), algos.BiasCorrection(), algos.CalibrateBatchNorm()],
+)
+
+
+def test_round_trip_dict_json_yaml() -> None:
+    assert Config.from_dict(FULL.to_dict()) == FULL
+    assert Config.from_json(FULL.to_json()) == FULL
+    assert Config.from_yaml(FULL.to_yaml()) == FULL
+    assert FULL.to_dict()["global_quant_config"]["weight"]["qscheme"] == "per_channel"
+    assert FULL.to_dict()["algo_config"][0] == {"name": "GPTQ", "act_order": True}
+
+
+def test_from_file(tmp_path) -> None:
+    json_file = tmp_path / "c.json"
+    json_file.write_text(FULL.to_json())
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text(FULL.to_yaml())
+    assert Config.from_file(json_file) == FULL == Config.from_file(yaml_file)
+    with pytest.raises(ConfigError, match="does not exist"):
+        Config.from_file(tmp_path / "missing.yaml")
+    bad = tmp_path / "c.toml"
+    bad.write_text("")
+    with pytest.raises(ConfigError, match=".json, .yaml"):
+        Config.from_file(bad)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "path", "fragment"),
+    [
+        (lambda d: d["global_quant_config"]["weight"].update(bit_widht=4), "global_quant_config.weight.bit_widht",
+         "unknown key"),
+        (lambda d: d["global_quant_config"]["weight"].update(qscheme="per_chanel"),
+         "global_quant_config.weight.qscheme", "per_channel"),
+        (lambda d: d["global_quant_config"]["weight"].update(bit_width="4"), "global_quant_config.weight.bit_width",
+         "integer"),
+        (lambda d: d["algo_config"][0].update(name="GPTQQ"), "algo_config[0].name", "GPTQ"),
+        (lambda d: d["algo_config"][0].update(order=True), "algo_config[0].order", "act_order"),
+        (lambda d: d.update(backend="graph"), "backend", "layerwise"),
+        (lambda d: d.pop("global_quant_config"), "global_quant_config", "required"),
+    ],
+)
+def test_from_dict_errors_name_the_path(mutate, path: str, fragment: str) -> None:
+    data = FULL.to_dict()
+    mutate(data)
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict(data)
+    assert info.value.path == path
+    assert fragment in str(info.value)
+
+
+def test_malformed_text_is_config_error() -> None:
+    with pytest.raises(ConfigError, match="JSON"):
+        Config.from_json("{not json")
+    with pytest.raises(ConfigError, match="YAML"):
+        Config.from_yaml("a: [unclosed")
+    with pytest.raises(ConfigError, match="mapping"):
+        Config.from_yaml("- 1\n- 2\n")
+
+
+def test_short_form() -> None:
+    assert QTensorConfig(bit_width=4, qscheme=QSchemeType.per_channel, param_type=ParamType.mse).short() == (
+        "int4 per_channel sym mse")
+    assert FP8.short() == "fp8_e4m3 per_tensor sym stats"
