@@ -156,15 +156,19 @@ def verify_spec(spec: QuantizationSpec, role: str, path: str) -> None:
                               f"{widths.start}..{widths.stop - 1}")
     else:
         e, m = spec.exponent_bit_width, spec.mantissa_bit_width
-        if e is None or m is None:
-            raise ConfigError(path, "float_quant needs exponent_bit_width and mantissa_bit_width "
-                              "(e.g. 4 and 3 for fp8 e4m3, 5 and 2 for fp8 e5m2)")
+        for name, value in (("exponent_bit_width", e), ("mantissa_bit_width", m)):
+            if value is None:
+                raise ConfigError(f"{path}.{name}", "float_quant needs exponent_bit_width and mantissa_bit_width "
+                                  "(e.g. 4 and 3 for fp8 e4m3, 5 and 2 for fp8 e5m2)")
         if spec.bit_width not in FLOAT_BIT_WIDTHS:
             raise ConfigError(f"{path}.bit_width", f"{spec.bit_width} is out of range for float_quant; "
                               f"allowed: {FLOAT_BIT_WIDTHS.start}..{FLOAT_BIT_WIDTHS.stop - 1}")
-        if e < 1 or m < 0 or 1 + e + m != spec.bit_width:
-            raise ConfigError(path, f"float_quant needs 1 (sign) + exponent_bit_width + mantissa_bit_width == "
-                              f"bit_width with exponent_bit_width >= 1; got 1 + {e} + {m} != {spec.bit_width}")
+        if e < 1 or m < 0:
+            raise ConfigError(f"{path}.exponent_bit_width" if e < 1 else f"{path}.mantissa_bit_width",
+                              f"need exponent_bit_width >= 1 and mantissa_bit_width >= 0; got e={e}, m={m}")
+        if 1 + e + m != spec.bit_width:
+            raise ConfigError(f"{path}.bit_width", "float_quant needs 1 (sign) + exponent_bit_width + "
+                              f"mantissa_bit_width == bit_width; got 1 + {e} + {m} != {spec.bit_width}")
         if not spec.symmetric:
             raise ConfigError(f"{path}.symmetric", "asymmetric float_quant is not supported; use symmetric=True")
     key = (kind, spec.quant_type, spec.param_type, spec.qscheme, spec.symmetric)

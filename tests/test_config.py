@@ -48,10 +48,10 @@ def test_config_error_is_value_error() -> None:
 
 
 BAD_CONFIGS = [
-    (QLayerConfig(weight=QTensorConfig(quant_type=QuantType.float_quant)), "global_quant_config.weight",
-     "exponent_bit_width"),
+    (QLayerConfig(weight=QTensorConfig(quant_type=QuantType.float_quant)),
+     "global_quant_config.weight.exponent_bit_width", "float_quant needs"),
     (QLayerConfig(weight=QTensorConfig(quant_type=QuantType.float_quant, exponent_bit_width=4, mantissa_bit_width=2)),
-     "global_quant_config.weight", "1 (sign)"),
+     "global_quant_config.weight.bit_width", "1 (sign)"),
     (QLayerConfig(input_tensors=dataclasses.replace(FP8, symmetric=False)),
      "global_quant_config.input_tensors.symmetric", "asymmetric"),
     (QLayerConfig(weight=QTensorConfig(), bias=QTensorConfig(bit_width=32)), "global_quant_config.bias",
