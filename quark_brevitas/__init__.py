@@ -5,6 +5,12 @@ then ``ModelQuantizer(config).quantize_model(model, calib_loader)`` and
 ``ModelExporter(path).export_onnx_model(quant_model, example_input)``.
 """
 
+import warnings
+
+# Brevitas announces on import that an optional CUDA kernel package is missing; it is irrelevant on
+# CPU and would otherwise greet every user of the library and its command line.
+warnings.filterwarnings("ignore", message="fast_hadamard_transform package not found")
+
 from quark_brevitas import algos, types
 from quark_brevitas.api import ModelExporter, ModelQuantizer
 from quark_brevitas.backend import DEFAULT_LAYER_MAP, LayerMapping, LayerwiseBackend

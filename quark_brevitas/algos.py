@@ -100,15 +100,13 @@ class Preprocess(PreQuantOptConfig):
             raise ConfigError(f"{path}.channel_splitting_ratio", "must be in [0, 1)")
 
     def apply(self, model: nn.Module, calib_loader: Any = None) -> nn.Module:
-        # Brevitas's graph transforms work on its own (backported) FX classes, not torch.fx's.
         from brevitas.fx import GraphModule
-        from brevitas.fx.brevitas_tracer import symbolic_trace
         from brevitas.graph.quantize import preprocess_for_quantize
 
         graph_model = model
         if self.trace_model and not isinstance(model, GraphModule):
             try:
-                graph_model = symbolic_trace(model)
+                graph_model = _trace_keeping_layers(model)
             except Exception as exc:  # noqa: BLE001 - any tracing failure means "no graph"; reported below
                 logger.warning(
                     "Preprocess: %s cannot be FX-traced (%s: %s); skipping BatchNorm merge, graph "
@@ -129,6 +127,24 @@ class Preprocess(PreQuantOptConfig):
             channel_splitting_ratio=self.channel_splitting_ratio,
             channel_splitting_split_input=self.channel_splitting_split_input,
         )
+
+
+def _trace_keeping_layers(model: nn.Module) -> nn.Module:
+    """FX-trace ``model`` with Brevitas's tracer (its graph transforms need its backported FX
+    classes), keeping every module that owns parameters as a leaf.
+
+    The default tracer only keeps ``torch.nn`` modules whole; a user layer such as
+    ``class MyLinear(nn.Linear)`` would be inlined into a bare ``linear`` call and could no longer be
+    replaced by a mapping registered in the container's layer map.
+    """
+    from brevitas.fx import Tracer
+    from brevitas.fx.brevitas_tracer import _symbolic_trace
+
+    class LayerKeepingTracer(Tracer):
+        def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+            return super().is_leaf_module(m, module_qualified_name) or bool(m._parameters)
+
+    return _symbolic_trace(LayerKeepingTracer(), model, None)
 
 
 @dataclass

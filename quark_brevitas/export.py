@@ -62,6 +62,8 @@ from brevitas.quant_tensor import QuantTensor
 from onnx import TensorProto, numpy_helper
 from torch import nn
 
+from quark_brevitas.errors import QuarkBrevitasError
+
 __all__ = [
     "DEFAULT_INT_OPSET",
     "MAX_OPSET",
@@ -127,7 +129,7 @@ _FLOAT8_DISABLED_ORT_OPTIMIZERS = ("ReluQuantRewrite",)
 # --------------------------------------------------------------------------------------------
 
 
-class ExportError(ValueError):
+class ExportError(QuarkBrevitasError):
     """The model, the arguments or a quantization format cannot be exported as asked."""
 
 

@@ -66,3 +66,13 @@ def test_calibrator_override_is_used() -> None:
 def test_bad_layer_map_entries_are_rejected() -> None:
     with pytest.raises(TypeError, match="LayerMapping"):
         LayerwiseBackend({nn.Linear: qnn.QuantLinear})  # type: ignore[dict-item]
+
+
+def test_user_layer_survives_the_default_preprocess() -> None:
+    """Preprocess FX-traces the model; a user layer must stay a module so its mapping applies."""
+    container = Container()
+    container.layer_map.override({**DEFAULT_LAYER_MAP, MyLinear: LayerMapping(qnn.QuantLinear)})
+    default_pipeline = Config(global_quant_config=CONFIG.global_quant_config)
+    float_model = model()
+    quant = ModelQuantizer(default_pipeline, container=container).quantize_model(float_model, [torch.randn(4, 8)])
+    assert [type(m) for m in quant.children()] == [qnn.QuantLinear, nn.ReLU, qnn.QuantLinear]

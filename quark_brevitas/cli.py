@@ -1,0 +1,337 @@
+"""The ``quark-brevitas`` command line: quantize, export and check the built-in digits CNN.
+
+Subcommands:
+
+- ``quantize``: train the digits CNN (seconds), quantize it with a preset or a config file, export
+  it to ONNX QCDQ, run the file in onnxruntime on the test set and print a results table; the
+  numbers also go to ``OUTPUT/report.json`` and the config used to ``OUTPUT/config.json``.
+- ``plan``: which layers of the digits CNN a config quantizes, and how.
+- ``presets``: the named configs ``--preset`` accepts.
+
+Bad user input (any :class:`~quark_brevitas.errors.QuarkBrevitasError` or export error) is
+reported as ``error: <message>`` on stderr with exit status 2, without a traceback; anything else
+is a bug and propagates. Progress goes through :mod:`logging` (``-v`` for debug, ``-q`` for
+warnings only); only the final table or listing is printed to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from quark_brevitas.api import ModelExporter, ModelQuantizer
+from quark_brevitas.config import Config
+from quark_brevitas.errors import ConfigError, QuarkBrevitasError
+from quark_brevitas.presets import DEFAULT_PRESET, DESCRIPTIONS, PRESETS, get_preset
+
+__all__ = ["main"]
+
+logger = logging.getLogger("quark_brevitas.cli")
+
+DEFAULT_OUTPUT = "quark_brevitas_output"
+ONNX_NAME = "digits_quant.onnx"
+
+
+class CLIError(QuarkBrevitasError):
+    """A command-line argument cannot be honoured (reported like any other user error)."""
+
+
+# ===================================================================== argument parsing
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    # -v/-q are accepted before and after the subcommand; SUPPRESS keeps a subcommand's absent flag
+    # from overwriting one given before it.
+    verbosity = argparse.ArgumentParser(add_help=False)
+    group = verbosity.add_mutually_exclusive_group()
+    group.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
+    group.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="warnings only")
+
+    parser = argparse.ArgumentParser(
+        prog="quark-brevitas",
+        description="Quark's Brevitas-flavoured quantization API, executed by Brevitas.",
+        parents=[verbosity],
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    config_args = argparse.ArgumentParser(add_help=False)
+    source = config_args.add_mutually_exclusive_group()
+    source.add_argument("--config", metavar="FILE", help="a .json/.yaml/.yml Config file")
+    source.add_argument("--preset", metavar="NAME", help=f"a named config (default {DEFAULT_PRESET}); see 'presets'")
+
+    quantize = sub.add_parser(
+        "quantize", parents=[verbosity, config_args],
+        help="train, quantize, export and check the digits CNN",
+        description="Train the digits CNN, quantize it, export ONNX QCDQ and check the file in onnxruntime.",
+    )
+    quantize.add_argument("--output", metavar="DIR", default=DEFAULT_OUTPUT,
+                          help=f"output directory (default {DEFAULT_OUTPUT})")
+    quantize.add_argument("--epochs", type=_positive_int, default=15, help="training epochs (default 15)")
+    quantize.add_argument("--seed", type=int, default=0, help="data split and training seed (default 0)")
+    quantize.set_defaults(func=_cmd_quantize)
+
+    plan = sub.add_parser("plan", parents=[verbosity, config_args], help="show which digits CNN layers get quantized")
+    plan.set_defaults(func=_cmd_plan)
+
+    presets = sub.add_parser("presets", parents=[verbosity], help="list the presets")
+    presets.set_defaults(func=_cmd_presets)
+    return parser
+
+
+def _resolve_config(args: argparse.Namespace) -> tuple[Config, str]:
+    """The Config asked for (file, preset or the default preset) and a label for it."""
+    if args.config is not None:
+        try:
+            return Config.from_file(args.config), f"file {args.config}"
+        except ConfigError as exc:
+            if str(args.config) in str(exc):
+                raise
+            raise CLIError(f"{args.config}: {exc}") from exc
+    name = args.preset if args.preset is not None else DEFAULT_PRESET
+    return get_preset(name), f"preset {name}"
+
+
+# ===================================================================== quantize
+def _onnx_size_of_float_model(model: nn.Module, example: torch.Tensor) -> int | None:
+    """Size in bytes of the float model as a plain ONNX file (for comparison); None if it fails."""
+    try:
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            path = Path(tmp) / "float.onnx"
+            torch.onnx.export(model, (example,), str(path), dynamo=False, opset_version=13,
+                              input_names=["input"], output_names=["output"])
+            return path.stat().st_size
+    except Exception as exc:  # noqa: BLE001 - the comparison is optional; say why it is missing
+        logger.warning("float ONNX export for the size comparison failed (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
+def _check_onnx(path: Path, quant_model: nn.Module, loader: Any) -> tuple[float, float, int]:
+    """onnxruntime accuracy of the exported file and its top-1 agreement (%) with the PyTorch model."""
+    from quark_brevitas.digits import evaluate_predictions
+    from quark_brevitas.export import create_ort_session, run_onnx
+
+    session = create_ort_session(path)
+    counts = {"agree": 0, "total": 0}
+
+    def predict(images: np.ndarray) -> np.ndarray:
+        logits = run_onnx(session, images)[0]
+        with torch.no_grad():
+            reference = quant_model(torch.from_numpy(images)).argmax(dim=1).numpy()
+        counts["agree"] += int((logits.argmax(axis=1) == reference).sum())
+        counts["total"] += int(reference.shape[0])
+        return logits
+
+    quant_model.eval()
+    accuracy = evaluate_predictions(predict, loader)
+    return accuracy, 100.0 * counts["agree"] / counts["total"], counts["total"]
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from quark_brevitas.digits import evaluate, example_input, load_digits_data, train_digits_cnn
+
+    config, source = _resolve_config(args)  # before any work, so a bad config fails fast
+    output = Path(args.output)
+    if output.exists() and not output.is_dir():
+        raise CLIError(f"--output {str(output)!r} exists and is not a directory")
+    logger.info("Config: %s", source)
+
+    start = time.perf_counter()
+    data = load_digits_data(seed=args.seed)
+    model = train_digits_cnn(data, epochs=args.epochs, seed=args.seed)
+    train_s = time.perf_counter() - start
+    float_acc = evaluate(model, data.test)
+    logger.info("Float accuracy: %.2f %%", float_acc)
+
+    start = time.perf_counter()
+    quant_model = ModelQuantizer(config).quantize_model(model, data.calib)
+    quantize_s = time.perf_counter() - start
+    quant_acc = evaluate(quant_model, data.test)
+    logger.info("Quantized accuracy (PyTorch): %.2f %%", quant_acc)
+
+    output.mkdir(parents=True, exist_ok=True)
+    onnx_path = output / ONNX_NAME
+    example = example_input(data)
+    start = time.perf_counter()
+    export = ModelExporter(onnx_path).export_onnx_model(quant_model, example)
+    export_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    ort_acc, agreement, n_test = _check_onnx(onnx_path, quant_model, data.test)
+    evaluate_s = time.perf_counter() - start
+    logger.info("Quantized accuracy (onnxruntime): %.2f %%; agreement with PyTorch %.2f %%", ort_acc, agreement)
+    float_size = _onnx_size_of_float_model(model, example)
+
+    report = {
+        "config_source": source,
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "test_images": n_test,
+        "float_accuracy": float_acc,
+        "quant_accuracy_pytorch": quant_acc,
+        "quant_accuracy_onnxruntime": ort_acc,
+        "agreement_onnxruntime_pytorch": agreement,
+        "onnx_path": str(onnx_path),
+        "onnx_opset": export.opset,
+        "onnx_size_bytes": export.file_size,
+        "float_onnx_size_bytes": float_size,
+        "export_max_abs_diff": export.max_abs_diff,
+        "export_tolerance": export.tolerance,
+        "timings_s": {"train": train_s, "quantize": quantize_s, "export": export_s, "evaluate_onnx": evaluate_s},
+    }
+    (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (output / "config.json").write_text(config.to_json() + "\n")
+    logger.info("Wrote %s, %s and %s", onnx_path, output / "report.json", output / "config.json")
+    print(_results_table(report))
+    return 0
+
+
+def _kib(size: int) -> str:
+    return f"{size / 1024:.1f} KiB ({size} bytes)"
+
+
+def _results_table(r: dict[str, Any]) -> str:
+    t = r["timings_s"]
+    size = f"{_kib(r['onnx_size_bytes'])}, opset {r['onnx_opset']}"
+    float_size = "n/a"
+    if r["float_onnx_size_bytes"]:
+        float_size = f"{_kib(r['float_onnx_size_bytes'])}, {r['float_onnx_size_bytes'] / r['onnx_size_bytes']:.1f}x"
+    rows = [
+        ("config", r["config_source"]),
+        ("float accuracy (PyTorch)", f"{r['float_accuracy']:6.2f} %"),
+        ("quantized accuracy (PyTorch)", f"{r['quant_accuracy_pytorch']:6.2f} %"),
+        ("quantized accuracy (onnxruntime)", f"{r['quant_accuracy_onnxruntime']:6.2f} %"),
+        ("agreement onnxruntime vs PyTorch", f"{r['agreement_onnxruntime_pytorch']:6.2f} %"
+                                             f"  ({r['test_images']} test images)"),
+        ("max |onnxruntime - PyTorch| logit",
+         f"{r['export_max_abs_diff']:.2e} (tolerance {r['export_tolerance']:.2e})"),
+        ("ONNX file", r["onnx_path"]),
+        ("ONNX size (QCDQ)", size),
+        ("float ONNX size", float_size),
+        ("time: train / quantize / export", f"{t['train']:.1f} s / {t['quantize']:.1f} s / {t['export']:.1f} s"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    rule = "-" * (width + 2 + max(len(value) for _, value in rows))
+    lines = [rule, *(f"{name:<{width}}  {value}" for name, value in rows), rule]
+    return "\n".join(lines)
+
+
+# ===================================================================== plan / presets
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from quark_brevitas.digits import DigitsCNN
+
+    config, source = _resolve_config(args)
+    rows = ModelQuantizer(config).plan(DigitsCNN())
+    header = ("name", "type", "quantized", "weight", "input", "output", "bias")
+    table = [header]
+    for row in rows:
+        layer = row.layer_config
+        specs = [layer.weight, layer.input_tensors, layer.output_tensors, layer.bias] if layer else [None] * 4
+        table.append((row.name or "(model)", row.module_type, "yes" if layer else "no",
+                      *(spec.short() if spec is not None else "-" for spec in specs)))
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    pre = ", ".join(type(a).__name__ for a in config.pre_quant_opt_config) or "-"
+    post = ", ".join(type(a).__name__ for a in config.algo_config) or "-"
+    print(f"DigitsCNN plan ({source}; pre-quant: {pre}; algorithms: {post})")
+    for i, line in enumerate(table):
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    return 0
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    width = max(len(name) for name in PRESETS)
+    for name in PRESETS:
+        print(f"{name:<{width}}  {DESCRIPTIONS[name]}")
+    return 0
+
+
+# ===================================================================== entry point
+@contextmanager
+def _logging_setup(level: int) -> Iterator[None]:
+    """Compact logging to stderr (and Python warnings through it) for the duration of one command."""
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stderr)
+    fmt = "%(asctime)s %(levelname)-7s %(name)s: %(message)s" if level <= logging.DEBUG else \
+        "%(asctime)s %(levelname)-7s %(message)s"
+    handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
+    previous_level = root.level
+    root.addHandler(handler)
+    root.setLevel(level)
+    logging.captureWarnings(True)
+    try:
+        with warnings.catch_warnings():
+            if level > logging.DEBUG:
+                # Deprecation notices from inside Brevitas/PyTorch are not actionable for the user.
+                for category in (DeprecationWarning, FutureWarning):
+                    warnings.filterwarnings("ignore", category=category, module=r"(brevitas|torch)(\.|$)")
+            yield
+    finally:
+        logging.captureWarnings(False)
+        root.removeHandler(handler)
+        root.setLevel(previous_level)
+
+
+@contextmanager
+def _torch_threads(count: int) -> Iterator[None]:
+    """Run with ``count`` intra-op threads, then restore the previous setting.
+
+    The digits CNN is far too small to profit from intra-op parallelism; on a busy 2-core machine two
+    threads made evaluation and calibration 5-20x slower (OpenMP spin-waiting), see
+    :func:`quark_brevitas.digits.train_digits_cnn`.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help (0) and on usage errors (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    level = logging.INFO
+    if getattr(args, "quiet", False):
+        level = logging.WARNING
+    elif getattr(args, "verbose", False):
+        level = logging.DEBUG
+
+    from quark_brevitas.export import ExportError
+
+    with _logging_setup(level), _torch_threads(1):
+        try:
+            return int(args.func(args))
+        except (QuarkBrevitasError, ExportError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
