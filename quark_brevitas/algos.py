@@ -10,6 +10,7 @@ corresponding Brevitas algorithm). Names and parameters follow
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -166,12 +167,17 @@ class ActivationEqualization(PreQuantOptConfig):
     def apply(self, model: nn.Module, calib_loader: Any = None) -> nn.Module:
         from brevitas.graph.equalize import activation_equalization_mode
 
-        model.eval()
-        with torch.no_grad(), activation_equalization_mode(
-            model, alpha=self.alpha, layerwise=self.is_layerwise, add_mul_node=self.is_layerwise
-        ):
-            run_batches(model, calib_loader, self.name)
-        return model
+        return _forward_in_mode(model, calib_loader, self.name, lambda m: activation_equalization_mode(
+            m, alpha=self.alpha, layerwise=self.is_layerwise, add_mul_node=self.is_layerwise))
+
+
+def _forward_in_mode(model: nn.Module, calib_loader: Any, name: str, mode: Callable[[nn.Module], Any]) -> nn.Module:
+    """Run every calibration batch through ``model`` (eval, no grad) inside the Brevitas context
+    ``mode(model)``, which collects what it needs from the forward passes and applies it on exit."""
+    model.eval()
+    with torch.no_grad(), mode(model):
+        run_batches(model, calib_loader, name)
+    return model
 
 
 def _run_gpxq(mode: Any, calib_loader: Any, name: str) -> None:
@@ -278,10 +284,7 @@ class BiasCorrection(AlgoConfig):
     def apply(self, model: nn.Module, calib_loader: Any = None) -> nn.Module:
         from brevitas.graph.calibrate import bias_correction_mode
 
-        model.eval()
-        with torch.no_grad(), bias_correction_mode(model):
-            run_batches(model, calib_loader, self.name)
-        return model
+        return _forward_in_mode(model, calib_loader, self.name, bias_correction_mode)
 
 
 @dataclass
@@ -294,20 +297,14 @@ class CalibrateBatchNorm(AlgoConfig):
     def apply(self, model: nn.Module, calib_loader: Any = None) -> nn.Module:
         from brevitas.graph.calibrate import norm_correction_mode
 
-        model.eval()
-        with torch.no_grad(), norm_correction_mode(model):
-            run_batches(model, calib_loader, self.name)
-        return model
+        return _forward_in_mode(model, calib_loader, self.name, norm_correction_mode)
 
 
 def calibrate(model: nn.Module, calib_loader: Any) -> nn.Module:
     """Collect activation statistics for every activation quantizer (Brevitas calibration mode)."""
     from brevitas.graph.calibrate import calibration_mode
 
-    model.eval()
-    with torch.no_grad(), calibration_mode(model):
-        run_batches(model, calib_loader, "Calibration")
-    return model
+    return _forward_in_mode(model, calib_loader, "Calibration", calibration_mode)
 
 
 def registered(base: type) -> list[type]:
