@@ -6,13 +6,17 @@ default map covers ``Linear``, ``Conv1d``, ``Conv2d``, ``ConvTranspose1d``, ``Co
 ``MultiheadAttention``; users add their own layer types through the dependency-injection container
 (:mod:`quark_brevitas.container`) without patching the library. Matching is on the exact class,
 as in Brevitas, so subclasses with different behaviour are not replaced by accident.
+
+Which config each layer gets (global, per layer type, per layer name, excluded) is decided by
+:mod:`quark_brevitas.resolve`; the backend walks the model, asks it, and replaces the layers.
+:meth:`LayerwiseBackend.plan` is the dry run; :func:`plan_table` prints it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import brevitas.nn as qnn
@@ -20,12 +24,14 @@ import torch
 from brevitas import config as brevitas_config
 from brevitas.graph.base import ModuleToModuleByInstance
 from brevitas.graph.utils import set_module
+from brevitas.nn.equalized_layer import EqualizedModule
 from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer as QuantWBIOL
 from torch import nn
 
 from quark_brevitas.config import Config, QuantizationConfig
 from quark_brevitas.errors import ModelError
 from quark_brevitas.quantizers import build_quantizer
+from quark_brevitas.resolve import EXCLUDED, Resolver
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +98,64 @@ DEFAULT_LAYER_MAP: dict[type[nn.Module], LayerMapping] = {
 }
 
 
+# Wrappers that pre-quantization steps put around a layer, and the attribute holding the layer:
+# the wrapped layer keeps the wrapper's name for config resolution (activation equalization turns
+# ``fc1`` into an EqualizedModule whose ``fc1.layer`` is the Linear).
+_WRAPPED_LAYER: dict[type[nn.Module], str] = {EqualizedModule: "layer"}
+
+_ROLE_COLUMNS = {"weight": "weight", "input_tensors": "input", "output_tensors": "output", "bias": "bias"}
+
+
 @dataclass(frozen=True)
 class PlannedLayer:
-    """One row of the quantization plan: a module and the config it gets (``None``: stays float)."""
+    """One row of the quantization plan: a module and the config it gets (``None``: stays float).
+
+    ``sources`` maps each tensor role of a quantizable layer to the level its spec came from:
+    ``"global"``, ``'layer_type_quant_config["Conv2d"]'``, ``'layer_quant_config["fc1"]'`` or
+    ``"excluded"``; it is empty for modules the backend does not quantize (BatchNorm, ReLU, ...).
+    """
 
     name: str
     module_type: str
     layer_config: QuantizationConfig | None
+    sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def quantized(self) -> bool:
+        return self.layer_config is not None
+
+    def spec_cells(self) -> list[str]:
+        """The short form of the weight, input, output and bias specs (``-``: not quantized)."""
+        layer = self.layer_config
+        roles = ("weight", "input_tensors", "output_tensors", "bias")
+        specs = [getattr(layer, role) if layer is not None else None for role in roles]
+        return [spec.short() if spec is not None else "-" for spec in specs]
+
+    def source_summary(self) -> str:
+        """Where the specs came from in one cell, e.g. ``weight: layer_type_quant_config["Conv2d"];
+        input, output, bias: global`` (``-`` for modules that are not quantizable)."""
+        if not self.sources:
+            return "-"
+        groups: dict[str, list[str]] = {}
+        for role in ("weight", "input_tensors", "output_tensors", "bias"):
+            if role in self.sources:
+                groups.setdefault(self.sources[role], []).append(_ROLE_COLUMNS[role])
+        if len(groups) == 1:
+            return next(iter(groups))
+        return "; ".join(f"{', '.join(roles)}: {source}" for source, roles in groups.items())
+
+
+def plan_table(rows: Sequence[PlannedLayer]) -> str:
+    """The plan as an aligned text table: name, type, quantized, weight, input, output, bias, source."""
+    header = ("name", "type", "quantized", "weight", "input", "output", "bias", "source")
+    table = [header]
+    for row in rows:
+        table.append((row.name or "(model)", row.module_type, "yes" if row.quantized else "no",
+                      *row.spec_cells(), row.source_summary()))
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 class LayerwiseBackend:
@@ -113,36 +170,67 @@ class LayerwiseBackend:
                 )
         self.layer_map = dict(layer_map)
 
-    def _walk(self, module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, bool]]:
-        """Yield (name, module, mapped) in pre-order, not descending into mapped modules (e.g.
-        MultiheadAttention's out_proj). A model that is itself a single layer is named ``""``."""
+    def _walk(
+        self, module: nn.Module, prefix: str = "", alias: str = ""
+    ) -> Iterator[tuple[str, str, nn.Module, bool]]:
+        """Yield (name, config name, module, mapped) in pre-order, not descending into mapped modules
+        (e.g. MultiheadAttention's out_proj). A model that is itself a single layer is named ``""``.
+        The config name is the name the hierarchy is resolved with: the module's own, except for a
+        layer inside a pre-quantization wrapper, which keeps the wrapper's (see ``_WRAPPED_LAYER``)."""
         if not prefix and type(module) in self.layer_map:
-            yield "", module, True
+            yield "", "", module, True
             return
+        wrapped = _WRAPPED_LAYER.get(type(module))
         for name, child in module.named_children():
             full = f"{prefix}.{name}" if prefix else name
+            child_alias = alias if name == wrapped else (f"{alias}.{name}" if alias else name)
             mapped = type(child) in self.layer_map
-            yield full, child, mapped
+            yield full, child_alias, child, mapped
             if not mapped:
-                yield from self._walk(child, full)
+                yield from self._walk(child, full, child_alias)
 
-    def plan(self, model: nn.Module, config: Config) -> list[PlannedLayer]:
-        """Which modules get quantized, and with which config (does not modify the model)."""
+    def plan(self, model: nn.Module, config: Config, *, check_names: bool = True) -> list[PlannedLayer]:
+        """Which modules get quantized, and with which config (does not modify the model).
+
+        With ``check_names`` every layer name, pattern, exclude entry and layer type of the config
+        must match the model (:meth:`quark_brevitas.resolve.Resolver.check_model`); the pipeline turns
+        it off on the pre-processed copy, whose BatchNorm layers may have been merged away.
+        """
+        walked = list(self._walk(model))
+        resolver = Resolver(config, self.layer_map)
+        if check_names:
+            names = [alias for _, alias, _, _ in walked] + [name for name, _ in model.named_modules()]
+            quantizable = {alias: type(module) for _, alias, module, mapped in walked if mapped}
+            resolver.check_model(type(model).__name__, names, quantizable)
         rows = []
-        for name, module, mapped in self._walk(model):
-            rows.append(PlannedLayer(name, type(module).__name__, config.global_quant_config if mapped else None))
+        for name, alias, module, mapped in walked:
+            if mapped:
+                resolution = resolver.resolve(alias, type(module))
+                rows.append(PlannedLayer(name, type(module).__name__, resolution.layer_config, resolution.sources))
+            else:
+                rows.append(PlannedLayer(name, type(module).__name__, None))
         return rows
 
-    def quantize(self, model: nn.Module, config: Config) -> nn.Module:
-        """Replace the planned layers of ``model`` in place and return it."""
-        rows = self.plan(model, config)
-        targets = {row.name for row in rows if row.layer_config is not None}
-        if not targets:
-            supported = sorted(cls.__name__ for cls in self.layer_map)
+    def require_targets(self, model: nn.Module, rows: Sequence[PlannedLayer]) -> None:
+        """Raise unless the plan quantizes at least one layer (a no-op quantization is a mistake)."""
+        if any(row.quantized for row in rows):
+            return
+        if any(row.sources for row in rows):
             raise ModelError(
-                f"{type(model).__name__} has no layer the backend can quantize; supported layer types: "
-                f"{supported}. Register a LayerMapping for your layer type in the container's layer_map."
+                f"the config quantizes no layer of {type(model).__name__}: every quantizable layer is "
+                "excluded or gets no tensor spec from any level"
             )
+        supported = sorted(cls.__name__ for cls in self.layer_map)
+        raise ModelError(
+            f"{type(model).__name__} has no layer the backend can quantize; supported layer types: "
+            f"{supported}. Register a LayerMapping for your layer type in the container's layer_map."
+        )
+
+    def quantize(self, model: nn.Module, config: Config, *, check_names: bool = True) -> nn.Module:
+        """Replace the planned layers of ``model`` in place and return it (``check_names``: see :meth:`plan`)."""
+        rows = self.plan(model, config, check_names=check_names)
+        self.require_targets(model, rows)
+        targets = {row.name for row in rows if row.layer_config is not None}
         modules = dict(model.named_modules())
         # The float state dict has no quantizer parameters (scales are initialised from statistics on
         # first use), so Brevitas must be told to accept them as missing while loading it.
@@ -163,11 +251,17 @@ class LayerwiseBackend:
         finally:
             brevitas_config.IGNORE_MISSING_KEYS = ignore_missing
         _init_weight_scales(model)
-        kept = [f"{r.name} ({r.module_type})" for r in rows
+        kept = [f"{r.name} ({r.module_type}{_why_float(r)})" for r in rows
                 if r.layer_config is None and not any(r.name.startswith(t + ".") for t in targets)
-                and not list(modules[r.name].children())]
+                and (r.sources or not list(modules[r.name].children()))]
         logger.info("Quantized %d layers; kept in float: %s", len(targets), ", ".join(kept) if kept else "none")
         return model
+
+
+def _why_float(row: PlannedLayer) -> str:
+    if not row.sources:
+        return ""
+    return ", excluded" if EXCLUDED in row.sources.values() else ", no spec at any level"
 
 
 def _init_weight_scales(model: nn.Module) -> None:
@@ -183,4 +277,12 @@ def _init_weight_scales(model: nn.Module) -> None:
                 module.quant_weight()
 
 
-__all__ = ["DEFAULT_LAYER_MAP", "LayerMapping", "LayerwiseBackend", "PlannedLayer", "mha_kwargs", "wbiol_kwargs"]
+__all__ = [
+    "DEFAULT_LAYER_MAP",
+    "LayerMapping",
+    "LayerwiseBackend",
+    "PlannedLayer",
+    "mha_kwargs",
+    "plan_table",
+    "wbiol_kwargs",
+]

@@ -2,20 +2,30 @@
 
 ``Config``, ``QuantizationConfig`` (alias ``QLayerConfig``), ``QuantizationSpec`` (alias
 ``QTensorConfig``), ``QuantType``, ``ParamType`` and ``Backend`` have the names, fields and
-defaults of ``quark.torch.extensions.brevitas.config``. Behaviour does not live here: the
-translation to Brevitas is in :mod:`quark_brevitas.quantizers`, the pipeline in
-:mod:`quark_brevitas.api`. This module only describes *what* to quantize, checks that it can be
-honoured (:func:`verify_config`, run before any model is touched) and converts configs to and from
-plain dicts, JSON and YAML.
+defaults of ``quark.torch.extensions.brevitas.config``. ``Config`` also carries the hierarchy of
+Quark's general PyTorch config (references 001 and 002): ``layer_type_quant_config``,
+``layer_quant_config`` and ``exclude``, added after the Brevitas extension's fields so that
+positional construction keeps working. How the levels combine for one module is decided in
+:mod:`quark_brevitas.resolve`.
+
+Behaviour does not live here: the translation to Brevitas is in :mod:`quark_brevitas.quantizers`,
+the pipeline in :mod:`quark_brevitas.api`. This module only describes *what* to quantize, checks
+what can be checked without a model (:func:`verify_config`, run before any model is touched) and
+converts configs to and from plain dicts, JSON and YAML. Checks that need the model (does a layer
+name exist? what does a layer get once the levels are merged?) run in :mod:`quark_brevitas.resolve`.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
+
+from torch import nn
 
 from quark_brevitas import algos as _algos
 from quark_brevitas.errors import ConfigError
@@ -84,7 +94,12 @@ class QuantizationSpec:
 
 @dataclass(eq=True)
 class QuantizationConfig:
-    """Which tensors of a layer are quantized, and how. ``None`` means: left in float."""
+    """Which tensors of a layer are quantized, and how.
+
+    ``None`` in ``global_quant_config`` means: left in float. In a ``layer_type_quant_config`` or
+    ``layer_quant_config`` entry it means: as the next level up says (layer name, then layer type,
+    then global), as in Quark's hierarchy.
+    """
 
     input_tensors: QuantizationSpec | None = None
     output_tensors: QuantizationSpec | None = None
@@ -96,10 +111,18 @@ class QuantizationConfig:
 class Config:
     """Everything needed to quantize a model.
 
-    - ``global_quant_config``: applied to every compute-heavy layer.
+    - ``global_quant_config``: applied to every compute-heavy layer unless a level below overrides it.
     - ``pre_quant_opt_config``: algorithms run on the float model before quantization, in order.
     - ``algo_config``: algorithms run on the quantized model after calibration, in order.
     - ``backend``: how layers are replaced (``Backend.layerwise``).
+    - ``layer_type_quant_config``: per layer type; keys are ``nn.Module`` classes or their names
+      (``nn.Conv2d``, ``"Conv2d"``, ``"torch.nn.Conv2d"``), stored as names (see :func:`layer_type_key`).
+    - ``layer_quant_config``: per layer name; keys are module names or fnmatch patterns
+      (``"fc1"``, ``"encoder.layer.*.attention.*"``).
+    - ``exclude``: module names or patterns that stay in float (a block excludes its layers).
+
+    For one module, a tensor spec left ``None`` at the layer-name level defers to the layer-type
+    level, then to the global level; ``None`` there means not quantized. See :mod:`quark_brevitas.resolve`.
     """
 
     global_quant_config: QuantizationConfig
@@ -108,10 +131,21 @@ class Config:
     )
     algo_config: list[_algos.AlgoConfig] = field(default_factory=list)
     backend: Backend = Backend.layerwise
+    layer_type_quant_config: dict[str, QuantizationConfig] = field(default_factory=dict)
+    layer_quant_config: dict[str, QuantizationConfig] = field(default_factory=dict)
+    exclude: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # One spelling per layer type, so that a config equals its own round trip through a file.
+        if isinstance(self.layer_type_quant_config, Mapping):
+            self.layer_type_quant_config = _normalised_type_keys(self.layer_type_quant_config)
+        if isinstance(self.exclude, tuple):
+            self.exclude = list(self.exclude)
 
     # ----------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
-        """A plain, JSON-compatible dict (enums by name, algorithms as ``{"name": ..., **params}``)."""
+        """A plain, JSON-compatible dict (enums by name, algorithms as ``{"name": ..., **params}``,
+        layer types by name)."""
         return _to_plain(self)
 
     @classmethod
@@ -166,6 +200,55 @@ QTensorConfig = QuantizationSpec
 QLayerConfig = QuantizationConfig
 
 TENSOR_ROLES = ("input_tensors", "output_tensors", "weight", "bias")
+HIERARCHY_LEVELS = ("layer_type_quant_config", "layer_quant_config")
+
+
+# ===================================================================== layer-type keys and paths
+def type_name(cls: type) -> str:
+    """The name a layer type is written with in configs: ``"Conv2d"`` for a class of ``torch.nn``,
+    ``"package.module.Class"`` for any other class."""
+    if getattr(nn, cls.__name__, None) is cls:
+        return cls.__name__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def layer_type_key(key: Any) -> Any:
+    """The stored form of a ``layer_type_quant_config`` key.
+
+    An ``nn.Module`` class becomes :func:`type_name`; ``"torch.nn.Conv2d"`` and
+    ``"torch.nn.modules.conv.Conv2d"`` become ``"Conv2d"``; other strings are kept as written (they
+    are matched against the layer map by short or qualified name, without importing anything).
+    Anything else is returned unchanged for :func:`verify_config` to reject with its path.
+    """
+    if isinstance(key, type):
+        return type_name(key) if issubclass(key, nn.Module) else key
+    if isinstance(key, str) and key.startswith("torch.nn."):
+        short = key.rsplit(".", 1)[-1]
+        cls = getattr(nn, short, None)
+        if isinstance(cls, type) and key in (f"torch.nn.{short}", f"{cls.__module__}.{cls.__qualname__}"):
+            return short
+    return key
+
+
+def key_path(level: str, key: Any) -> str:
+    """The error path of one hierarchy entry, e.g. ``layer_quant_config["fc1"]``."""
+    shown = json.dumps(key, ensure_ascii=False) if isinstance(key, str) else repr(key)
+    return f"{level}[{shown}]"
+
+
+def _normalised_type_keys(levels: Mapping[Any, Any]) -> dict[Any, Any]:
+    result: dict[Any, Any] = {}
+    spelled: dict[Any, Any] = {}
+    for key, value in levels.items():
+        normal = layer_type_key(key)
+        if normal in result:
+            raise ConfigError(
+                key_path("layer_type_quant_config", normal),
+                f"given twice (as {spelled[normal]!r} and {key!r}); keep one entry per layer type",
+            )
+        result[normal] = value
+        spelled[normal] = key
+    return result
 
 
 # ===================================================================== verification
@@ -179,8 +262,17 @@ def verify_config(config: Config) -> None:
     if not isinstance(config.backend, Backend):
         raise ConfigError("backend", f"must be a Backend, one of {[b.name for b in Backend]}")
     verify_layer_config(config.global_quant_config, "global_quant_config")
+    _verify_hierarchy(config)
     _verify_algo_list(config, "pre_quant_opt_config", _algos.PreQuantOptConfig)
     _verify_algo_list(config, "algo_config", _algos.AlgoConfig)
+    equalizations = [i for i, algo in enumerate(config.pre_quant_opt_config)
+                     if isinstance(algo, _algos.ActivationEqualization)]
+    if len(equalizations) > 1:
+        raise ConfigError(
+            f"pre_quant_opt_config[{equalizations[1]}]",
+            "ActivationEqualization may appear once: a second pass would wrap the already wrapped layers, "
+            "which Brevitas cannot run; use one entry with the alpha you want",
+        )
     post = [a for a in config.algo_config if isinstance(a, _algos.GPTQ | _algos.GPFQ | _algos.GPFA2Q)]
     if len({type(a) for a in post}) > 1:
         names = sorted({type(a).__name__ for a in post})
@@ -221,6 +313,52 @@ def verify_layer_config(layer: QuantizationConfig, path: str) -> None:
         )
 
 
+def verify_partial_layer_config(layer: QuantizationConfig, path: str) -> None:
+    """Check a layer-type or layer-name entry: each tensor spec on its own.
+
+    How the specs relate (bias needs input and weight quantization) is checked per module once the
+    levels are merged (:mod:`quark_brevitas.resolve`), since a ``None`` here defers to a level above.
+    An entry whose four specs are all ``None`` changes nothing and is rejected, because it reads as
+    "keep this layer in float", which is what ``exclude`` is for.
+    """
+    from quark_brevitas.quantizers import verify_spec
+
+    if not isinstance(layer, QuantizationConfig):
+        raise ConfigError(path, f"must be a QuantizationConfig (QLayerConfig), got {type(layer).__name__}")
+    specs = {role: getattr(layer, role) for role in TENSOR_ROLES}
+    for role, spec in specs.items():
+        if spec is not None:
+            verify_spec(spec, role, f"{path}.{role}")
+    if all(spec is None for spec in specs.values()):
+        raise ConfigError(
+            path,
+            "all of input_tensors, output_tensors, weight and bias are None, which changes nothing (None "
+            "defers to the next level up); set at least one, or list the layer in exclude to keep it in float",
+        )
+
+
+def _verify_hierarchy(config: Config) -> None:
+    for level in HIERARCHY_LEVELS:
+        entries = getattr(config, level)
+        what = "layer types" if level == "layer_type_quant_config" else "layer names or patterns"
+        if not isinstance(entries, dict):
+            raise ConfigError(level, f"must be a dict mapping {what} to QuantizationConfig, "
+                                     f"got {type(entries).__name__}")
+        for key, layer in entries.items():
+            if level == "layer_type_quant_config":
+                key = layer_type_key(key)
+            if not isinstance(key, str) or not key:
+                allowed = ("nn.Module subclasses or their class names (e.g. 'Conv2d')"
+                           if level == "layer_type_quant_config" else "non-empty module names or patterns")
+                raise ConfigError(key_path(level, key), f"keys must be {allowed}, got {key!r}")
+            verify_partial_layer_config(layer, key_path(level, key))
+    if not isinstance(config.exclude, list):
+        raise ConfigError("exclude", f"must be a list of module names or patterns, got {type(config.exclude).__name__}")
+    for index, entry in enumerate(config.exclude):
+        if not isinstance(entry, str) or not entry:
+            raise ConfigError(f"exclude[{index}]", f"must be a non-empty module name or pattern, got {entry!r}")
+
+
 def _verify_algo_list(config: Config, name: str, base: type) -> None:
     algos = getattr(config, name)
     if not isinstance(algos, list | tuple):
@@ -239,10 +377,18 @@ def _to_plain(value: Any) -> Any:
         return value.name
     if isinstance(value, _algos.AlgorithmConfig):
         return {"name": type(value).__name__, **{f.name: _to_plain(getattr(value, f.name)) for f in fields(value)}}
+    if isinstance(value, Config):
+        plain = {f.name: _to_plain(getattr(value, f.name)) for f in fields(value)}
+        plain["layer_type_quant_config"] = {
+            layer_type_key(key): _to_plain(layer) for key, layer in value.layer_type_quant_config.items()
+        }
+        return plain
     if hasattr(value, "__dataclass_fields__"):
         return {f.name: _to_plain(getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, list | tuple):
         return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {key: _to_plain(v) for key, v in value.items()}
     return value
 
 
@@ -252,10 +398,18 @@ def _expect_mapping(data: Any, path: str, what: str) -> dict[str, Any]:
     return data
 
 
+def did_you_mean(word: Any, candidates: list[str]) -> str:
+    """``"did you mean 'x'? "`` for the closest candidate, or ``""`` when nothing is close."""
+    close = difflib.get_close_matches(str(word), candidates, n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 def _check_keys(data: dict[str, Any], allowed: list[str], path: str) -> None:
     unknown = [k for k in data if k not in allowed]
     if unknown:
-        raise ConfigError(f"{path}.{unknown[0]}" if path else unknown[0], f"unknown key; allowed: {allowed}")
+        key = unknown[0]
+        raise ConfigError(f"{path}.{key}" if path else str(key),
+                          f"unknown key; {did_you_mean(key, allowed)}allowed: {allowed}")
 
 
 def _enum_from(enum_cls: type[Enum], value: Any, path: str) -> Enum:
@@ -268,7 +422,8 @@ def _enum_from(enum_cls: type[Enum], value: Any, path: str) -> Enum:
         for member in enum_cls:
             if member.value == value:
                 return member
-    raise ConfigError(path, f"{value!r} is not a {enum_cls.__name__}; allowed: {names}")
+    hint = did_you_mean(value, names) if isinstance(value, str) else ""
+    raise ConfigError(path, f"{value!r} is not a {enum_cls.__name__}; {hint}allowed: {names}")
 
 
 def _spec_from_dict(data: Any, path: str) -> QuantizationSpec | None:
@@ -303,13 +458,39 @@ def _layer_from_dict(data: Any, path: str) -> QuantizationConfig:
 def _algo_list_from_dict(data: Any, path: str, base: type) -> list[Any]:
     if not isinstance(data, list):
         raise ConfigError(path, f"must be a list of algorithm mappings, got {type(data).__name__}")
+    for i, item in enumerate(data):
+        if isinstance(item, dict) and "name" in item and not isinstance(item["name"], str):
+            allowed = sorted(cls.__name__ for cls in _algos.registered(base))
+            raise ConfigError(f"{path}[{i}].name", f"must be an algorithm name; allowed: {allowed}")
     return [_algos.algorithm_from_dict(item, f"{path}[{i}]", base) for i, item in enumerate(data)]
+
+
+def _levels_from_dict(data: Any, level: str) -> dict[str, QuantizationConfig]:
+    what = "layer types" if level == "layer_type_quant_config" else "layer names or patterns"
+    data = _expect_mapping(data, level, f"{what} mapped to QuantizationConfig mappings")
+    levels: dict[str, QuantizationConfig] = {}
+    for key, value in data.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(key_path(level, key), f"keys must be non-empty strings naming {what}, got {key!r}")
+        levels[key] = _layer_from_dict(value, key_path(level, key))
+    return levels
+
+
+def _exclude_from_dict(data: Any) -> list[str]:
+    if not isinstance(data, list):
+        raise ConfigError("exclude", f"must be a list of module names or patterns, got {type(data).__name__}")
+    for index, entry in enumerate(data):
+        if not isinstance(entry, str) or not entry:
+            raise ConfigError(f"exclude[{index}]", f"must be a non-empty module name or pattern, got {entry!r}")
+    return list(data)
+
+
+CONFIG_KEYS = [f.name for f in fields(Config)]
 
 
 def _config_from_dict(data: Any) -> Config:
     data = _expect_mapping(data, "", "a Config")
-    allowed = ["global_quant_config", "pre_quant_opt_config", "algo_config", "backend"]
-    _check_keys(data, allowed, "")
+    _check_keys(data, CONFIG_KEYS, "")
     if "global_quant_config" not in data:
         raise ConfigError("global_quant_config", "is required")
     global_layer = _layer_from_dict(data["global_quant_config"], "global_quant_config")
@@ -322,6 +503,11 @@ def _config_from_dict(data: Any) -> Config:
         kwargs["algo_config"] = _algo_list_from_dict(data["algo_config"], "algo_config", _algos.AlgoConfig)
     if "backend" in data:
         kwargs["backend"] = _enum_from(Backend, data["backend"], "backend")
+    for level in HIERARCHY_LEVELS:
+        if level in data:
+            kwargs[level] = _levels_from_dict(data[level], level)
+    if "exclude" in data:
+        kwargs["exclude"] = _exclude_from_dict(data["exclude"])
     return Config(**kwargs)
 
 
@@ -335,6 +521,10 @@ __all__ = [
     "QuantType",
     "QuantizationConfig",
     "QuantizationSpec",
+    "key_path",
+    "layer_type_key",
+    "type_name",
     "verify_config",
     "verify_layer_config",
+    "verify_partial_layer_config",
 ]
