@@ -11,8 +11,8 @@ without patching the library. For example, to quantize a custom layer type::
     quant_model = ModelQuantizer(config, container=container).quantize_model(model, loader)
 
 Replaceable parts: ``layer_map`` (float class -> LayerMapping), ``backends`` (one per
-:class:`~quark_brevitas.config.Backend` name), ``calibrator`` (``(model, loader) -> model``) and
-``onnx_exporter`` (``(model, args, path) -> report``).
+:class:`~quark_brevitas.config.Backend` name), ``calibrator`` (``(model, loader) -> model``),
+``onnx_exporter`` and ``qonnx_exporter`` (``(model, args, path) -> report``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ def _onnx_exporter():  # imported lazily: onnx/onnxruntime are only needed when 
     return export_onnx_qcdq
 
 
+def _qonnx_exporter():  # imported lazily: qonnx is only needed when exporting QONNX
+    from quark_brevitas.export_qonnx import export_qonnx
+
+    return export_qonnx
+
+
 class Container(containers.DeclarativeContainer):
     """The replaceable parts of the quantization pipeline."""
 
@@ -36,6 +42,7 @@ class Container(containers.DeclarativeContainer):
     backends = providers.Dict(layerwise=providers.Factory(LayerwiseBackend, layer_map=layer_map))
     calibrator = providers.Object(calibrate)
     onnx_exporter = providers.Callable(_onnx_exporter)
+    qonnx_exporter = providers.Callable(_qonnx_exporter)
 
 
 __all__ = ["Container"]

@@ -1,0 +1,526 @@
+"""Checkpoints of quantized models: safetensors and JSON (no pickle), rebuilt without calibration data.
+
+A quantized model is a float architecture plus what the pipeline did to it: structural changes
+(FX tracing, BatchNorm merging, channel splitting, activation-equalization scale modules, layer
+replacement) and values (weights, biases, scales, zero points, BatchNorm statistics). A checkpoint
+therefore stores the *recipe* and the *values* but no code:
+
+- ``model.safetensors``: the quantized model's ``state_dict`` -- weights, biases and every
+  initialised quantizer parameter (scales, zero points), plus buffers algorithms attach (GPTQ/GPFQ's
+  ``weight_orig``). Brevitas leaves uninitialised quantizer values out of its state dict; so do we.
+- ``config.json``: the :class:`~quark_brevitas.config.Config` (algorithms included).
+- ``manifest.json``: format version, library/Brevitas/torch versions, the module names and types of
+  the quantized model (Brevitas quantizer internals excluded), the FX code of traced graphs, every
+  tensor's shape and dtype, the train/eval mode, frozen parameters and the example input's shapes.
+- ``example_input.safetensors`` (optional): the example input given to :func:`save_quantized`, used
+  for export from the command line and to rebuild structure that a forward pass decides.
+
+:func:`load_quantized` rebuilds the structure on a *copy* of the float model by replaying the
+pipeline without calibration data: ``Preprocess`` (data-free) runs as in quantization,
+``ActivationEqualization`` (whose inserted scale modules depend only on the shapes a forward pass
+sees) runs on the stored example input, and the backend replaces the layers. Calibration and the
+post-quantization algorithms (GPTQ, GPFQ, bias correction, BatchNorm calibration) change only values,
+which the state dict restores; a bias that bias correction added to a bias-free layer and GPTQ's
+``weight_orig`` buffers are recreated before loading. Loading marks every quantizer whose value is
+loaded as initialised, so nothing is re-derived from statistics: the outputs are bit-identical.
+
+Before loading, the rebuilt model is compared with the manifest -- modules, FX code, tensor names,
+shapes and dtypes -- and the first difference is reported as a :class:`CheckpointError`, so a model
+of another architecture, a different config or a custom layer whose mapping was not registered
+(pass the same ``container`` as for quantization) never loads into a wrong model. One limit:
+channel splitting over a region with several layers chooses how many channels to split from the
+float weights, so such a model must be rebuilt from the same float weights it was quantized from
+(a mismatch is reported, never loaded).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from brevitas import config as brevitas_config
+from brevitas.graph.calibrate import load_quant_model_mode
+from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer as QuantWBIOL
+from brevitas.proxy.quant_proxy import QuantProxyFromInjector
+from torch import nn
+
+from quark_brevitas import algos
+from quark_brevitas.config import Config, verify_config
+from quark_brevitas.container import Container
+from quark_brevitas.errors import ConfigError, QuarkBrevitasError
+
+__all__ = [
+    "CONFIG_ATTRIBUTE",
+    "CheckpointError",
+    "CheckpointInfo",
+    "ExampleInput",
+    "load_quantized",
+    "read_checkpoint",
+    "save_quantized",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "quark_brevitas.checkpoint"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"
+EXAMPLE_FILE = "example_input.safetensors"
+#: Attribute under which :meth:`ModelQuantizer.quantize_model` leaves the Config on the quantized model.
+CONFIG_ATTRIBUTE = "quark_brevitas_config"
+#: Buffers Brevitas algorithms register on quantized layers (GPTQ/GPFQ keep the float weights).
+_ATTACHED_BUFFERS = ("weight_orig",)
+
+#: A model's example input: a tensor, a tuple/list of positional tensors or a dict of keyword tensors.
+ExampleInput = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | dict[str, torch.Tensor]
+
+
+class CheckpointError(QuarkBrevitasError):
+    """A checkpoint cannot be written, read, or does not fit the model it is loaded into."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`read_checkpoint` found in a checkpoint directory (the weights are not read)."""
+
+    directory: Path
+    config: Config
+    manifest: dict[str, Any]
+    example_input: ExampleInput | None
+
+
+# ===================================================================== save
+def save_quantized(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    example_input: ExampleInput | None = None,
+    config: Config | None = None,
+) -> Path:
+    """Write ``model`` (returned by ``ModelQuantizer.quantize_model``) as a checkpoint directory.
+
+    - ``example_input``: optional model input (a tensor, a tuple of positional tensors or a dict of
+      keyword tensors), stored so that ``quark-brevitas export`` and models with
+      ``ActivationEqualization`` can be rebuilt without data. Its values are stored too.
+    - ``config``: only for models not produced by ``quantize_model`` (which carry their Config).
+
+    Works in train and eval mode (the mode is restored on load, so QAT can be resumed). Existing
+    checkpoint files in ``directory`` are replaced; other files are left alone. Returns the directory.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = getattr(model, CONFIG_ATTRIBUTE, None)
+        if config is None:
+            raise CheckpointError(
+                f"{type(model).__name__} carries no quark_brevitas Config (it was not returned by "
+                "ModelQuantizer.quantize_model or load_quantized); pass config= to save_quantized"
+            )
+    verify_config(config)
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} exists and is not a directory")
+    tensors = _state_tensors(model.state_dict())
+    example = _example_tensors(example_input) if example_input is not None else None
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "versions": _versions(),
+        "model_class": type(model).__name__,
+        "training": model.training,
+        "modules": _structure(model),
+        "graph_code": _graph_code(model),
+        "tensors": {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in tensors.items()},
+        "frozen_parameters": [n for n, p in model.named_parameters() if not p.requires_grad],
+        "example_input": example[0] if example is not None else None,
+    }
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    # Each file is written under a temporary name and renamed, so an interrupted save never leaves a
+    # checkpoint whose files disagree with each other.
+    _write_atomic(path / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": FORMAT}))
+    if example is not None:
+        _write_atomic(path / EXAMPLE_FILE, lambda p: save_file(example[1], str(p), metadata={"format": FORMAT}))
+    elif (path / EXAMPLE_FILE).exists():
+        (path / EXAMPLE_FILE).unlink()  # a stale example of an earlier checkpoint would be misleading
+    _write_atomic(path / CONFIG_FILE, lambda p: p.write_text(config.to_json() + "\n"))
+    _write_atomic(path / MANIFEST_FILE, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
+    logger.info("Saved checkpoint %s (%d tensors, %.1f KiB)", path, len(tensors),
+                (path / WEIGHTS_FILE).stat().st_size / 1024)
+    return path
+
+
+def _write_atomic(target: Path, write: Any) -> None:
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _versions() -> dict[str, str]:
+    import brevitas
+
+    from quark_brevitas import __version__
+
+    return {"quark_brevitas": __version__, "brevitas": brevitas.__version__, "torch": torch.__version__}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _state_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The state dict as detached, contiguous CPU tensors; tensors sharing memory are copied
+    (safetensors refuses shared storage)."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"state_dict entry {key!r} is a {type(value).__name__}, not a tensor; "
+                                  "only tensors can be stored in safetensors")
+        tensor = value.detach().cpu().contiguous()
+        ident = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        if ident in seen and tensor.numel() > 0:
+            tensor = tensor.clone()
+        seen.add(ident)
+        tensors[key] = tensor
+    return tensors
+
+
+def _example_tensors(example: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(manifest description, tensors to store) of an example input."""
+    if isinstance(example, torch.Tensor):
+        kind, named = "tensor", {"input": example}
+    elif isinstance(example, tuple | list) and example and all(isinstance(t, torch.Tensor) for t in example):
+        kind, named = "tuple", {f"input_{i}": t for i, t in enumerate(example)}
+    elif (isinstance(example, Mapping) and example and all(isinstance(k, str) for k in example)
+          and all(isinstance(t, torch.Tensor) for t in example.values())):
+        kind, named = "dict", dict(example)
+    else:
+        raise CheckpointError(
+            f"example_input must be a tensor, a non-empty tuple/list of tensors or a dict of tensors; "
+            f"got {type(example).__name__}"
+        )
+    description = {
+        "kind": kind,
+        "tensors": [{"name": n, "shape": list(t.shape), "dtype": _dtype_name(t.dtype)} for n, t in named.items()],
+    }
+    return description, {n: t.detach().cpu().contiguous() for n, t in named.items()}
+
+
+# ===================================================================== structure
+def _structure(model: nn.Module) -> dict[str, str]:
+    """Module name -> class name, in model order, not descending into Brevitas quantizers (their
+    internals are covered by the state-dict keys)."""
+    rows: dict[str, str] = {}
+    proxies: set[str] = set()
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if any(".".join(parts[:i]) in proxies for i in range(1, len(parts))):
+            continue
+        rows[name] = type(module).__name__
+        if isinstance(module, QuantProxyFromInjector):
+            proxies.add(name)
+    return rows
+
+
+def _graph_code(model: nn.Module) -> dict[str, str]:
+    """The generated Python code of every FX graph module (torch's or Brevitas's backport)."""
+    from brevitas.fx import GraphModule as BrevitasGraphModule
+
+    return {name: module.code for name, module in model.named_modules()
+            if isinstance(module, torch.fx.GraphModule | BrevitasGraphModule)}
+
+
+# ===================================================================== read
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing; a quark_brevitas checkpoint directory holds {WEIGHTS_FILE}, "
+                              f"{CONFIG_FILE} and {MANIFEST_FILE} (written by save_quantized)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing (written by save_quantized)")
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
+
+
+def read_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo:
+    """Read and check a checkpoint's config, manifest and example input (not the weights)."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+    manifest = _read_json(path / MANIFEST_FILE)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path / MANIFEST_FILE} is not a quark_brevitas checkpoint manifest "
+                              f"(expected format {FORMAT!r})")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path / MANIFEST_FILE}: checkpoint format version {manifest.get('format_version')!r} "
+                              f"is not supported by this quark_brevitas (reads version {FORMAT_VERSION})")
+    try:
+        config = Config.from_dict(_read_json(path / CONFIG_FILE))
+    except ConfigError as exc:
+        raise CheckpointError(f"{path / CONFIG_FILE}: {exc}") from exc
+    example: ExampleInput | None = None
+    description = manifest.get("example_input")
+    if description is not None:
+        stored = _read_safetensors(path / EXAMPLE_FILE)
+        names = [t["name"] for t in description["tensors"]]
+        missing = [n for n in names if n not in stored]
+        if missing:
+            raise CheckpointError(f"{path / EXAMPLE_FILE} lacks the example tensor {missing[0]!r} its manifest lists")
+        if description["kind"] == "tensor":
+            example = stored[names[0]]
+        elif description["kind"] == "tuple":
+            example = tuple(stored[n] for n in names)
+        else:
+            example = {n: stored[n] for n in names}
+    return CheckpointInfo(directory=path, config=config, manifest=manifest, example_input=example)
+
+
+# ===================================================================== load
+def load_quantized(
+    float_model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    config: Config | None = None,
+    container: Container | None = None,
+    example_input: ExampleInput | None = None,
+) -> nn.Module:
+    """Rebuild the quantized model of a checkpoint from ``float_model``'s architecture and load it.
+
+    ``float_model`` is not modified (the rebuild works on a copy); its weights are replaced by the
+    checkpoint's. No calibration data is needed: outputs are bit-identical to the saved model's.
+
+    - ``config``: if given, must equal the checkpoint's config (else the first differing field is named).
+    - ``container``: the container used for quantization, if it registered custom layer mappings.
+    - ``example_input``: overrides the stored example input (only ActivationEqualization needs one).
+
+    Raises :class:`CheckpointError` naming the first module, tensor, shape or config field that does
+    not fit. The returned model is in the mode it was saved in (train mode: QAT can continue).
+    """
+    if not isinstance(float_model, nn.Module):
+        raise TypeError(f"float_model must be a torch.nn.Module, got {type(float_model).__name__}")
+    info = read_checkpoint(directory)
+    where = f"checkpoint {str(info.directory)!r}"
+    if config is not None:
+        difference = _first_difference(info.config.to_dict(), _config_dict(config))
+        if difference is not None:
+            raise CheckpointError(f"{where} was made with a different config: {difference}")
+    _warn_versions(info)
+    state = _read_safetensors(info.directory / WEIGHTS_FILE)
+    model = _rebuild(float_model, info, container if container is not None else Container(),
+                     example_input if example_input is not None else info.example_input)
+    prefix = f"{where} does not fit {type(float_model).__name__}"
+    _check_structure(model, info.manifest, prefix)
+    _check_and_prepare_state(model, state, prefix)
+    ignore_missing = brevitas_config.IGNORE_MISSING_KEYS
+    # Quantizers that were never initialised (e.g. an activation quantizer no calibration batch
+    # reached) are absent from the state dict in both models; Brevitas accepts that only with this flag.
+    brevitas_config.IGNORE_MISSING_KEYS = True
+    try:
+        with load_quant_model_mode(model):
+            model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{prefix}: {exc}") from exc
+    finally:
+        brevitas_config.IGNORE_MISSING_KEYS = ignore_missing
+    model.train(bool(info.manifest.get("training", False)))
+    frozen = set(info.manifest.get("frozen_parameters", []))
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name not in frozen)
+    setattr(model, CONFIG_ATTRIBUTE, info.config)
+    logger.info("Loaded checkpoint %s into %s (%d tensors)", info.directory, type(model).__name__, len(state))
+    return model
+
+
+def _config_dict(config: Config) -> dict[str, Any]:
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a quark_brevitas Config, got {type(config).__name__}")
+    return config.to_dict()
+
+
+def _first_difference(saved: Any, given: Any, path: str = "") -> str | None:
+    """The first place where two plain (JSON-like) values differ, as a readable sentence."""
+    label = path or "the config"
+    if isinstance(saved, dict) and isinstance(given, dict):
+        for key in [*saved, *(k for k in given if k not in saved)]:
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in given:
+                return f"{sub} is set in the checkpoint's config but not in the given config"
+            if key not in saved:
+                return f"{sub} is set in the given config but not in the checkpoint's config"
+            found = _first_difference(saved[key], given[key], sub)
+            if found is not None:
+                return found
+        return None
+    if isinstance(saved, list) and isinstance(given, list):
+        for index, (a, b) in enumerate(zip(saved, given)):
+            found = _first_difference(a, b, f"{path}[{index}]")
+            if found is not None:
+                return found
+        if len(saved) != len(given):
+            return f"{label} has {len(saved)} entries in the checkpoint, {len(given)} in the given config"
+        return None
+    if saved != given:
+        return f"{label} is {saved!r} in the checkpoint, {given!r} in the given config"
+    return None
+
+
+def _warn_versions(info: CheckpointInfo) -> None:
+    import brevitas
+
+    saved = info.manifest.get("versions", {}).get("brevitas")
+    if saved is not None and saved != brevitas.__version__:
+        logger.warning("checkpoint %s was written with Brevitas %s, this is Brevitas %s; quantizer state "
+                       "names may differ", info.directory, saved, brevitas.__version__)
+
+
+def _example_batch(example: ExampleInput) -> Any:
+    """The example input as one calibration batch (see :mod:`quark_brevitas.data`)."""
+    if isinstance(example, tuple | list):
+        return (tuple(example),)
+    return example
+
+
+def _rebuild(float_model: nn.Module, info: CheckpointInfo, container: Container, example: ExampleInput | None
+             ) -> nn.Module:
+    """Replay the structural part of the pipeline on a copy of ``float_model`` (no calibration)."""
+    from quark_brevitas.api import ModelQuantizer
+
+    config = info.config
+    quantizer = ModelQuantizer(config, container)
+    try:
+        # As in quantize_model: the config's layer names are resolved against the model as given, and
+        # the backend replaces the layers of the pre-processed copy without checking them again.
+        quantizer.plan(float_model)
+        work = copy.deepcopy(float_model)
+        for index, algo in enumerate(config.pre_quant_opt_config):
+            if isinstance(algo, algos.Preprocess):
+                work = algo.apply(work)
+                continue
+            if example is None:
+                raise CheckpointError(
+                    f"pre_quant_opt_config[{index}] {type(algo).__name__} changes the model's structure according "
+                    f"to a forward pass, and checkpoint {str(info.directory)!r} holds no example input; save it "
+                    "with save_quantized(..., example_input=...) or pass example_input= to load_quantized"
+                )
+            logger.info("Rebuilding %s's structure on the example input", type(algo).__name__)
+            work = algo.apply(work, calib_loader=[_example_batch(example)])
+        work = container.backends()[config.backend.name].quantize(work, config, check_names=False)
+    except CheckpointError:
+        raise
+    except QuarkBrevitasError as exc:
+        raise CheckpointError(f"cannot rebuild the quantized model of checkpoint {str(info.directory)!r} from "
+                              f"{type(float_model).__name__}: {exc}") from exc
+    return work
+
+
+def _check_structure(model: nn.Module, manifest: Mapping[str, Any], prefix: str) -> None:
+    saved_types: dict[str, str] = manifest.get("modules", {})
+    rebuilt_types = _structure(model)
+    hint = " (a custom layer needs the same container= as for quantization)"
+    # The root's class is not compared: an equivalent architecture under another class name fits.
+    for name, kind in saved_types.items():
+        if not name:
+            continue
+        label = f"'{name}'"
+        if name not in rebuilt_types:
+            raise CheckpointError(f"{prefix}: module {label} ({kind}) of the checkpoint is missing from the "
+                                  "rebuilt model")
+        if rebuilt_types[name] != kind:
+            raise CheckpointError(f"{prefix}: module {label} is a {kind} in the checkpoint but a "
+                                  f"{rebuilt_types[name]} in the rebuilt model"
+                                  + (hint if kind.startswith("Quant") else ""))
+    for name, kind in rebuilt_types.items():
+        if name not in saved_types:
+            raise CheckpointError(f"{prefix}: the rebuilt model has module '{name}' ({kind}) that the checkpoint "
+                                  "does not have")
+    saved_code = manifest.get("graph_code", {})
+    rebuilt_code = _graph_code(model)
+    for name in sorted(set(saved_code) | set(rebuilt_code)):
+        old, new = saved_code.get(name), rebuilt_code.get(name)
+        if old == new:
+            continue
+        label = f"'{name}'" if name else "the model"
+        if old is None or new is None:
+            raise CheckpointError(f"{prefix}: {label} is {'not ' if new is None else ''}an FX graph in the "
+                                  f"rebuilt model but {'not ' if old is None else ''}in the checkpoint")
+        old_lines, new_lines = old.strip().splitlines(), new.strip().splitlines()
+        line = next((i for i, (a, b) in enumerate(zip(old_lines, new_lines)) if a != b),
+                    min(len(old_lines), len(new_lines)))
+        raise CheckpointError(f"{prefix}: the FX graph of {label} differs at line {line + 1}: checkpoint "
+                              f"{_line(old_lines, line)!r}, rebuilt model {_line(new_lines, line)!r}")
+
+
+def _line(lines: list[str], index: int) -> str:
+    return lines[index].strip() if index < len(lines) else "<end of graph>"
+
+
+def _full_state_keys(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The rebuilt model's state dict including quantizer values that are not initialised yet."""
+    previous = brevitas_config._FULL_STATE_DICT
+    brevitas_config._FULL_STATE_DICT = True
+    try:
+        return model.state_dict()
+    finally:
+        brevitas_config._FULL_STATE_DICT = previous
+
+
+def _check_and_prepare_state(model: nn.Module, state: Mapping[str, torch.Tensor], prefix: str) -> None:
+    """Compare the checkpoint's tensors with the rebuilt model's, in model order; recreate the buffers
+    and biases that algorithms attach to layers."""
+    full = _full_state_keys(model)
+    required = model.state_dict().keys()
+    modules = dict(model.named_modules())
+    extra = []
+    for key, tensor in state.items():
+        if key in full:
+            continue
+        owner, _, attr = key.rpartition(".")
+        module = modules.get(owner)
+        if attr in _ATTACHED_BUFFERS and module is not None and not hasattr(module, attr):
+            device = next((p.device for p in module.parameters()), torch.device("cpu"))
+            module.register_buffer(attr, torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
+        elif not (attr == "bias" and isinstance(module, QuantWBIOL) and module.bias is None):
+            extra.append(key)  # (a bias added by bias correction is recreated by load_quant_model_mode)
+    for key, expected in full.items():
+        if key not in state:
+            if key in required:
+                raise CheckpointError(f"{prefix}: the rebuilt model needs tensor '{key}' {list(expected.shape)} that "
+                                      "the checkpoint does not have")
+            continue
+        tensor = state[key]
+        if tuple(expected.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"{prefix}: tensor '{key}' has shape {list(tensor.shape)} in the checkpoint but "
+                                  f"{list(expected.shape)} in the rebuilt model")
+        if expected.dtype != tensor.dtype:
+            raise CheckpointError(f"{prefix}: tensor '{key}' is {_dtype_name(tensor.dtype)} in the checkpoint but "
+                                  f"{_dtype_name(expected.dtype)} in the rebuilt model (convert the float model "
+                                  f"with .to({_dtype_name(tensor.dtype)}) first)")
+    if extra:
+        raise CheckpointError(f"{prefix}: the checkpoint has tensor '{extra[0]}' {list(state[extra[0]].shape)} that "
+                              f"the rebuilt model does not have" + (f" (and {len(extra) - 1} more)" if len(extra) > 1
+                                                                    else ""))

@@ -1,0 +1,249 @@
+"""Integer weights: the quantized weights of every layer as integers (or float8) plus scale and zero point.
+
+C, FPGA and accelerator flows do not want fake-quantized float weights; they want the integer codes
+and the parameters that map them back: ``weight = (int_weight - zero_point) * scale``. Brevitas
+computes exactly that product in float32 to produce the quantized weight, so extracting
+``int_weight`` and ``zero_point`` as integers loses nothing. :func:`integer_weights` therefore
+*proves* it for every layer: each :class:`IntegerWeight` is checked with ``torch.equal`` against the
+layer's ``quant_weight().value`` before it is returned.
+
+Integer formats become ``int8``/``uint8`` (up to 8 bits; ``int16``/``int32`` beyond), zero points
+use the weight's dtype (ONNX's convention). OCP fp8 weights become ``torch.float8_e4m3fn`` /
+``torch.float8_e5m2`` (FNUZ: ``..fnuz``); minifloats without a torch dtype (fp6, fp4) are held
+exactly in float32 with their format named in ``format``. :func:`save_integer_weights` writes
+them to safetensors or numpy ``.npz`` (float8 as raw ``uint8`` bit patterns there, since numpy has
+no float8 type) with the per-layer metadata as JSON; no pickle either way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer as QuantWBIOL
+from brevitas.proxy.parameter_quant import WeightQuantProxyFromInjectorBase
+from brevitas.quant_tensor import FloatQuantTensor, IntQuantTensor
+from torch import nn
+
+from quark_brevitas.errors import ModelError, QuarkBrevitasError
+
+__all__ = ["IntegerWeight", "integer_weights", "save_integer_weights"]
+
+logger = logging.getLogger(__name__)
+
+# (exponent bits, mantissa bits, exponent bias) -> torch float8 dtype holding the format exactly.
+_FLOAT8_DTYPES: dict[tuple[int, int, int], torch.dtype] = {
+    (4, 3, 7): torch.float8_e4m3fn,
+    (5, 2, 15): torch.float8_e5m2,
+    (4, 3, 8): torch.float8_e4m3fnuz,
+    (5, 2, 16): torch.float8_e5m2fnuz,
+}
+
+
+@dataclass(frozen=True)
+class IntegerWeight:
+    """One layer's quantized weight as integer (or minifloat) codes with its quantization parameters.
+
+    ``dequantize()`` == ``(int_weight - zero_point) * scale`` (in ``scale``'s dtype, broadcasting)
+    reproduces the layer's quantized weight bit for bit.
+
+    Attributes:
+        name: The layer's module name.
+        int_weight: The codes: int8/uint8/int16/int32, or float8 (fp8), or float32 holding exact
+            minifloat values (fp6/fp4; see ``format``). Same shape as the layer's weight.
+        scale: Float scale, broadcastable to ``int_weight`` (one element per tensor or per channel).
+        zero_point: Zero point, broadcastable like ``scale``; same dtype as integer ``int_weight``
+            (float32 if it is not integral), zero for float formats.
+        bit_width: Bits per code (sign included).
+        signed: Whether codes are signed.
+        narrow_range: Whether the most negative code is unused (symmetric signed int formats).
+        axis: The per-channel axis of ``scale``/``zero_point``, ``None`` for per-tensor.
+        format: E.g. ``"int8"``, ``"uint4"``, ``"fp8_e4m3"``, ``"fp6_e3m2"``.
+        exponent_bit_width: Float formats only.
+        mantissa_bit_width: Float formats only.
+        exponent_bias: Float formats only.
+    """
+
+    name: str
+    int_weight: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    bit_width: int
+    signed: bool
+    narrow_range: bool
+    axis: int | None
+    format: str
+    exponent_bit_width: int | None = None
+    mantissa_bit_width: int | None = None
+    exponent_bias: int | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        """``(int_weight - zero_point) * scale``: the layer's quantized weight, exactly."""
+        dtype = self.scale.dtype
+        return (self.int_weight.to(dtype) - self.zero_point.to(dtype)) * self.scale
+
+    def metadata(self) -> dict[str, Any]:
+        """The non-tensor fields plus the dtypes, as plain JSON-compatible values."""
+        return {
+            "bit_width": self.bit_width, "signed": self.signed, "narrow_range": self.narrow_range,
+            "axis": self.axis, "format": self.format, "exponent_bit_width": self.exponent_bit_width,
+            "mantissa_bit_width": self.mantissa_bit_width, "exponent_bias": self.exponent_bias,
+            "int_weight_dtype": _dtype_name(self.int_weight.dtype), "scale_dtype": _dtype_name(self.scale.dtype),
+            "zero_point_dtype": _dtype_name(self.zero_point.dtype),
+        }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _int(value: Any) -> int:
+    return int(round(float(value)))
+
+
+def _axis(scale: torch.Tensor, weight: torch.Tensor) -> int | None:
+    if scale.numel() <= 1:
+        return None
+    dims = [d for d in range(scale.dim()) if scale.shape[d] != 1]
+    if scale.dim() != weight.dim() or len(dims) != 1 or scale.shape[dims[0]] != weight.shape[dims[0]]:
+        raise ModelError(f"weight scale of shape {list(scale.shape)} for a weight of shape {list(weight.shape)} "
+                         "is neither per-tensor nor per-channel; integer_weights supports those two")
+    return dims[0]
+
+
+def _int_dtype(bit_width: int, signed: bool) -> torch.dtype:
+    if bit_width <= 8:
+        return torch.int8 if signed else torch.uint8
+    if bit_width <= 16 and (signed or bit_width <= 15):
+        return torch.int16
+    return torch.int32
+
+
+def _from_int(name: str, qt: IntQuantTensor, narrow: bool) -> IntegerWeight:
+    value, scale, zero_point = qt.value.detach(), qt.scale.detach(), qt.zero_point.detach()
+    bit_width, signed = _int(qt.bit_width), bool(qt.signed)
+    dtype = _int_dtype(bit_width, signed)
+    codes = torch.round(value / scale + zero_point)
+    info = torch.iinfo(dtype)
+    if codes.numel() and (codes.min() < info.min or codes.max() > info.max):
+        raise QuarkBrevitasError(f"weight codes of '{name}' fall outside {_dtype_name(dtype)} ([{codes.min():.0f}, "
+                                 f"{codes.max():.0f}]); the quantizer is not a {bit_width}-bit one")
+    zp = zero_point
+    if torch.equal(zp, torch.round(zp)) and (zp.numel() == 0 or (zp.min() >= info.min and zp.max() <= info.max)):
+        zp = zp.to(dtype)
+    return IntegerWeight(
+        name=name, int_weight=codes.to(dtype), scale=scale, zero_point=zp, bit_width=bit_width, signed=signed,
+        narrow_range=narrow, axis=_axis(scale, value), format=f"{'int' if signed else 'uint'}{bit_width}",
+    )
+
+
+def _from_float(name: str, qt: FloatQuantTensor) -> IntegerWeight:
+    value, scale = qt.value.detach(), qt.scale.detach()
+    e, m, bias = _int(qt.exponent_bit_width), _int(qt.mantissa_bit_width), _int(qt.exponent_bias)
+    signed = bool(qt.signed)
+    if not torch.equal(qt.zero_point.detach(), torch.zeros_like(qt.zero_point)):
+        raise ModelError(f"float weight quantizer of '{name}' has a non-zero zero point; not supported")
+    codes = qt.minifloat().detach()
+    dtype = _FLOAT8_DTYPES.get((e, m, bias))
+    if dtype is not None:
+        codes = codes.to(dtype)
+    return IntegerWeight(
+        name=name, int_weight=codes, scale=scale, zero_point=torch.zeros((), dtype=scale.dtype),
+        bit_width=e + m + int(signed), signed=signed, narrow_range=False, axis=_axis(scale, value),
+        format=f"fp{e + m + int(signed)}_e{e}m{m}", exponent_bit_width=e, mantissa_bit_width=m, exponent_bias=bias,
+    )
+
+
+def integer_weights(model: nn.Module) -> dict[str, IntegerWeight]:
+    """For every layer with an enabled weight quantizer: its integer (or float8) weight and parameters.
+
+    Keys are module names in model order. Each entry is verified: ``entry.dequantize()`` equals the
+    layer's ``quant_weight().value`` exactly (``torch.equal``), else an error names the layer.
+    Supports integer (any bit width, signed or unsigned, symmetric or asymmetric, float or power-of-two
+    scales, per tensor or per channel) and minifloat (fp8 e4m3/e5m2 OCP or FNUZ, fp6, fp4) weights.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    result: dict[str, IntegerWeight] = {}
+    covered: set[int] = set()
+    with torch.no_grad():
+        for name, layer in model.named_modules():
+            if not isinstance(layer, QuantWBIOL):
+                continue
+            covered.add(id(layer.weight_quant))
+            if not layer.weight_quant.is_quant_enabled:
+                continue
+            label = name or "(model)"
+            qt = layer.quant_weight()
+            if getattr(layer.weight_quant, "is_groupwise", False):
+                raise ModelError(f"'{label}' has a per-group weight quantizer; integer_weights supports per-tensor "
+                                 "and per-channel scales")
+            if isinstance(qt, IntQuantTensor):
+                entry = _from_int(label, qt, bool(layer.weight_quant.is_narrow_range))
+            elif isinstance(qt, FloatQuantTensor):
+                entry = _from_float(label, qt)
+            else:
+                raise ModelError(f"weight quantizer of '{label}' returned a {type(qt).__name__}; integer_weights "
+                                 "supports integer and minifloat quantizers")
+            if not torch.equal(entry.dequantize(), qt.value):
+                diff = (entry.dequantize() - qt.value).abs().max().item()
+                raise QuarkBrevitasError(f"integer weights of '{label}' ({entry.format}) do not reproduce its "
+                                         f"quantized weight exactly (max difference {diff:.3g}); please report this")
+            result[label] = entry
+    other = [n for n, m in model.named_modules()
+             if isinstance(m, WeightQuantProxyFromInjectorBase) and m.is_quant_enabled and id(m) not in covered]
+    if other:
+        logger.warning("integer_weights: weight quantizers outside weight/bias layers are not extracted: %s",
+                       ", ".join(other))
+    return result
+
+
+def save_integer_weights(
+    weights: Mapping[str, IntegerWeight], path: str | os.PathLike[str], format: str = "safetensors"
+) -> Path:
+    """Write the output of :func:`integer_weights` for C/FPGA flows; returns the path.
+
+    Tensors are named ``<layer>.int_weight``, ``<layer>.scale`` and ``<layer>.zero_point``; the
+    per-layer metadata (:meth:`IntegerWeight.metadata`) is stored as JSON: in the safetensors header
+    (key ``quark_brevitas.integer_weights``) or as the string array ``__metadata__`` of the ``.npz``.
+
+    - ``format="safetensors"``: float8 codes keep their float8 dtype.
+    - ``format="npz"``: numpy arrays (load with ``numpy.load(path)``, no pickle); float8 codes are
+      stored as their ``uint8`` bit patterns (``int_weight_dtype`` in the metadata says which format).
+    """
+    if format not in ("safetensors", "npz"):
+        raise ValueError(f"format must be 'safetensors' or 'npz', got {format!r}")
+    for key, entry in weights.items():
+        if not isinstance(entry, IntegerWeight):
+            raise TypeError(f"weights[{key!r}] must be an IntegerWeight, got {type(entry).__name__}")
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"path {str(target)!r} is a directory; give the file to write")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    metadata = json.dumps({name: entry.metadata() for name, entry in weights.items()})
+    tensors: dict[str, torch.Tensor] = {}
+    for name, entry in weights.items():
+        tensors[f"{name}.int_weight"] = entry.int_weight.detach().cpu().contiguous()
+        tensors[f"{name}.scale"] = entry.scale.detach().cpu().contiguous()
+        tensors[f"{name}.zero_point"] = entry.zero_point.detach().cpu().contiguous()
+    if format == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(target), metadata={"quark_brevitas.integer_weights": metadata})
+        return target
+    import numpy as np
+
+    arrays: dict[str, Any] = {"__metadata__": np.array(metadata)}
+    for key, tensor in tensors.items():
+        if tensor.dtype in _FLOAT8_DTYPES.values():
+            tensor = tensor.view(torch.uint8)
+        arrays[key] = tensor.numpy()
+    with open(target, "wb") as handle:  # an open file keeps numpy from appending ".npz" to the name
+        np.savez(handle, **arrays)
+    return target
