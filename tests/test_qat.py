@@ -1,0 +1,119 @@
+"""Quantization-aware training: quantized models train, scales learn or stay fixed, TQT thresholds
+stay powers of two, and a QAT-trained model exports and matches in onnxruntime."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig, algos
+from quark_brevitas.qat import QATConfig, QATError, prepare_qat, scale_parameters, threshold_from_tensor
+from quark_brevitas.types import QSchemeType, ScaleType, TQTThresholdInitMeth
+
+W2A4 = QLayerConfig(weight=QTensorConfig(bit_width=2, qscheme=QSchemeType.per_channel),
+                    input_tensors=QTensorConfig(bit_width=4))
+W4A8_POF2 = QLayerConfig(weight=QTensorConfig(bit_width=4, qscheme=QSchemeType.per_channel, scale_type=ScaleType.pof2),
+                         input_tensors=QTensorConfig(bit_width=8, scale_type=ScaleType.pof2))
+
+
+def quantize(model, data, layer, **kwargs):
+    return ModelQuantizer(Config(global_quant_config=layer, **kwargs)).quantize_model(model, data.calib)
+
+
+def train_steps(model: nn.Module, data, steps: int, lr: float = 3e-3) -> list[float]:
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    batches = iter(data.train)
+    model.train()
+    for _ in range(steps):
+        images, target = next(batches)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(images), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_loss_decreases_and_scales_learn(digits_model, digits_data) -> None:
+    torch.manual_seed(0)
+    quant = prepare_qat(quantize(digits_model, digits_data, W2A4), QATConfig(learn_scales=True))
+    scales = scale_parameters(quant)
+    assert len(scales) == 8  # weight and input scale of 2 convolutions and 2 linears
+    before = {k: v.detach().clone() for k, v in scales.items()}
+    losses = train_steps(quant, digits_data, 12)
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in scales.values())
+    assert all(not torch.equal(before[k], v) for k, v in scales.items())
+
+
+def test_fixed_scales_stay_fixed(digits_model, digits_data) -> None:
+    quant = prepare_qat(quantize(digits_model, digits_data, W2A4), QATConfig(learn_scales=False))
+    scales = scale_parameters(quant)
+    before = {k: v.detach().clone() for k, v in scales.items()}
+    weight_before = quant.fc1.weight.detach().clone()
+    train_steps(quant, digits_data, 4)
+    assert all(torch.equal(before[k], v) for k, v in scales.items())
+    assert not torch.equal(weight_before, quant.fc1.weight)
+
+
+def _effective_scales(model: nn.Module) -> list[torch.Tensor]:
+    return [m.quant_weight().scale for m in model.modules() if type(m).__name__ in ("QuantConv2d", "QuantLinear")]
+
+
+@pytest.mark.parametrize("method", list(TQTThresholdInitMeth))
+def test_tqt_thresholds_initialise_train_and_stay_powers_of_two(digits_model, digits_data, tmp_path, method) -> None:
+    torch.manual_seed(0)
+    quant = prepare_qat(quantize(digits_model, digits_data, W4A8_POF2), QATConfig(threshold_init=method),
+                        digits_data.calib)
+    # The initial fc2 weight threshold is the method's, rounded up to a power of two, over 2**(4-1).
+    rows = quant.fc2.weight.detach()
+    expected = torch.tensor([2.0 ** math.ceil(math.log2(threshold_from_tensor(r, method, 4))) / 8 for r in rows])
+    torch.testing.assert_close(quant.fc2.quant_weight().scale.flatten(), expected)
+    log_thresholds = {k: v.detach().clone() for k, v in scale_parameters(quant).items()}
+    losses = train_steps(quant, digits_data, 10)
+    assert all(math.isfinite(loss) for loss in losses)
+    moved = [k for k, v in scale_parameters(quant).items() if not torch.equal(log_thresholds[k], v)]
+    assert moved, "TQT thresholds received no update"
+    quant.eval()
+    for scale in _effective_scales(quant):
+        exponents = torch.log2(scale)
+        assert torch.equal(exponents, exponents.round()), scale
+    report = ModelExporter(tmp_path / "tqt.onnx").export_onnx_model(quant, next(iter(digits_data.test))[0])
+    assert report.max_abs_diff <= report.tolerance
+
+
+def test_threshold_methods_on_known_data() -> None:
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
+    assert threshold_from_tensor(x, TQTThresholdInitMeth._3SD, 8) == pytest.approx(3.0, rel=0.02)
+    t = threshold_from_tensor(x, TQTThresholdInitMeth._LL_J, 8)
+    assert t == 2.0 ** round(math.log2(t)) and 2.0 <= t <= 8.0  # a power of two covering most of N(0, 1)
+
+
+def test_tqt_needs_power_of_two_scales(digits_model, digits_data) -> None:
+    quant = quantize(digits_model, digits_data, W2A4)
+    with pytest.raises(QATError, match="power-of-two scales.*conv1 \\(weight\\)"):
+        prepare_qat(quant, QATConfig(threshold_init=TQTThresholdInitMeth._3SD), digits_data.calib)
+
+
+def test_bad_qat_config() -> None:
+    with pytest.raises(QATError, match="learn_scales"):
+        QATConfig(learn_scales="yes")  # type: ignore[arg-type]
+    with pytest.raises(QATError, match="threshold_init"):
+        QATConfig(threshold_init="_3SD")  # type: ignore[arg-type]
+    with pytest.raises(QATError, match="no quantized layers"):
+        prepare_qat(nn.Linear(2, 2))
+
+
+def test_batch_norm_statistics_frozen_during_qat(digits_model, digits_data) -> None:
+    keep_bn = [algos.Preprocess(merge_batch_norm=False)]
+    quant = prepare_qat(quantize(digits_model, digits_data, W2A4, pre_quant_opt_config=keep_bn))
+    bn = quant.bn1
+    running = copy.deepcopy((bn.running_mean, bn.running_var))
+    train_steps(quant, digits_data, 3)
+    assert torch.equal(running[0], bn.running_mean) and torch.equal(running[1], bn.running_var)
+    assert quant.training and not bn.training
