@@ -2,7 +2,10 @@
 
 Describe *what* to quantize with :class:`Config` / :class:`QLayerConfig` / :class:`QTensorConfig`,
 then ``ModelQuantizer(config).quantize_model(model, calib_loader)`` and
-``ModelExporter(path).export_onnx_model(quant_model, example_input)``.
+``ModelExporter(path).export_onnx_model(quant_model, example_input)`` (or ``export_qonnx_model``).
+``save_quantized(quant_model, directory)`` / ``load_quantized(float_model, directory)`` store and
+rebuild quantized models without calibration data; ``integer_weights(quant_model)`` gives the integer
+weights, scales and zero points.
 """
 
 import warnings
@@ -14,6 +17,7 @@ warnings.filterwarnings("ignore", message="fast_hadamard_transform package not f
 from quark_brevitas import algos, types
 from quark_brevitas.api import ModelExporter, ModelQuantizer
 from quark_brevitas.backend import DEFAULT_LAYER_MAP, LayerMapping, LayerwiseBackend
+from quark_brevitas.checkpoint import CheckpointError, load_quantized, save_quantized
 from quark_brevitas.config import (
     Backend,
     Config,
@@ -33,6 +37,8 @@ from quark_brevitas.errors import (
     QuarkBrevitasError,
     UnsupportedAlgorithmError,
 )
+from quark_brevitas.intweights import IntegerWeight, integer_weights, save_integer_weights
+from quark_brevitas.qat import QATConfig, prepare_qat
 
 __version__ = "0.1.0"
 
@@ -40,15 +46,18 @@ __all__ = [
     "DEFAULT_LAYER_MAP",
     "Backend",
     "CalibrationDataError",
+    "CheckpointError",
     "Config",
     "ConfigError",
     "Container",
+    "IntegerWeight",
     "LayerMapping",
     "LayerwiseBackend",
     "ModelError",
     "ModelExporter",
     "ModelQuantizer",
     "ParamType",
+    "QATConfig",
     "QLayerConfig",
     "QTensorConfig",
     "QuantType",
@@ -57,6 +66,11 @@ __all__ = [
     "QuarkBrevitasError",
     "UnsupportedAlgorithmError",
     "algos",
+    "integer_weights",
+    "prepare_qat",
+    "load_quantized",
+    "save_integer_weights",
+    "save_quantized",
     "types",
     "verify_config",
 ]

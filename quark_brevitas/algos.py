@@ -65,14 +65,21 @@ class AlgoConfig(AlgorithmConfig):
     """An algorithm applied to the quantized, calibrated model."""
 
 
+def _any_level_sets(config: Config, role: str) -> bool:
+    """Whether some level of the hierarchy (global, layer type or layer name) quantizes ``role``."""
+    levels = [config.global_quant_config, *config.layer_type_quant_config.values(),
+              *config.layer_quant_config.values()]
+    return any(getattr(level, role) is not None for level in levels)
+
+
 def _uses_inputs(config: Config, path: str, what: str) -> None:
-    if config.global_quant_config.input_tensors is None:
-        raise ConfigError(path, f"{what} needs input_tensors quantization in global_quant_config")
+    if not _any_level_sets(config, "input_tensors"):
+        raise ConfigError(path, f"{what} needs input_tensors quantization (at the global, layer-type or layer level)")
 
 
 def _uses_weights(config: Config, path: str, what: str) -> None:
-    if config.global_quant_config.weight is None:
-        raise ConfigError(path, f"{what} needs weight quantization in global_quant_config")
+    if not _any_level_sets(config, "weight"):
+        raise ConfigError(path, f"{what} needs weight quantization (at the global, layer-type or layer level)")
 
 
 @dataclass

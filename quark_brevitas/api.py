@@ -4,7 +4,8 @@
 pre-quant optimisations -> layer replacement -> calibration -> post-quant algorithms, each stage in
 list order, on a *copy* of the caller's model (pass ``inplace=True`` to save memory, at the price
 of the caller's model being modified). ``ModelExporter(path).export_onnx_model(model, args)`` writes
-an ONNX QCDQ file and checks it in onnxruntime against the PyTorch model.
+an ONNX QCDQ file and checks it in onnxruntime against the PyTorch model; ``export_qonnx_model`` writes
+QONNX and checks it with the qonnx package.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from typing import Any
 from torch import nn
 
 from quark_brevitas.backend import PlannedLayer
+from quark_brevitas.checkpoint import CONFIG_ATTRIBUTE
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
 from quark_brevitas.data import model_device_dtype
 from quark_brevitas.errors import CalibrationDataError
+from quark_brevitas.resolve import Resolver
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +45,20 @@ class ModelQuantizer:
         verify_config(config)
         self.config = config
         self.container = container if container is not None else Container()
+        Resolver(config, self.container.layer_map())  # layer-type keys must name quantizable types
 
     def _backend(self) -> Any:
         return self.container.backends()[self.config.backend.name]
 
-    def _check_inputs(self, model: Any, calib_loader: Any) -> None:
+    def _check_model(self, model: Any) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         model_device_dtype(model)
-        layer = self.config.global_quant_config
+
+    def _check_inputs(self, calib_loader: Any, activations: bool) -> None:
         needs = [type(a).__name__ for a in [*self.config.pre_quant_opt_config, *self.config.algo_config]
                  if type(a).__name__ not in _DATA_FREE]
-        if layer.input_tensors is not None or layer.output_tensors is not None:
+        if activations:
             needs.insert(0, "activation calibration")
         if calib_loader is None and needs:
             raise CalibrationDataError(
@@ -62,7 +67,16 @@ class ModelQuantizer:
             )
 
     def plan(self, model: nn.Module) -> list[PlannedLayer]:
-        """Which modules would be quantized and with which config; the model is not modified."""
+        """Which modules would be quantized and with which config; the model is not modified.
+
+        One :class:`~quark_brevitas.backend.PlannedLayer` per module (name, type, merged config or
+        ``None``, and the level each tensor spec came from); print it with
+        :func:`~quark_brevitas.backend.plan_table`. Raises :class:`ConfigError` if a layer name,
+        pattern, exclude entry or layer type of the config matches nothing in ``model`` (the message
+        lists the closest real names), or if a layer's merged config is invalid.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         return self._backend().plan(model, self.config)
 
     def quantize_model(self, model: nn.Module, calib_loader: Any = None, *, inplace: bool = False) -> nn.Module:
@@ -74,22 +88,31 @@ class ModelQuantizer:
         - ``inplace``: work on ``model`` itself instead of a copy (saves memory; the caller's model is
           then modified, also if an error occurs part-way).
         """
-        self._check_inputs(model, calib_loader)
+        self._check_model(model)
+        # Resolve the hierarchy against the caller's model, before copying or changing anything: a
+        # misspelt layer name fails here, and the plan says whether activations need calibration.
+        rows = self.plan(model)
+        self._backend().require_targets(model, rows)
+        activations = any(row.layer_config is not None and (row.layer_config.input_tensors is not None
+                                                            or row.layer_config.output_tensors is not None)
+                          for row in rows)
+        self._check_inputs(calib_loader, activations)
         start = time.perf_counter()
         work = model if inplace else copy.deepcopy(model)
         for algo in self.config.pre_quant_opt_config:
             logger.info("Applying %s", algo.name or type(algo).__name__)
             work = algo.apply(work, calib_loader=calib_loader)
         logger.info("Applying quantization (%s backend)", self.config.backend.name)
-        work = self._backend().quantize(work, self.config)
-        layer = self.config.global_quant_config
-        if layer.input_tensors is not None or layer.output_tensors is not None:
+        work = self._backend().quantize(work, self.config, check_names=False)
+        if activations:
             logger.info("Applying calibration")
             work = self.container.calibrator()(work, calib_loader)
         for algo in self.config.algo_config:
             logger.info("Applying %s", algo.name or type(algo).__name__)
             work = algo.apply(work, calib_loader=calib_loader)
         work.eval()
+        # The config travels with the model, so save_quantized can write it next to the weights.
+        setattr(work, CONFIG_ATTRIBUTE, copy.deepcopy(self.config))
         logger.info("Quantization done in %.1f s", time.perf_counter() - start)
         return work
 
@@ -113,3 +136,13 @@ class ModelExporter:
         from the PyTorch model's by more than one quantization step.
         """
         return self.container.onnx_exporter()(model, args, self.export_path)
+
+    def export_qonnx_model(self, model: nn.Module, args: Any) -> Any:
+        """Write QONNX (``Quant``/``FloatQuant`` nodes, for FINN and hls4ml) to ``export_path`` and verify it
+        by executing the file with the ``qonnx`` package; returns a QONNXExportReport.
+
+        The file has the static input shapes of ``args``. Raises
+        :class:`~quark_brevitas.export.ExportMismatchError` if qonnx's output differs from the PyTorch
+        model's by more than one quantization step.
+        """
+        return self.container.qonnx_exporter()(model, args, self.export_path)

@@ -4,7 +4,10 @@ Subcommands:
 
 - ``quantize``: train the digits CNN (seconds), quantize it with a preset or a config file, export
   it to ONNX QCDQ, run the file in onnxruntime on the test set and print a results table; the
-  numbers also go to ``OUTPUT/report.json`` and the config used to ``OUTPUT/config.json``.
+  numbers also go to ``OUTPUT/report.json`` and the config used to ``OUTPUT/config.json``;
+  ``--save-checkpoint DIR`` also saves the quantized model (see :mod:`quark_brevitas.checkpoint`).
+- ``export``: rebuild a saved checkpoint and export it to ONNX QCDQ or QONNX, verified against the
+  rebuilt PyTorch model.
 - ``plan``: which layers of the digits CNN a config quantizes, and how.
 - ``presets``: the named configs ``--preset`` accepts.
 
@@ -42,6 +45,8 @@ __all__ = ["main"]
 logger = logging.getLogger("quark_brevitas.cli")
 
 DEFAULT_OUTPUT = "quark_brevitas_output"
+DEFAULT_MODEL = "quark_brevitas.digits:DigitsCNN"
+EXPORT_FORMATS = ("qcdq", "qonnx")
 ONNX_NAME = "digits_quant.onnx"
 
 
@@ -58,6 +63,17 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,1,8,8, got {text!r}")\
+            from None
+    if not dims or any(d < 1 for d in dims):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,1,8,8, got {text!r}")
+    return dims
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -89,7 +105,26 @@ def _build_parser() -> argparse.ArgumentParser:
                           help=f"output directory (default {DEFAULT_OUTPUT})")
     quantize.add_argument("--epochs", type=_positive_int, default=15, help="training epochs (default 15)")
     quantize.add_argument("--seed", type=int, default=0, help="data split and training seed (default 0)")
+    quantize.add_argument("--save-checkpoint", metavar="DIR", default=None,
+                          help="also save the quantized model as a checkpoint directory (for 'export' and reloading)")
     quantize.set_defaults(func=_cmd_quantize)
+
+    export = sub.add_parser(
+        "export", parents=[verbosity],
+        help="export a saved checkpoint to ONNX QCDQ or QONNX",
+        description="Rebuild a checkpoint written by 'quantize --save-checkpoint' (or save_quantized) and export "
+                    "it; the file is checked against the rebuilt PyTorch model (onnxruntime for QCDQ, qonnx for "
+                    "QONNX).",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a checkpoint directory")
+    export.add_argument("--format", choices=EXPORT_FORMATS, default="qcdq", help="qcdq (default) or qonnx")
+    export.add_argument("--output", metavar="FILE", required=True, help="the .onnx file to write")
+    export.add_argument("--input-shape", metavar="SHAPE", type=_shape, default=None,
+                        help="example input shape such as 1,1,8,8 (random values; default: the checkpoint's "
+                             "stored example input)")
+    export.add_argument("--model", metavar="MODULE:CALLABLE", default=DEFAULT_MODEL,
+                        help=f"callable returning the float architecture (default {DEFAULT_MODEL})")
+    export.set_defaults(func=_cmd_export)
 
     plan = sub.add_parser("plan", parents=[verbosity, config_args], help="show which digits CNN layers get quantized")
     plan.set_defaults(func=_cmd_plan)
@@ -149,9 +184,10 @@ def _check_onnx(path: Path, quant_model: nn.Module, loader: Any) -> tuple[float,
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from quark_brevitas.digits import evaluate, example_input, load_digits_data, train_digits_cnn
+    from quark_brevitas.digits import DigitsCNN, evaluate, example_input, load_digits_data, train_digits_cnn
 
     config, source = _resolve_config(args)  # before any work, so a bad config fails fast
+    ModelQuantizer(config).plan(DigitsCNN())  # layer names and types too, before training
     output = Path(args.output)
     if output.exists() and not output.is_dir():
         raise CLIError(f"--output {str(output)!r} exists and is not a directory")
@@ -203,6 +239,11 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (output / "config.json").write_text(config.to_json() + "\n")
     logger.info("Wrote %s, %s and %s", onnx_path, output / "report.json", output / "config.json")
+    if args.save_checkpoint is not None:
+        from quark_brevitas.checkpoint import save_quantized
+
+        save_quantized(quant_model, args.save_checkpoint, example_input=example)
+        logger.info("Saved checkpoint %s", args.save_checkpoint)
     print(_results_table(report))
     return 0
 
@@ -237,27 +278,69 @@ def _results_table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ===================================================================== export
+def _float_model(spec: str) -> nn.Module:
+    """Call ``MODULE:CALLABLE`` (e.g. ``quark_brevitas.digits:DigitsCNN``) for the float architecture."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise CLIError(f"--model {spec!r}: expected MODULE:CALLABLE, e.g. {DEFAULT_MODEL}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise CLIError(f"--model {spec!r}: cannot import it ({type(exc).__name__}: {exc})") from exc
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise CLIError(f"--model {spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from quark_brevitas.checkpoint import load_quantized, read_checkpoint
+
+    info = read_checkpoint(args.checkpoint)
+    if args.input_shape is not None:
+        example: Any = torch.randn(args.input_shape, generator=torch.Generator().manual_seed(0))
+        example_source = f"random, shape {list(args.input_shape)}"
+    elif info.example_input is not None:
+        example = info.example_input
+        example_source = "stored in the checkpoint"
+    else:
+        raise CLIError(f"checkpoint {args.checkpoint!r} stores no example input; pass --input-shape")
+    model = load_quantized(_float_model(args.model), args.checkpoint)
+    exporter = ModelExporter(args.output)
+    start = time.perf_counter()
+    if args.format == "qonnx":
+        report = exporter.export_qonnx_model(model, example)
+        label, checker = "QONNX", "qonnx"
+    else:
+        report = exporter.export_onnx_model(model, example)
+        label, checker = "ONNX QCDQ", "onnxruntime"
+    rows = [
+        ("checkpoint", str(args.checkpoint)),
+        ("format", f"{label}, opset {report.opset}"),
+        ("file", f"{report.path}, {_kib(report.file_size)}"),
+        ("example input", example_source),
+        (f"max |{checker} - PyTorch|", f"{report.max_abs_diff:.2e} (tolerance {report.tolerance:.2e})"),
+        ("time", f"{time.perf_counter() - start:.1f} s"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+    return 0
+
+
 # ===================================================================== plan / presets
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from quark_brevitas.backend import plan_table
     from quark_brevitas.digits import DigitsCNN
 
     config, source = _resolve_config(args)
     rows = ModelQuantizer(config).plan(DigitsCNN())
-    header = ("name", "type", "quantized", "weight", "input", "output", "bias")
-    table = [header]
-    for row in rows:
-        layer = row.layer_config
-        specs = [layer.weight, layer.input_tensors, layer.output_tensors, layer.bias] if layer else [None] * 4
-        table.append((row.name or "(model)", row.module_type, "yes" if layer else "no",
-                      *(spec.short() if spec is not None else "-" for spec in specs)))
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     pre = ", ".join(type(a).__name__ for a in config.pre_quant_opt_config) or "-"
     post = ", ".join(type(a).__name__ for a in config.algo_config) or "-"
     print(f"DigitsCNN plan ({source}; pre-quant: {pre}; algorithms: {post})")
-    for i, line in enumerate(table):
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print(plan_table(rows))
     return 0
 
 

@@ -8,6 +8,16 @@ import torch
 from quark_brevitas.digits import DigitsData, load_digits_data, train_digits_cnn
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The test models are tiny: on a shared 2-core machine a second intra-op thread only spin-waits
+    (measured 2-20x slower), and one thread makes results independent of the machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def digits_data() -> DigitsData:
     return load_digits_data()

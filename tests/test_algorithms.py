@@ -143,3 +143,15 @@ def test_algorithms_need_data(algo) -> None:
     config = Config(global_quant_config=QLayerConfig(weight=QTensorConfig()), algo_config=[algo])
     with pytest.raises(ValueError, match=type(algo).__name__):
         ModelQuantizer(config).quantize_model(nn.Linear(3, 3))
+
+
+def test_gptq_accepts_weights_set_only_at_the_layer_type_level() -> None:
+    from quark_brevitas.config import verify_config
+
+    config = Config(global_quant_config=QLayerConfig(input_tensors=QTensorConfig()),
+                    layer_type_quant_config={"Linear": QLayerConfig(weight=QTensorConfig(bit_width=4))},
+                    algo_config=[algos.GPTQ(), algos.BiasCorrection()])
+    verify_config(config)
+    with pytest.raises(ValueError, match="needs weight quantization"):
+        verify_config(Config(global_quant_config=QLayerConfig(input_tensors=QTensorConfig()),
+                             algo_config=[algos.GPTQ()]))

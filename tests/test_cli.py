@@ -227,7 +227,8 @@ def test_python_dash_m(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["ptq_digits.py", "export_onnx.py", "huggingface_bert.py", "custom_layer.py"])
+@pytest.mark.parametrize("script", ["ptq_digits.py", "export_onnx.py", "huggingface_bert.py", "custom_layer.py",
+                                    "qat_digits.py"])
 def test_example_runs(script: str, tmp_path: Path) -> None:
     if script == "huggingface_bert.py":
         pytest.importorskip("transformers")

@@ -117,3 +117,20 @@ def test_batch_norm_statistics_frozen_during_qat(digits_model, digits_data) -> N
     train_steps(quant, digits_data, 3)
     assert torch.equal(running[0], bn.running_mean) and torch.equal(running[1], bn.running_var)
     assert quant.training and not bn.training
+
+
+@pytest.mark.slow
+def test_qat_example_meets_the_target(tmp_path) -> None:
+    """Done-when: PTQ loses more than 5 points at W2A4, QAT recovers to within 1.5 of float."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "qat_digits.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    acc = {k: float(v) for k, v in re.findall(r"^(float|PTQ|QAT) accuracy.*?([\d.]+) %", result.stdout, re.M)}
+    assert acc["PTQ"] < acc["float"] - 5.0, acc
+    assert acc["QAT"] >= acc["float"] - 1.5, acc
+    assert "onnxruntime vs PyTorch" in result.stdout
