@@ -10,7 +10,8 @@ corresponding Brevitas algorithm). Names and parameters follow
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -307,11 +308,38 @@ class CalibrateBatchNorm(AlgoConfig):
         return _forward_in_mode(model, calib_loader, self.name, norm_correction_mode)
 
 
-def calibrate(model: nn.Module, calib_loader: Any) -> nn.Module:
-    """Collect activation statistics for every activation quantizer (Brevitas calibration mode)."""
+def dynamic_act_proxies(model: nn.Module) -> list[nn.Module]:
+    """The activation quantizers whose scales come from each input at run time (dynamic per tensor, per
+    token, per group and MX): they have nothing to calibrate."""
+    from brevitas.proxy.float_runtime_quant import DynamicActFloatQuantProxyFromInjector
+    from brevitas.proxy.groupwise_float_runtime_quant import GroupwiseActFloatQuantProxyFromInjector
+    from brevitas.proxy.groupwise_int_runtime_quant import GroupwiseActQuantProxyFromInjector
+    from brevitas.proxy.runtime_quant import DynamicActQuantProxyFromInjector
+
+    dynamic = (DynamicActQuantProxyFromInjector, DynamicActFloatQuantProxyFromInjector,
+               GroupwiseActQuantProxyFromInjector, GroupwiseActFloatQuantProxyFromInjector)
+    return [m for m in model.modules() if isinstance(m, dynamic)]
+
+
+@contextmanager
+def _calibration_mode(model: nn.Module) -> Iterator[None]:
+    """Brevitas calibration mode, except that dynamic activation quantizers keep quantizing: Brevitas would
+    run them as observers, which fails for per-group ones and would show the static quantizers after them
+    float values they never see at inference."""
     from brevitas.graph.calibrate import calibration_mode
 
-    return _forward_in_mode(model, calib_loader, "Calibration", calibration_mode)
+    with calibration_mode(model):
+        for proxy in dynamic_act_proxies(model):
+            proxy.disable_quant = False
+            for sub in proxy.modules():
+                if hasattr(sub, "observer_only"):
+                    sub.observer_only = False
+        yield
+
+
+def calibrate(model: nn.Module, calib_loader: Any) -> nn.Module:
+    """Collect activation statistics for every static activation quantizer (Brevitas calibration mode)."""
+    return _forward_in_mode(model, calib_loader, "Calibration", _calibration_mode)
 
 
 def registered(base: type) -> list[type]:

@@ -60,8 +60,9 @@ def mha_kwargs(layer: QuantizationConfig) -> dict[str, Any]:
     bias = build_quantizer(layer.bias, "bias")
     act = build_quantizer(layer.input_tensors, "input_tensors")
     attn = act
-    if act is not None and layer.input_tensors is not None and layer.input_tensors.quant_type.name == "int_quant":
-        attn = act.let(signed=False) if layer.input_tensors.symmetric else act
+    inputs = layer.input_tensors.resolved() if layer.input_tensors is not None else None
+    if act is not None and inputs is not None and inputs.quant_type.name == "int_quant":
+        attn = act.let(signed=False) if inputs.symmetric else act
     return {
         "in_proj_input_quant": act,
         "in_proj_weight_quant": weight,

@@ -501,6 +501,11 @@ def _check_and_prepare_state(model: nn.Module, state: Mapping[str, torch.Tensor]
             continue
         owner, _, attr = key.rpartition(".")
         module = modules.get(owner)
+        if module is not None and isinstance(getattr(module, attr, None), torch.Tensor) and \
+                tuple(getattr(module, attr).shape) == tuple(tensor.shape):
+            # A quantizer tensor left out of an uncalibrated quantizer's state dict even in Brevitas's full
+            # mode (ParameterFromRuntimeZeroPoint.value: asymmetric activations); loading it restores it.
+            continue
         if attr in _ATTACHED_BUFFERS and module is not None and not hasattr(module, attr):
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
             module.register_buffer(attr, torch.empty(tensor.shape, dtype=tensor.dtype, device=device))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from torch import nn
 
 from quark_brevitas import algos as _algos
 from quark_brevitas.errors import ConfigError
-from quark_brevitas.types import QSchemeType, ScaleType
+from quark_brevitas.types import Dtype, QSchemeType, RoundType, ScaleType, ZeroPointType
 
 
 class Backend(Enum):
@@ -61,15 +61,34 @@ class QuantizationSpec:
     """How one tensor (weight, input, output or bias) is quantized.
 
     The defaults give 8-bit symmetric per-tensor integer quantization with a float scale found from
-    statistics, so ``QuantizationSpec()`` is usable as is.
+    statistics, so ``QuantizationSpec()`` is usable as is. The first eight fields are those of Quark's
+    Brevitas extension, in its order; the fields after them are Quark's general ``QuantizationSpec``
+    fields (``None``: not specified).
 
-    - ``qscheme``: granularity (``per_tensor`` or ``per_channel``; ``per_channel`` for weights only).
+    - ``qscheme``: granularity: ``per_tensor``, ``per_channel`` (weights; dynamic activations: one scale
+      per token) or ``per_group`` (``group_size`` consecutive input channels share a scale).
     - ``symmetric``: zero point in the middle of the integer range (True) or fitted to min/max (False).
-    - ``scale_type``: ``float`` or ``pof2`` (power-of-two) scales.
+    - ``scale_type``: ``float`` or ``pof2`` (power-of-two) scales; ``per_group`` with ``pof2`` is the OCP MX
+      shared-exponent rule.
     - ``quant_type``: ``int_quant`` or ``float_quant`` (then give exponent and mantissa widths).
     - ``param_type``: ``stats`` or ``mse``.
     - ``bit_width``: total bits of the quantized value (sign included for float formats).
     - ``exponent_bit_width`` / ``mantissa_bit_width``: float formats only.
+    - ``dtype``: short form for the element format (``int4``, ``uint8``, ``fp8_e5m2``, ``fp4``, ``mx`` with
+      ``mx_element_dtype``, ...): fields left at their defaults take the dtype's values, fields that
+      contradict it are an error. ``uint4``/``uint8`` mean asymmetric (unsigned codes and a zero point).
+    - ``group_size``: elements per group for ``per_group`` (32 for MX).
+    - ``ch_axis``: Quark's channel axis, optional: 0 (output channels) for ``per_channel`` weights, 1 (input
+      channels) for ``per_group`` weights; Brevitas uses the equivalent axis of transposed convolutions.
+    - ``round_method``: element rounding: ``half_even`` (the default), ``floor`` or ``round`` (half away
+      from zero).
+    - ``is_dynamic``: activations only: scales computed from each input at run time (per tensor, per token
+      with ``per_channel``, per group) instead of calibrated.
+    - ``zero_point_type``: asymmetric int only: ``int32`` (integer zero point, the default) or ``float32``.
+    - ``mx_element_dtype``: the element format of ``dtype=mx``: ``int8``, ``fp8_e4m3``, ``fp8_e5m2``,
+      ``fp6_e3m2``, ``fp6_e2m3`` or ``fp4``.
+    - ``percentile``: static int activations with ``stats``: the percentile of the calibration data mapped to
+      the top of the range (default 99.999; 100 = max).
     """
 
     qscheme: QSchemeType = QSchemeType.per_tensor
@@ -80,16 +99,130 @@ class QuantizationSpec:
     bit_width: int = 8
     exponent_bit_width: int | None = None
     mantissa_bit_width: int | None = None
+    dtype: Dtype | None = None
+    group_size: int | None = None
+    ch_axis: int | None = None
+    round_method: RoundType | None = None
+    is_dynamic: bool | None = None
+    zero_point_type: ZeroPointType | None = None
+    mx_element_dtype: Dtype | None = None
+    percentile: float | None = None
+
+    def resolved(self, path: str = "") -> QuantizationSpec:
+        """This spec with its ``dtype`` short form spelled out in the other fields (see :func:`resolve_dtype`)."""
+        return resolve_dtype(self, path)
 
     def short(self) -> str:
-        """A one-line human summary such as ``int8 per_channel sym stats``."""
-        if self.quant_type is QuantType.float_quant:
-            kind = f"fp{self.bit_width}_e{self.exponent_bit_width}m{self.mantissa_bit_width}"
+        """A one-line human summary such as ``int8 per_channel sym stats`` or ``mxfp4_e2m1 g32``."""
+        try:
+            spec = self.resolved()
+        except ConfigError:
+            spec = self
+        if spec.quant_type is QuantType.float_quant:
+            kind = f"fp{spec.bit_width}_e{spec.exponent_bit_width}m{spec.mantissa_bit_width}"
         else:
-            kind = f"int{self.bit_width}"
-        sym = "sym" if self.symmetric else "asym"
-        scale = "" if self.scale_type is ScaleType.float else f" {self.scale_type.value}"
-        return f"{kind} {self.qscheme.value} {sym} {self.param_type.value}{scale}"
+            kind = f"int{spec.bit_width}"
+        if spec.dtype is Dtype.mx:
+            return f"mx{kind} g{spec.group_size}" + (f" {spec.round_method.name}" if spec.round_method else "")
+        sym = "sym" if spec.symmetric else "asym"
+        scheme = spec.qscheme.value + (f" g{spec.group_size}" if spec.qscheme is QSchemeType.per_group else "")
+        extras = [] if spec.scale_type is ScaleType.float else [spec.scale_type.value]
+        if spec.is_dynamic:
+            extras.append("dynamic")
+        if spec.round_method is not None and spec.round_method is not RoundType.half_even:
+            extras.append(spec.round_method.name)
+        if spec.zero_point_type is ZeroPointType.float32:
+            extras.append("float_zp")
+        if spec.percentile is not None:
+            extras.append(f"p{spec.percentile:g}")
+        return " ".join([kind, scheme, sym, spec.param_type.value, *extras])
+
+
+# ===================================================================== the dtype short form
+_INT, _FLOAT = QuantType.int_quant, QuantType.float_quant
+
+#: The fields each element dtype implies.
+DTYPE_FIELDS: dict[Dtype, dict[str, Any]] = {
+    Dtype.int8: {"quant_type": _INT, "bit_width": 8},
+    Dtype.int4: {"quant_type": _INT, "bit_width": 4},
+    Dtype.uint8: {"quant_type": _INT, "bit_width": 8, "symmetric": False},
+    Dtype.uint4: {"quant_type": _INT, "bit_width": 4, "symmetric": False},
+    Dtype.fp8_e4m3: {"quant_type": _FLOAT, "bit_width": 8, "exponent_bit_width": 4, "mantissa_bit_width": 3},
+    Dtype.fp8_e5m2: {"quant_type": _FLOAT, "bit_width": 8, "exponent_bit_width": 5, "mantissa_bit_width": 2},
+    Dtype.fp6_e3m2: {"quant_type": _FLOAT, "bit_width": 6, "exponent_bit_width": 3, "mantissa_bit_width": 2},
+    Dtype.fp6_e2m3: {"quant_type": _FLOAT, "bit_width": 6, "exponent_bit_width": 2, "mantissa_bit_width": 3},
+    Dtype.fp4: {"quant_type": _FLOAT, "bit_width": 4, "exponent_bit_width": 2, "mantissa_bit_width": 1},
+}
+
+#: Element formats of OCP MX (``dtype=mx``), and what ``mx`` itself implies besides them.
+MX_ELEMENT_DTYPES = (Dtype.int8, Dtype.fp8_e4m3, Dtype.fp8_e5m2, Dtype.fp6_e3m2, Dtype.fp6_e2m3, Dtype.fp4)
+MX_BLOCK_SIZE = 32
+_MX_FIELDS: dict[str, Any] = {"qscheme": QSchemeType.per_group, "group_size": MX_BLOCK_SIZE,
+                              "scale_type": ScaleType.pof2, "symmetric": True}
+
+#: Dtype members that are not quantization formats quark_brevitas can honour, and why.
+REJECTED_DTYPES: dict[Dtype, str] = {
+    Dtype.bfloat16: "bfloat16 is a plain cast, not a quantizer with a scale: Brevitas has none. Cast the "
+    "model (model.to(torch.bfloat16)) or keep the tensor in float (spec None)",
+    Dtype.float16: "float16 is a plain cast, not a quantizer with a scale: Brevitas has none. Cast the model "
+    "(model.half()) or keep the tensor in float (spec None)",
+    Dtype.mx6: "mx6 (shared micro-exponents: 2-element sub-blocks with a 1-bit micro-exponent under an 8-bit "
+    "block exponent) has no Brevitas quantizer and cannot be composed from one; use dtype=mx with "
+    "mx_element_dtype fp6_e3m2 or fp6_e2m3 (OCP MXFP6)",
+    Dtype.mx9: "mx9 (shared micro-exponents: 2-element sub-blocks with a 1-bit micro-exponent under an 8-bit "
+    "block exponent) has no Brevitas quantizer and cannot be composed from one; use dtype=mx with "
+    "mx_element_dtype int8 (OCP MXINT8) or fp8_e4m3 (MXFP8)",
+}
+
+_SPEC_DEFAULTS: dict[str, Any] = {}
+
+
+def _spec_default(name: str) -> Any:
+    if not _SPEC_DEFAULTS:
+        _SPEC_DEFAULTS.update({f.name: f.default for f in fields(QuantizationSpec)})
+    return _SPEC_DEFAULTS[name]
+
+
+def resolve_dtype(spec: QuantizationSpec, path: str = "") -> QuantizationSpec:
+    """Spell out the ``dtype`` short form: each field the dtype implies is set, unless the spec already
+    sets it to something else (a field that differs from its default), which is a :class:`ConfigError`.
+
+    ``dtype=mx`` also implies ``qscheme=per_group``, ``group_size=32``, ``scale_type=pof2`` and
+    ``symmetric=True``, plus the fields of ``mx_element_dtype``. ``dtype`` itself is kept, so the
+    resolved spec still says where it came from. Specs without ``dtype`` are returned unchanged
+    (``mx_element_dtype`` without ``dtype=mx`` is an error).
+    """
+    prefix = f"{path}." if path else ""
+    dtype, element = spec.dtype, spec.mx_element_dtype
+    if element is not None and dtype is not Dtype.mx:
+        raise ConfigError(f"{prefix}mx_element_dtype", "only used with dtype=mx; set dtype=Dtype.mx or remove it")
+    if dtype is None:
+        return spec
+    if not isinstance(dtype, Dtype):
+        raise ConfigError(f"{prefix}dtype", f"must be a Dtype or None; allowed: {[d.name for d in Dtype]}")
+    if dtype in REJECTED_DTYPES:
+        raise ConfigError(f"{prefix}dtype", f"{dtype.name} is not supported: {REJECTED_DTYPES[dtype]}")
+    implied: dict[str, Any]
+    if dtype is Dtype.mx:
+        if element not in MX_ELEMENT_DTYPES:
+            raise ConfigError(f"{prefix}mx_element_dtype", f"dtype=mx needs an MX element format; got "
+                              f"{getattr(element, 'name', element)!r}; allowed: {[d.name for d in MX_ELEMENT_DTYPES]}")
+        implied = {**DTYPE_FIELDS[element], **_MX_FIELDS}
+        what = f"dtype=mx with mx_element_dtype={element.name}"
+    else:
+        implied = DTYPE_FIELDS[dtype]
+        what = f"dtype={dtype.name}"
+    changes: dict[str, Any] = {}
+    for name, value in implied.items():
+        current = getattr(spec, name)
+        if current == value:
+            continue
+        if current != _spec_default(name):
+            shown = getattr(current, "name", current)
+            raise ConfigError(f"{prefix}{name}", f"{what} means {name}={getattr(value, 'name', value)!r}, but "
+                              f"{name} is {shown!r}; leave {name} at its default or make it agree")
+        changes[name] = value
+    return replace(spec, **changes) if changes else spec
 
 
 @dataclass(eq=True)
@@ -299,11 +432,21 @@ def verify_layer_config(layer: QuantizationConfig, path: str) -> None:
     if layer.bias is not None:
         for role in ("input_tensors", "weight"):
             spec = getattr(layer, role)
+            spec = spec.resolved(f"{path}.{role}") if spec is not None else None
             if spec is not None and spec.quant_type is not QuantType.int_quant:
                 raise ConfigError(
                     f"{path}.bias",
                     f"integer bias quantization needs int_quant {role} (its scale is input scale x weight "
                     f"scale); {role} is {spec.quant_type.name}. Remove bias or use int_quant {role}",
+                )
+            if spec is not None and (spec.qscheme is QSchemeType.per_group or spec.is_dynamic):
+                what = "per_group" if spec.qscheme is QSchemeType.per_group else "dynamic"
+                need = "a per-tensor or per-channel weight scale" if role == "weight" else \
+                    "a static per-tensor input scale"
+                raise ConfigError(
+                    f"{path}.bias",
+                    f"integer bias quantization needs {need} (the bias scale is input scale x weight scale); "
+                    f"{role} is {what}. Remove bias (the bias then stays float)",
                 )
     if layer.bias is not None and layer.weight is None:
         raise ConfigError(
@@ -432,15 +575,23 @@ def _spec_from_dict(data: Any, path: str) -> QuantizationSpec | None:
     data = _expect_mapping(data, path, "a QuantizationSpec")
     allowed = [f.name for f in fields(QuantizationSpec)]
     _check_keys(data, allowed, path)
-    enums = {"qscheme": QSchemeType, "scale_type": ScaleType, "quant_type": QuantType, "param_type": ParamType}
+    enums = {"qscheme": QSchemeType, "scale_type": ScaleType, "quant_type": QuantType, "param_type": ParamType,
+             "dtype": Dtype, "round_method": RoundType, "zero_point_type": ZeroPointType, "mx_element_dtype": Dtype}
+    nullable = {"dtype", "round_method", "zero_point_type", "mx_element_dtype", "is_dynamic", "percentile"}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         sub = f"{path}.{key}"
-        if key in enums:
+        if value is None and key in nullable:
+            kwargs[key] = None
+        elif key in enums:
             kwargs[key] = _enum_from(enums[key], value, sub)
-        elif key == "symmetric":
+        elif key in ("symmetric", "is_dynamic"):
             if not isinstance(value, bool):
-                raise ConfigError(sub, f"must be true or false, got {value!r}")
+                raise ConfigError(sub, f"must be true or false{' or null' if key in nullable else ''}, got {value!r}")
+            kwargs[key] = value
+        elif key == "percentile":
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(sub, f"must be a number or null, got {value!r}")
             kwargs[key] = value
         else:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):

@@ -70,15 +70,30 @@ from brevitas.proxy.float_parameter_quant import (
     BiasFloatQuantProxyFromInjector,
     WeightFloatQuantProxyFromInjectorBase,
 )
-from brevitas.proxy.float_runtime_quant import ActFloatQuantProxyFromInjectorBase
+from brevitas.proxy.float_runtime_quant import (
+    ActFloatQuantProxyFromInjectorBase,
+    DynamicActFloatQuantProxyFromInjector,
+)
 from brevitas.proxy.parameter_quant import BiasQuantProxyFromInjectorBase, WeightQuantProxyFromInjectorBase
 from brevitas.proxy.quant_proxy import QuantProxyFromInjector
-from brevitas.proxy.runtime_quant import ActQuantProxyFromInjectorBase, TruncQuantProxyFromInjector
+from brevitas.proxy.runtime_quant import (
+    ActQuantProxyFromInjectorBase,
+    DynamicActQuantProxyFromInjector,
+    TruncQuantProxyFromInjector,
+)
 from brevitas.quant_tensor import QuantTensor
 from onnx import TensorProto, numpy_helper
 from torch import nn
 
 from quark_brevitas.errors import QuarkBrevitasError
+from quark_brevitas.export_blocked import (
+    BLOCKED_OPSET,
+    float_weights,
+    insert_dequantize,
+    needs_plan,
+    plan_weights,
+    weight_format,
+)
 
 __all__ = [
     "DEFAULT_INT_OPSET",
@@ -133,11 +148,14 @@ _ONNX_TO_TORCH_QTYPE: dict[int, torch.dtype] = {
     TensorProto.FLOAT8E5M2: torch.float8_e5m2,
     TensorProto.FLOAT8E5M2FNUZ: torch.float8_e5m2fnuz,
 }
+_DYNAMIC_ACT_PROXIES = (DynamicActQuantProxyFromInjector, DynamicActFloatQuantProxyFromInjector)
 _WEIGHT_CONSUMERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 _BIAS_CONSUMERS = frozenset({"Conv", "ConvTranspose", "Gemm"})
 _LAYOUT_OPS = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
 # onnxruntime rewrites that are wrong for float8 QDQ graphs (see module docstring).
 _FLOAT8_DISABLED_ORT_OPTIMIZERS = ("ReluQuantRewrite",)
+# MatMulNBits compute precision: 1 = float32 (see create_ort_session).
+_MATMULNBITS_ACCURACY_LEVEL = "1"
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,6 +341,7 @@ class _Quantizer:
     role: str  # weight | bias | act | trunc
     fmt: str
     is_float8: bool
+    planned: bool = False  # a weight written by quark_brevitas.export_blocked (per-group, MX, fp6, fp4)
 
 
 def _handled_proxy_types() -> frozenset[type]:
@@ -377,10 +396,26 @@ def _inspect_quantizers(model: nn.Module) -> list[_Quantizer]:
             continue
         role = _role(proxy)
         where = f"{role} quantizer '{name}' ({_type_name(proxy)})"
-        if getattr(proxy, "is_groupwise", False):
+        if role == "weight" and needs_plan(proxy):
+            found.append(_Quantizer(name=name, role=role, fmt=weight_format(proxy), is_float8=False, planned=True))
+            continue
+        if role == "act" and (getattr(proxy, "is_groupwise", False) or isinstance(proxy, _DYNAMIC_ACT_PROXIES)):
+            kind = "per-group / MX" if getattr(proxy, "is_groupwise", False) else "dynamic"
             raise ExportError(
-                f"per-group / MX quantization ({where}) cannot be exported to {_target('<= 20')}: "
-                "QuantizeLinear/DequantizeLinear there only support per-tensor and per-channel scales"
+                f"{kind} activation quantization ({where}) cannot be exported to {_target('any')}: its scales are "
+                "computed from each input at run time, QuantizeLinear/DequantizeLinear take constant scales. "
+                "Export with static per-tensor activations (is_dynamic None, qscheme per_tensor)"
+            )
+        rounding = _rounding_name(proxy)
+        if role == "act" and rounding not in (None, "RoundSte"):
+            raise ExportError(
+                f"activation rounding {rounding} ({where}) cannot be exported to {_target('any')}: QuantizeLinear "
+                "rounds half to even; use round_method half_even (or None) for activations to export"
+            )
+        if _has_float_zero_point(proxy):
+            raise ExportError(
+                f"float32 zero point ({where}) cannot be exported to {_target('any')}: QuantizeLinear/"
+                "DequantizeLinear take integer zero points; use zero_point_type int32"
             )
         is_float = isinstance(
             proxy,
@@ -426,6 +461,20 @@ def _inspect_quantizers(model: nn.Module) -> list[_Quantizer]:
             )
         found.append(_Quantizer(name=name, role=role, fmt=fmt, is_float8=is_float))
     return found
+
+
+def _rounding_name(proxy: Any) -> str | None:
+    """The class name of the element rounding (``float_to_int_impl``) of ``proxy``, if it has one."""
+    injector = getattr(proxy, "quant_injector", None)
+    if injector is None or "float_to_int_impl" not in injector:
+        return None
+    impl = injector.float_to_int_impl
+    return impl.__name__ if isinstance(impl, type) else type(impl).__name__
+
+
+def _has_float_zero_point(proxy: Any) -> bool:
+    injector = getattr(proxy, "quant_injector", None)
+    return injector is not None and "quantize_zero_point" in injector and injector.quantize_zero_point is False
 
 
 def _safe_call(obj: object, method: str) -> object:
@@ -606,21 +655,38 @@ def _model_uses_float8(model: onnx.ModelProto) -> bool:
     return any(vi.type.tensor_type.elem_type in _FLOAT8_ONNX_TYPES for vi in infos)
 
 
+def _has_blocked_8bit_weights(model: onnx.ModelProto) -> bool:
+    """Whether a blocked ``DequantizeLinear`` reads 8-bit integer codes: onnxruntime 1.31 fuses it with an
+    int8 activation into ``MatMulIntegerToFloat`` as if the scales were per channel, and fails at run time."""
+    eight_bit = {init.name for init in model.graph.initializer
+                 if init.data_type in (TensorProto.INT8, TensorProto.UINT8)}
+    return any(node.op_type == "DequantizeLinear" and node.input[0] in eight_bit and _attr(node, "block_size", 0)
+               for node in model.graph.node)
+
+
 def create_ort_session(path: PathLike) -> ort.InferenceSession:
     """Create a CPU onnxruntime session for an ONNX file written by :func:`export_onnx_qcdq`.
 
     For files with float8 tensors the onnxruntime QDQ fusions and the ``ReluQuantRewrite`` rule
     are disabled: with them onnxruntime 1.31 either rejects the graph (float8 fed to integer
     ``QLinearConv``/``QGemm``) or silently removes a ``Relu`` in front of a float8
-    ``QuantizeLinear``. Integer files use onnxruntime's default (fully optimized) settings.
+    ``QuantizeLinear``. The same holds for files with blocked 8-bit weights (MXINT8, int5-8 per
+    group): onnxruntime fuses them with int8 activations into ``MatMulIntegerToFloat`` as if their
+    scales were per channel and fails at run time. Integer files use onnxruntime's default (fully
+    optimized) settings, except that the ``MatMulNBits`` kernels onnxruntime makes of weight-only
+    ``DequantizeLinear -> MatMul`` run in float32 (accuracy level 1) rather than on int8-quantized
+    activations (its default, level 4).
     """
     file = pathlib.Path(path)
     if not file.is_file():
         raise ExportError(f"ONNX file {file} does not exist")
     options = ort.SessionOptions()
+    # onnxruntime fuses DequantizeLinear (blocked int4/int8) -> MatMul into MatMulNBits, by default at
+    # accuracy level 4, which quantizes the activations to int8 on the fly: not what the file says.
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", _MATMULNBITS_ACCURACY_LEVEL)
     disabled: list[str] = []
     header = onnx.load(str(file), load_external_data=False)
-    if _model_uses_float8(header):
+    if _model_uses_float8(header) or _has_blocked_8bit_weights(header):
         options.add_session_config_entry("session.disable_quant_qdq", "1")
         disabled = list(_FLOAT8_DISABLED_ORT_OPTIMIZERS)
     try:
@@ -1434,7 +1500,18 @@ def _opset_of(model: onnx.ModelProto) -> int:
 
 
 def _candidate_opsets(opset: int | None, quantizers: Sequence[_Quantizer]) -> list[int]:
+    """The opsets to try Brevitas's export at; files with planned weights are then converted to opset 21."""
     float8 = [q for q in quantizers if q.is_float8]
+    planned = [q for q in quantizers if q.planned]
+    if opset is not None and planned and not (isinstance(opset, bool) or not isinstance(opset, int)):
+        if opset != BLOCKED_OPSET:
+            q = planned[0]
+            raise ExportError(
+                f"{q.fmt} ({q.role} quantizer '{q.name}') cannot be exported to {_target(opset)}: its weights are "
+                f"written with DequantizeLinear on int4/int16/blocked scales, which need opset {BLOCKED_OPSET}; "
+                f"use opset={BLOCKED_OPSET} or None"
+            )
+        opset = None
     if opset is not None:
         if isinstance(opset, bool) or not isinstance(opset, int):
             raise ExportArgumentError(f"opset must be an int or None; got {_type_name(opset)}")
@@ -1595,6 +1672,10 @@ def export_onnx_qcdq(
         opsets = _candidate_opsets(opset, quantizers)
         weight_q_node = any(q.is_float8 and q.role == "weight" for q in quantizers)
         reference = _reference(model, example)
+        try:
+            plans = plan_weights(model, [q.name for q in quantizers if q.planned])
+        except QuarkBrevitasError as exc:
+            raise ExportError(f"cannot export to {_target(BLOCKED_OPSET)}: {exc}") from exc
         input_names = _input_names(len(example))
         raw_names = [n for n, _ in reference.outputs]
         output_names = _unique_names(raw_names, input_names)
@@ -1608,17 +1689,24 @@ def export_onnx_qcdq(
         with tempfile.TemporaryDirectory(prefix="quark_brevitas_export_") as tmp:
             for candidate in opsets:
                 try:
-                    proto = _brevitas_export(
-                        wrapped,
-                        example,
-                        pathlib.Path(tmp) / f"brevitas_opset{candidate}.onnx",
-                        opset=candidate,
-                        weight_q_node=weight_q_node,
-                        input_names=input_names,
-                        output_names=output_names,
-                        dynamic_batch=dynamic_batch,
-                    )
+                    with float_weights(plans):
+                        proto = _brevitas_export(
+                            wrapped,
+                            example,
+                            pathlib.Path(tmp) / f"brevitas_opset{candidate}.onnx",
+                            opset=candidate,
+                            weight_q_node=weight_q_node,
+                            input_names=input_names,
+                            output_names=output_names,
+                            dynamic_batch=dynamic_batch,
+                        )
                     folded, rewrites = _postprocess(proto, integer_kernels=integer_kernels)
+                    if plans:
+                        try:
+                            proto = insert_dequantize(proto, plans)
+                        except QuarkBrevitasError as exc:
+                            raise ExportError(str(exc)) from exc
+                        _clean_graph(proto.graph)
                     if len(opsets) > 1:  # "lowest working opset": onnxruntime must accept the file
                         staged = pathlib.Path(tmp) / f"staged_opset{candidate}.onnx"
                         onnx.save_model(proto, str(staged))
@@ -1694,7 +1782,7 @@ def export_onnx_qcdq(
         report.max_abs_diff,
         report.tolerance,
     )
-    if chosen_opset != report.opset:  # pragma: no cover - defensive, torch writes what it is asked
+    if chosen_opset != report.opset and not plans:  # pragma: no cover - defensive, torch writes what it is asked
         logger.warning("asked for opset %d, file declares %d", chosen_opset, report.opset)
     return report
 

@@ -44,18 +44,24 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
+from torch import nn
+
 from quark_brevitas.config import (
     TENSOR_ROLES,
     Config,
     QuantizationConfig,
+    QuantizationSpec,
     key_path,
     layer_type_key,
     type_name,
     verify_layer_config,
 )
 from quark_brevitas.errors import ConfigError
+from quark_brevitas.types import QSchemeType
 
 __all__ = ["EXCLUDED", "GLOBAL", "Resolution", "Resolver", "literal_length"]
+
+_GROUPED_ACTIVATION_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.ConvTranspose1d, nn.ConvTranspose2d)
 
 #: Source of a spec that came from ``global_quant_config`` (also when it says "not quantized").
 GLOBAL = "global"
@@ -238,7 +244,29 @@ class Resolver:
         merged = QuantizationConfig(**specs)
         if len(levels) > 1:
             self._verify_merged(name, cls, merged, sources)
+        self._verify_for_layer_type(name, cls, merged, sources)
         return Resolution(merged, sources)
+
+    @staticmethod
+    def _verify_for_layer_type(name: str, cls: type, merged: QuantizationConfig, sources: dict[str, str]) -> None:
+        """Specs whose meaning depends on the layer: one dynamic scale per token needs tokens along the last
+        dimension, i.e. a Linear layer (a convolution's last dimension is the image width); per-group (and MX)
+        activations need a layer whose channel axis Brevitas knows (Linear, convolutions)."""
+        for role in ("input_tensors", "output_tensors"):
+            spec = getattr(merged, role)
+            if spec is None or not isinstance(spec, QuantizationSpec):
+                continue
+            spec = spec.resolved()
+            source = sources.get(role, GLOBAL)
+            path = f"{'global_quant_config' if source == GLOBAL else source}.{role}"
+            if spec.is_dynamic and spec.qscheme is QSchemeType.per_channel and cls is not nn.Linear:
+                raise ConfigError(path, f"module {name!r} ({cls.__name__}): per-token dynamic activations "
+                                        "(qscheme=per_channel, is_dynamic=True) need a Linear layer (tokens along the "
+                                        "last dimension); use per_tensor or per_group for this layer type")
+            if spec.qscheme is QSchemeType.per_group and cls not in _GROUPED_ACTIVATION_LAYERS:
+                raise ConfigError(path, f"module {name!r} ({cls.__name__}): per_group / MX activations need a layer "
+                                        "whose channel axis Brevitas knows (Linear, Conv1d/2d, ConvTranspose1d/2d); "
+                                        "use per_tensor activations for this layer type")
 
     @staticmethod
     def _verify_merged(name: str, cls: type, merged: QuantizationConfig, sources: dict[str, str]) -> None:

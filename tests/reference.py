@@ -184,3 +184,139 @@ def float_symmetric_scale(x: torch.Tensor, exponent_bits: int, mantissa_bits: in
                           per_channel: bool = False) -> torch.Tensor:
     """max|x| / max_finite: the largest magnitude lands on the largest finite value."""
     return absmax(x, per_channel) / float_max_finite(exponent_bits, mantissa_bits)
+
+
+# ----------------------------------------------------------------------------------------- groups and MX
+#
+# Per-group quantization: ``group_size`` consecutive elements along the input-channel axis (axis 1 of a
+# weight [out, in, *kernel]; the last axis of an activation) share one scale. A group that runs past the
+# end of the axis is padded with zeros, which changes neither max|x| nor min(min(x), 0) / max(max(x), 0).
+#
+# OCP MX (Microscaling Formats Specification v1.0): a block of 32 elements shares the power-of-two scale
+# X = 2^(floor(log2(max|block|)) - emax_elem), where emax_elem is the exponent of the element format's
+# largest normal value (fp8 e4m3: 8, e5m2: 15, fp6 e3m2: 4, e2m3: 2, fp4 e2m1: 2; int8: 0, its elements
+# being 8-bit two's complement with an implicit scale 2^-6, used here in the symmetric range +-127). Each
+# element is x / X rounded to the element format (ties to even) and saturated at its largest magnitude.
+
+
+def to_groups(x: torch.Tensor, group_size: int, axis: int = 1) -> torch.Tensor:
+    """``x`` with ``axis`` moved last, zero padded to a multiple of ``group_size`` and split: [..., n, g]."""
+    y = x.movedim(axis, -1)
+    pad = (-y.shape[-1]) % group_size
+    if pad:
+        y = torch.cat([y, torch.zeros(*y.shape[:-1], pad, dtype=y.dtype)], dim=-1)
+    return y.reshape(*y.shape[:-1], -1, group_size)
+
+
+def from_groups(y: torch.Tensor, like: torch.Tensor, axis: int = 1) -> torch.Tensor:
+    """Inverse of :func:`to_groups` (padding dropped)."""
+    flat = y.reshape(*y.shape[:-2], -1)
+    flat = flat[..., : like.shape[axis]]
+    return flat.movedim(-1, axis)
+
+
+def per_group(stat: torch.Tensor, like: torch.Tensor, group_size: int, axis: int = 1) -> torch.Tensor:
+    """A per-group statistic of shape [..., n, 1] broadcast back to one value per element of ``like``."""
+    return from_groups(stat.expand(*stat.shape[:-1], group_size), like, axis)
+
+
+def group_absmax(x: torch.Tensor, group_size: int, axis: int = 1) -> torch.Tensor:
+    return per_group(to_groups(x, group_size, axis).abs().amax(dim=-1, keepdim=True), x, group_size, axis)
+
+
+def group_symmetric_scale(x: torch.Tensor, bit_width: int, group_size: int, axis: int = 1) -> torch.Tensor:
+    """max|group| / (2^(b-1) - 1), one value per element."""
+    return group_absmax(x, group_size, axis) / (2 ** (bit_width - 1) - 1)
+
+
+def group_asymmetric_scale_zero_point(x: torch.Tensor, bit_width: int, group_size: int,
+                                      axis: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unsigned b-bit scale and zero point per group (range widened to include 0), one value per element."""
+    groups = to_groups(x, group_size, axis)
+    lo = torch.clamp(groups.amin(dim=-1, keepdim=True), max=0.0)
+    hi = torch.clamp(groups.amax(dim=-1, keepdim=True), min=0.0)
+    scale = (hi - lo) / (2**bit_width - 1)
+    zero_point = torch.clamp(round_half_even(-lo / scale), 0, 2**bit_width - 1)
+    return per_group(scale, x, group_size, axis), per_group(zero_point, x, group_size, axis)
+
+
+def group_float_scale(x: torch.Tensor, exponent_bits: int, mantissa_bits: int, group_size: int,
+                      axis: int = 1) -> torch.Tensor:
+    """max|group| / max_finite, one value per element."""
+    return group_absmax(x, group_size, axis) / float_max_finite(exponent_bits, mantissa_bits)
+
+
+def mx_emax(exponent_bits: int | None, mantissa_bits: int | None) -> int:
+    """Exponent of the element format's largest normal value; 0 for integer elements."""
+    if exponent_bits is None:
+        return 0
+    return int(math.floor(math.log2(float_max_finite(exponent_bits, mantissa_bits))))
+
+
+def mx_shared_scale(x: torch.Tensor, emax: int, group_size: int = 32, axis: int = 1) -> torch.Tensor:
+    """X = 2^(floor(log2(max|block|)) - emax), clamped to the E8M0 range 2^-127..2^127, per element."""
+    amax = to_groups(x, group_size, axis).abs().amax(dim=-1, keepdim=True)
+    exponent = torch.clamp(torch.floor(torch.log2(amax)) - emax, -127, 127)
+    return per_group(torch.exp2(exponent), x, group_size, axis)
+
+
+def mx_int_qdq(x: torch.Tensor, bit_width: int, group_size: int = 32,
+               axis: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXINT-b: (element step X * 2^-(b-2), values). Elements in [-(2^(b-1)-1), 2^(b-1)-1] steps."""
+    step = mx_shared_scale(x, 0, group_size, axis) * 2.0 ** -(bit_width - 2)
+    return step, int_qdq(x, step, 0.0, bit_width, True, True)
+
+
+def mx_float_qdq(x: torch.Tensor, exponent_bits: int, mantissa_bits: int, group_size: int = 32,
+                 axis: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP: (shared scale X, values float_round(x / X) * X)."""
+    scale = mx_shared_scale(x, mx_emax(exponent_bits, mantissa_bits), group_size, axis)
+    return scale, float_qdq(x, scale, exponent_bits, mantissa_bits)
+
+
+# ----------------------------------------------------------------------------------------- rounding methods
+#
+# RoundType: ``half_even`` (nearest, ties to even: the default above), ``floor`` (towards -inf) and ``round``
+# (nearest, ties away from zero, as C's round()). For minifloats the same rule picks between the two grid
+# values around x / scale; saturation at the largest finite value comes after.
+
+
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """Nearest integer, ties away from zero: sign(x) * floor(|x| + 1/2), written with exact steps."""
+    magnitude = x.abs()
+    floor = torch.floor(magnitude)
+    return torch.copysign(torch.where(magnitude - floor >= 0.5, floor + 1, floor), x)
+
+
+ROUNDING = {"half_even": round_half_even, "floor": torch.floor, "round": round_half_away}
+
+
+def int_qdq_rounded(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | float, bit_width: int,
+                    signed: bool, narrow_range: bool, rounding: str) -> torch.Tensor:
+    """(clamp(rounding(x / scale + zp), qmin, qmax) - zp) * scale."""
+    qmin, qmax = int_range(bit_width, signed, narrow_range)
+    q = torch.clamp(ROUNDING[rounding](x / scale + zero_point), qmin, qmax)
+    return (q - zero_point) * scale
+
+
+def float_round_mode(y: torch.Tensor, exponent_bits: int, mantissa_bits: int, rounding: str) -> torch.Tensor:
+    """Round to the minifloat grid with ``rounding`` (see above), saturating at the largest finite value."""
+    if rounding == "half_even":
+        return float_round(y, exponent_bits, mantissa_bits)
+    grid = float_grid(exponent_bits, mantissa_bits)
+    signed_grid = torch.cat([-grid.flip(0)[:-1], grid])  # ascending, -max .. max
+    flat = y.reshape(-1).to(torch.float64)
+    hi = torch.searchsorted(signed_grid, flat).clamp(max=len(signed_grid) - 1)
+    lo = (hi - 1).clamp(min=0)
+    exact = signed_grid[hi] == flat
+    below = torch.where(exact, hi, lo)  # largest grid value <= y (or the minimum)
+    above = hi  # smallest grid value >= y (or the maximum)
+    if rounding == "floor":
+        index = below
+    else:
+        d_below, d_above = (flat - signed_grid[below]).abs(), (signed_grid[above] - flat).abs()
+        away = torch.where(flat >= 0, above, below)
+        index = torch.where(d_below < d_above, below, torch.where(d_above < d_below, above, away))
+    out = signed_grid[index]
+    out = torch.where(flat > grid[-1], grid[-1], torch.where(flat < -grid[-1], -grid[-1], out))
+    return out.to(y.dtype).reshape(y.shape)

@@ -36,7 +36,7 @@ from quark_brevitas import (
 from quark_brevitas.checkpoint import CONFIG_ATTRIBUTE, read_checkpoint
 from quark_brevitas.cli import main
 from quark_brevitas.digits import DigitsCNN, example_input
-from quark_brevitas.types import QSchemeType
+from quark_brevitas.types import Dtype, QSchemeType, RoundType, ZeroPointType
 
 W8A8 = QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig(), bias=QTensorConfig(bit_width=32))
 W4PC_ASYM = QLayerConfig(weight=QTensorConfig(bit_width=4, qscheme=QSchemeType.per_channel, symmetric=False),
@@ -49,6 +49,16 @@ CONFIGS = {
     "act_equalization": Config(global_quant_config=W8A8,
                                pre_quant_opt_config=[algos.Preprocess(), algos.ActivationEqualization()]),
     "fp8_output": Config(global_quant_config=QLayerConfig(weight=FP8, input_tensors=FP8, output_tensors=FP8)),
+    # Asymmetric activations (their zero point is created by calibration), per-group / MX weights, dynamic and
+    # MX activations, float zero points and rounding methods.
+    "int4_g32_asym_acts": Config(global_quant_config=QLayerConfig(
+        weight=QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32),
+        input_tensors=QTensorConfig(dtype=Dtype.uint8, zero_point_type=ZeroPointType.float32, percentile=99.0,
+                                    round_method=RoundType.round))),
+    "mxfp4_mx_acts": Config(global_quant_config=QLayerConfig(
+        weight=QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp4),
+        input_tensors=QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp8_e4m3),
+        output_tensors=QTensorConfig(is_dynamic=True))),
 }
 
 

@@ -34,7 +34,7 @@ from quark_brevitas.config import (
     verify_config,
 )
 from quark_brevitas.errors import ConfigError, ModelError
-from quark_brevitas.types import QSchemeType, ScaleType
+from quark_brevitas.types import Dtype, QSchemeType, RoundType, ScaleType, ZeroPointType
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 QUICK = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -68,7 +68,29 @@ _WILD_SPEC = st.builds(QTensorConfig, qscheme=st.sampled_from(QSchemeType), symm
                        scale_type=st.sampled_from(ScaleType), quant_type=st.sampled_from(QuantType),
                        param_type=st.sampled_from(ParamType), bit_width=st.integers(0, 40),
                        exponent_bit_width=st.none() | st.integers(0, 8),
-                       mantissa_bit_width=st.none() | st.integers(0, 8))
+                       mantissa_bit_width=st.none() | st.integers(0, 8),
+                       dtype=st.none() | st.sampled_from(Dtype), group_size=st.none() | st.integers(0, 64),
+                       ch_axis=st.none() | st.integers(-1, 2), round_method=st.none() | st.sampled_from(RoundType),
+                       is_dynamic=st.none() | st.booleans(), zero_point_type=st.none() | st.sampled_from(ZeroPointType),
+                       mx_element_dtype=st.none() | st.sampled_from(Dtype),
+                       percentile=st.none() | st.floats(-1, 101, allow_nan=False))
+
+# The number formats of issue 4 (dtype short forms, per-group, MX), for weights and activations.
+_FORMAT_SPEC = {
+    "weight": st.sampled_from([
+        QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32),
+        QTensorConfig(dtype=Dtype.uint4, qscheme=QSchemeType.per_group, group_size=16),
+        QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp4),
+        QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.int8),
+        QTensorConfig(dtype=Dtype.fp6_e2m3, qscheme=QSchemeType.per_channel, round_method=RoundType.floor),
+    ]),
+    "act": st.sampled_from([
+        QTensorConfig(dtype=Dtype.uint8, percentile=99.9),
+        QTensorConfig(dtype=Dtype.int8, is_dynamic=True),
+        QTensorConfig(dtype=Dtype.fp8_e5m2, is_dynamic=True),
+        QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp8_e4m3),
+    ]),
+}
 
 
 _GOOD_BIAS = st.builds(QTensorConfig, bit_width=st.sampled_from([8, 16, 24, 32]))
@@ -77,7 +99,8 @@ _GOOD_BIAS = st.builds(QTensorConfig, bit_width=st.sampled_from([8, 16, 24, 32])
 def _good_spec(role: str) -> st.SearchStrategy[QTensorConfig]:
     if role == "bias":
         return _GOOD_BIAS
-    return _int_spec(role == "weight") | _float_spec(role == "weight")
+    return _int_spec(role == "weight") | _float_spec(role == "weight") | \
+        _FORMAT_SPEC["weight" if role == "weight" else "act"]
 
 
 @st.composite
@@ -206,7 +229,12 @@ _JUNK_KINDS: dict[str, st.SearchStrategy[Any]] = {
     "dict": st.dictionaries(st.sampled_from(["zz", "__bogus__"]), st.integers(), min_size=1, max_size=1),
 }
 _ENUM_FIELDS = {"qscheme", "scale_type", "quant_type", "param_type", "backend"}
-_ENUM_NAMES = {m.name for e in (QSchemeType, ScaleType, QuantType, ParamType) for m in e} | {"layerwise"}
+_ENUM_NAMES = {m.name for e in (QSchemeType, ScaleType, QuantType, ParamType, Dtype, RoundType, ZeroPointType)
+               for m in e} | {"layerwise"}
+# Spec fields whose None is valid: replaced by junk of any other kind.
+_NULLABLE_ENUM_FIELDS = {"dtype", "round_method", "zero_point_type", "mx_element_dtype"}
+_NULLABLE_SCALAR_FIELDS = {"is_dynamic": ("bool",), "group_size": ("int",), "ch_axis": ("int",),
+                           "percentile": ("int", "float")}
 _ALGO_NAMES = {c.__name__ for c in algos.registered(algos.AlgorithmConfig)}
 
 
@@ -230,6 +258,10 @@ def _paths(data: Any, prefix: tuple = ()) -> list[tuple]:
 def _bad_value(path: tuple, value: Any) -> st.SearchStrategy[Any]:
     """A replacement that is invalid wherever ``path`` points."""
     last = path[-1] if path else None
+    if last in _NULLABLE_ENUM_FIELDS:
+        return _junk("text", "none") | st.text(max_size=12).filter(lambda t: t not in _ENUM_NAMES)
+    if last in _NULLABLE_SCALAR_FIELDS:
+        return _junk(*_NULLABLE_SCALAR_FIELDS[last], "none")
     if last in _ENUM_FIELDS or last == "name":
         allowed = _ENUM_NAMES if last in _ENUM_FIELDS else _ALGO_NAMES
         return _junk("text") | st.text(max_size=12).filter(lambda t: t not in allowed)

@@ -22,7 +22,6 @@ Brevitas rules found while writing these tests (Brevitas 0.13.4):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -596,7 +595,8 @@ def _layer(**specs) -> QLayerConfig:
 
 G = "global_quant_config"
 REJECTED = [
-    ("per_group weight", _layer(weight=QTensorConfig(qscheme=QSchemeType.per_group)), f"{G}.weight.qscheme"),
+    ("per_group weight without group_size", _layer(weight=QTensorConfig(qscheme=QSchemeType.per_group)),
+     f"{G}.weight.group_size"),
     ("per_channel input", _layer(input_tensors=QTensorConfig(qscheme=PC)), f"{G}.input_tensors.qscheme"),
     ("per_channel output", _layer(output_tensors=QTensorConfig(qscheme=PC)), f"{G}.output_tensors.qscheme"),
     ("scale float16", _layer(weight=QTensorConfig(scale_type=ScaleType.float16)), f"{G}.weight.scale_type"),
@@ -649,7 +649,7 @@ def test_unsupported_combinations_are_rejected_with_field_path(layer, path):
 @pytest.mark.parametrize(
     ("spec", "role", "field", "needle"),
     [
-        (QTensorConfig(qscheme=QSchemeType.per_group), "weight", "qscheme", "per_group"),
+        (QTensorConfig(qscheme=QSchemeType.per_group), "weight", "group_size", "per_group needs group_size"),
         (QTensorConfig(qscheme=PC), "input_tensors", "qscheme", "per_tensor"),
         (QTensorConfig(qscheme=PC), "output_tensors", "qscheme", "per_tensor"),
         (QTensorConfig(scale_type=ScaleType.float16), "weight", "scale_type", "float16"),
@@ -676,26 +676,38 @@ def test_verify_spec_names_the_field(spec, role, field, needle):
     assert needle in str(info.value)
 
 
-def _spec_for_key(key, bits: int, e: int = 4, m: int = 3) -> QTensorConfig:
-    _, quant_type, param_type, qscheme, symmetric = key
+_SCHEME_FIELDS = {
+    "per_tensor": {"qscheme": PT},
+    "per_channel": {"qscheme": PC},
+    "per_group": {"qscheme": QSchemeType.per_group, "group_size": 8},
+    "mx": {"qscheme": QSchemeType.per_group, "group_size": 8, "scale_type": ScaleType.pof2},
+    "dynamic_per_tensor": {"qscheme": PT, "is_dynamic": True},
+    "dynamic_per_token": {"qscheme": PC, "is_dynamic": True},
+}
+
+
+def _spec_for_key(key, bits: int, e: int = 4, m: int = 3, scale_type=ScaleType.float) -> QTensorConfig:
+    _, quant_type, param_type, scheme, symmetric = key
+    fields = {"scale_type": scale_type, **_SCHEME_FIELDS[scheme]}
     if quant_type is FLOAT_Q:
-        return QTensorConfig(qscheme=qscheme, symmetric=symmetric, quant_type=quant_type, param_type=param_type,
-                             bit_width=1 + e + m, exponent_bit_width=e, mantissa_bit_width=m)
-    return QTensorConfig(qscheme=qscheme, symmetric=symmetric, quant_type=quant_type, param_type=param_type,
-                         bit_width=bits)
+        return QTensorConfig(symmetric=symmetric, quant_type=quant_type, param_type=param_type,
+                             bit_width=1 + e + m, exponent_bit_width=e, mantissa_bit_width=m, **fields)
+    return QTensorConfig(symmetric=symmetric, quant_type=quant_type, param_type=param_type, bit_width=bits,
+                         **fields)
 
 
 def test_table_has_the_expected_rows():
     weights = [k for k in _TABLE if k[0] == "weight"]
     acts = [k for k in _TABLE if k[0] == "act"]
-    assert len(weights) == 12 and len(acts) == 6 and len(_TABLE) == 18
-    assert all(k[3] is PT for k in acts)
+    assert len(weights) == 20 and len(acts) == 16 and len(_TABLE) == 36
+    assert {k[3] for k in acts} == {"per_tensor", "per_group", "mx", "dynamic_per_tensor", "dynamic_per_token"}
     assert not any(k[1] is FLOAT_Q and not k[4] for k in _TABLE)
+    assert all(k[2] is ParamType.stats and k[4] for k in _TABLE if k[3] == "mx")
 
 
 @pytest.mark.parametrize("key", list(_TABLE), ids=lambda k: "-".join(str(getattr(v, "name", v)) for v in k))
 def test_every_table_row_builds_and_quantizes_a_layer(key, calib_batches):
-    kind, quant_type = key[0], key[1]
+    kind, quant_type, scheme = key[0], key[1], key[3]
     roles = ["weight"] if kind == "weight" else ["input_tensors", "output_tensors"]
     torch.manual_seed(6)
     float_model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -703,11 +715,13 @@ def test_every_table_row_builds_and_quantizes_a_layer(key, calib_batches):
     x = calib_batches[0][2000:2064]  # inside the calibrated range
     float_out = float_model(x)
     bits = 4 if kind == "weight" else 8
-    variants = [(4, 3, ScaleType.float), (4, 3, ScaleType.pof2)]  # (e, m) only used by float rows
+    scale_types = [ScaleType.pof2] if scheme == "mx" else [ScaleType.float] if scheme == "per_group" else \
+        [ScaleType.float, ScaleType.pof2]
+    variants = [(4, 3, scale_type) for scale_type in scale_types]  # (e, m) only used by float rows
     if quant_type is FLOAT_Q:
-        variants.append((2, 1, ScaleType.float))
+        variants.append((2, 1, scale_types[0]))
     for e, m, scale_type in variants:
-        spec = dataclasses.replace(_spec_for_key(key, bits, e, m), scale_type=scale_type)
+        spec = _spec_for_key(key, bits, e, m, scale_type)
         for role in roles:
             verify_spec(spec, role, role)
             assert issubclass(build_quantizer(spec, role), _TABLE[key])
@@ -722,4 +736,5 @@ def test_every_table_row_builds_and_quantizes_a_layer(key, calib_batches):
         assert proxy.is_quant_enabled
         if kind == "act":
             assert first.output_quant.is_quant_enabled
-            assert math.isfinite(first.input_quant.scale().item())
+            if scheme == "per_tensor":
+                assert math.isfinite(first.input_quant.scale().item())

@@ -1,0 +1,310 @@
+"""Weights that Brevitas's QCDQ exporter cannot write: per-group, MX, fp6 and fp4.
+
+Brevitas's QCDQ handlers assert on group-wise quantizers and know only the float8 minifloats, yet
+onnxruntime runs ``DequantizeLinear`` with ``block_size`` (opset 21) on int4/uint4/int8/uint8/int16
+and float8 weights. So :func:`export_onnx_qcdq <quark_brevitas.export.export_onnx_qcdq>` writes these
+weights itself, exactly:
+
+1. :func:`plan_weights` reads each such layer's quantized weight from Brevitas (codes, scales, zero
+   points) and checks that ``DequantizeLinear`` reproduces it bit for bit;
+2. :func:`float_weights` lets Brevitas export the layer with that (already quantized) weight as a
+   plain float initializer;
+3. :func:`insert_dequantize` converts the file to opset 21 and replaces each of those initializers by
+   the integer (or float8) codes, their scales and zero points, and a ``DequantizeLinear`` whose output
+   carries the initializer's name, so every consumer (Gemm, Conv, a MatMul's Transpose) is unchanged.
+
+Element formats and how they are stored:
+
+- int2..int4 (uint2..uint4): ``INT4``/``UINT4``; int5..int8: ``INT8``/``UINT8`` (zero points alike);
+- MXFP8 / per-group fp8 (OCP e4m3, e5m2): ``FLOAT8E4M3FN`` / ``FLOAT8E5M2`` with float32 scales (the MX
+  scales are powers of two, stored exactly);
+- fp6 (e3m2, e2m3), fp4 (e2m1) and other minifloats without an ONNX type onnxruntime runs: every value
+  of such a format is an integer multiple of its smallest subnormal ``2^(1 - bias - m)`` (e2m1: 0.5,
+  e2m3: 0.125, e3m2: 0.0625), so the element is stored as that integer (int8 when the largest one fits,
+  e2m1: 12, e2m3: 60; else int16, e3m2: 448) and the step is folded into the scale (a power of two:
+  exact). Dequantized values are identical; the file is larger than a packed fp4/fp6 one would be.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+from brevitas.proxy.float_parameter_quant import WeightFloatQuantProxyFromInjectorBase
+from brevitas.proxy.parameter_quant import WeightQuantProxyFromInjectorBase
+from onnx import TensorProto, numpy_helper
+from torch import nn
+
+from quark_brevitas.errors import QuarkBrevitasError
+
+__all__ = ["BLOCKED_OPSET", "PlannedWeight", "float_weights", "insert_dequantize", "needs_plan", "plan_weights",
+           "weight_format"]
+
+#: First opset with blocked DequantizeLinear and int4/uint4 (and int16) inputs.
+BLOCKED_OPSET = 21
+
+_FLOAT8_TYPES = {(4, 3): (TensorProto.FLOAT8E4M3FN, torch.float8_e4m3fn),
+                 (5, 2): (TensorProto.FLOAT8E5M2, torch.float8_e5m2)}
+
+
+class _PlanError(QuarkBrevitasError):
+    """A weight cannot be written exactly (converted to ExportError by the caller)."""
+
+
+@dataclass
+class PlannedWeight:
+    """How one layer's quantized weight is written: ``DequantizeLinear(codes, scale, zero_point, axis,
+    block_size)`` equals ``values`` exactly (``block_size`` 0: per tensor / per axis)."""
+
+    name: str
+    layer: nn.Module
+    fmt: str
+    values: np.ndarray
+    codes: np.ndarray
+    code_type: int
+    scale: np.ndarray
+    zero_point: np.ndarray | None
+    axis: int
+    block_size: int
+
+
+def _is_groupwise(proxy: nn.Module) -> bool:
+    return bool(getattr(proxy, "is_groupwise", False))
+
+
+def _float_widths(proxy: nn.Module) -> tuple[int, int]:
+    return int(proxy.exponent_bit_width()), int(proxy.mantissa_bit_width())
+
+
+def needs_plan(proxy: nn.Module) -> bool:
+    """Whether the weight quantizer ``proxy`` is written here rather than by Brevitas: group-wise (per-group,
+    MX) weights, and minifloat weights other than OCP / FNUZ fp8."""
+    if not isinstance(proxy, WeightQuantProxyFromInjectorBase | WeightFloatQuantProxyFromInjectorBase):
+        return False
+    if _is_groupwise(proxy):
+        return True
+    if isinstance(proxy, WeightFloatQuantProxyFromInjectorBase):
+        return not (proxy.is_ocp or proxy.is_fnuz)
+    return False
+
+
+def weight_format(proxy: nn.Module) -> str:
+    """A readable name of the weight format, e.g. ``int4 per-group g32``, ``mxfp4_e2m1 g32``, ``fp6_e3m2``."""
+    groupwise = _is_groupwise(proxy)
+    group = f" g{int(proxy.group_size)}" if groupwise else ""
+    injector = proxy.quant_injector
+    pof2 = groupwise and "restrict_scaling_type" in injector and \
+        str(injector.restrict_scaling_type).upper().endswith("POWER_OF_TWO")
+    if isinstance(proxy, WeightFloatQuantProxyFromInjectorBase):
+        e, m = _float_widths(proxy)
+        kind = f"fp{1 + e + m}_e{e}m{m}"
+    else:
+        kind = f"{'int' if proxy.is_signed else 'uint'}{int(proxy.bit_width())}"
+    if pof2:
+        return f"mx{kind}{group}"
+    return f"{kind} per-group{group}" if groupwise else kind
+
+
+def _ungroup(t: torch.Tensor, group_dim: int, shape: Sequence[int]) -> torch.Tensor:
+    """[.., n, g, ..] (group_size after group_dim) -> the weight's shape (padding dropped)."""
+    flat = t.flatten(group_dim, group_dim + 1)
+    return flat.narrow(group_dim, 0, shape[group_dim])
+
+
+def _int_codes(code: torch.Tensor, bits: int, signed: bool) -> tuple[np.ndarray, int]:
+    if signed:
+        code_type = TensorProto.INT4 if bits <= 4 else TensorProto.INT8
+        dtype = np.int8
+    else:
+        code_type = TensorProto.UINT4 if bits <= 4 else TensorProto.UINT8
+        dtype = np.uint8
+    return code.numpy().astype(dtype), code_type
+
+
+def _plan_one(name: str, layer: nn.Module, proxy: nn.Module) -> PlannedWeight:
+    with torch.no_grad():
+        qt = proxy(layer.weight)
+    values = qt.value.detach().float()
+    shape = list(values.shape)
+    zero_point_full = torch.zeros(())
+    zero_point_block: torch.Tensor | None = None
+    if _is_groupwise(proxy):
+        axis, block_size = int(qt.group_dim), int(qt.group_size)
+        value_, scale_ = qt.value_.detach().float(), qt.scale_.detach().float()
+        elements = _ungroup(value_ / scale_, axis, shape)
+        scale = scale_.squeeze(axis + 1)
+        zp_ = getattr(qt, "zero_point_", None)
+        if zp_ is not None and zp_.dim():
+            zp_ = zp_.detach().float().expand_as(scale_)
+            zero_point_full = _ungroup(zp_.expand_as(value_), axis, shape)
+            zero_point_block = zp_.squeeze(axis + 1)
+    else:
+        block_size = 0
+        scale_full = qt.scale.detach().float()
+        elements = values / scale_full
+        if scale_full.numel() == 1:
+            axis, scale = 1, scale_full.reshape(())
+        else:
+            axis = next(i for i, n in enumerate(scale_full.shape) if n != 1)
+            scale = scale_full.reshape(-1)
+    fmt = weight_format(proxy)
+    zero_point = None
+    if isinstance(proxy, WeightFloatQuantProxyFromInjectorBase):
+        e, m = _float_widths(proxy)
+        if (e, m) in _FLOAT8_TYPES and proxy.is_ocp:
+            code_type, torch_type = _FLOAT8_TYPES[(e, m)]
+            codes8 = elements.to(torch_type)
+            codes, code_values = codes8.view(torch.uint8).numpy(), codes8.float()
+        else:
+            # Every value of the format is an integer multiple of its smallest subnormal (a power of two).
+            step = 2.0 ** (1 - int(proxy.exponent_bias()) - m)
+            code_values = torch.round(elements / step)
+            largest = float(code_values.abs().max()) if code_values.numel() else 0.0
+            if largest > 2**15 - 1:
+                raise _PlanError(f"{fmt} weight '{name}' has elements beyond int16 multiples of its smallest step")
+            code_type, np_type = (TensorProto.INT8, np.int8) if largest <= 127 else (TensorProto.INT16, np.int16)
+            codes = code_values.numpy().astype(np_type)
+            scale = scale * step
+    else:
+        if not bool(torch.equal(zero_point_full, torch.round(zero_point_full))):
+            raise _PlanError(f"{fmt} weight '{name}' has a float zero point; DequantizeLinear takes an integer one")
+        code_values = torch.round(elements + zero_point_full)
+        codes, code_type = _int_codes(code_values, int(proxy.bit_width()), bool(proxy.is_signed))
+        if zero_point_block is not None and bool((zero_point_block != 0).any()):
+            zero_point = zero_point_block.numpy().astype(codes.dtype)
+    zp_values = _expand(torch.from_numpy(zero_point.astype(np.float32)), axis, block_size, shape) \
+        if zero_point is not None else 0.0
+    rebuilt = (code_values - zp_values) * _expand(scale, axis, block_size, shape)
+    if not torch.equal(rebuilt, values):
+        worst = float((rebuilt - values).abs().max())
+        raise _PlanError(f"{fmt} weight '{name}' cannot be written exactly as DequantizeLinear codes "
+                         f"(largest difference {worst:.3g})")
+    return PlannedWeight(name=name, layer=layer, fmt=fmt, values=values.numpy(), codes=codes, code_type=code_type,
+                         scale=scale.numpy().astype(np.float32), zero_point=zero_point, axis=axis,
+                         block_size=block_size)
+
+
+def _expand(scale: torch.Tensor, axis: int, block_size: int, shape: Sequence[int]) -> torch.Tensor:
+    """What DequantizeLinear does with a per-tensor / per-axis / blocked scale: one value per element."""
+    if scale.dim() == 0:
+        return scale
+    if block_size:
+        return scale.repeat_interleave(block_size, dim=axis).narrow(axis, 0, shape[axis])
+    view = [1] * len(shape)
+    view[axis] = -1
+    return scale.reshape(view)
+
+
+def plan_weights(model: nn.Module, names: Sequence[str]) -> list[PlannedWeight]:
+    """Plan the weight quantizers called ``names`` (module names of their proxies, ``<layer>.weight_quant``)."""
+    modules = dict(model.named_modules())
+    plans = []
+    for proxy_name in names:
+        layer_name = proxy_name.rsplit(".", 1)[0] if "." in proxy_name else ""
+        layer, proxy = modules[layer_name], modules[proxy_name]
+        plans.append(_plan_one(layer_name or "(model)", layer, proxy))
+    return plans
+
+
+@contextlib.contextmanager
+def float_weights(plans: Sequence[PlannedWeight]) -> Iterator[None]:
+    """While exporting: each planned layer computes with its quantized weight as a plain float tensor."""
+    saved = []
+    try:
+        for plan in plans:
+            proxy = plan.layer.weight_quant
+            saved.append((plan, plan.layer.weight.data, proxy.disable_quant))
+            plan.layer.weight.data = torch.from_numpy(plan.values.copy()).to(plan.layer.weight.dtype)
+            proxy.disable_quant = True
+        yield
+    finally:
+        for plan, data, disabled in reversed(saved):
+            plan.layer.weight.data = data
+            plan.layer.weight_quant.disable_quant = disabled
+
+
+def _code_tensor(plan: PlannedWeight, codes: np.ndarray, name: str) -> TensorProto:
+    if plan.code_type in (TensorProto.INT4, TensorProto.UINT4):
+        return onnx.helper.make_tensor(name, plan.code_type, list(codes.shape), codes.reshape(-1).tolist())
+    if plan.code_type in (TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2):
+        raw = np.ascontiguousarray(codes).tobytes()
+        return onnx.helper.make_tensor(name, plan.code_type, list(codes.shape), raw, raw=True)
+    return numpy_helper.from_array(np.ascontiguousarray(codes), name=name)
+
+
+def _to_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    current = next(int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    if current >= opset:
+        return model
+    try:
+        converted = onnx.version_converter.convert_version(model, opset)
+    except Exception as exc:  # noqa: BLE001 - the converter raises plain RuntimeErrors
+        raise _PlanError(f"onnx could not convert the graph from opset {current} to {opset}: {exc}") from exc
+    converted.ir_version = max(converted.ir_version, 10)
+    return converted
+
+
+def insert_dequantize(model: onnx.ModelProto, plans: Sequence[PlannedWeight]) -> onnx.ModelProto:
+    """Opset 21, and each planned weight's float initializer replaced by codes + ``DequantizeLinear``."""
+    model = _to_opset(model, BLOCKED_OPSET)
+    graph = model.graph
+    taken = {i.name for i in graph.initializer} | {n for node in graph.node for n in (*node.input, *node.output)}
+    done: set[str] = set()
+    for plan in plans:
+        found = None
+        for init in graph.initializer:
+            if init.name in done or init.data_type != TensorProto.FLOAT:
+                continue
+            array = numpy_helper.to_array(init)
+            if array.shape == plan.values.shape and np.array_equal(array, plan.values):
+                found = (init, False)
+                break
+            if array.ndim == 2 and array.shape == plan.values.T.shape and np.array_equal(array, plan.values.T):
+                found = (init, True)
+                break
+        if found is None:
+            if any(numpy_helper.to_array(i).shape == plan.values.shape for i in graph.initializer
+                   if i.name in done):
+                continue  # an identical weight of another layer, already written (the exporter shares it)
+            raise _PlanError(f"could not find the weight of layer '{plan.name}' ({plan.fmt}) in the exported graph")
+        init, transposed = found
+        codes, scale, zero_point, axis = plan.codes, plan.scale, plan.zero_point, plan.axis
+        if transposed:
+            codes, axis = codes.T, 1 - axis
+            scale = scale.T if scale.ndim == 2 else scale
+            zero_point = zero_point.T if zero_point is not None and zero_point.ndim == 2 else zero_point
+        names = []
+        for suffix in ("quant", "scale", "zero_point"):
+            candidate, k = f"{init.name}_{suffix}", 1
+            while candidate in taken:
+                candidate, k = f"{init.name}_{suffix}_{k}", k + 1
+            taken.add(candidate)
+            names.append(candidate)
+        tensors = [_code_tensor(plan, codes, names[0]),
+                   numpy_helper.from_array(np.ascontiguousarray(scale, dtype=np.float32), name=names[1])]
+        inputs = names[:2]
+        if zero_point is not None:
+            zp_plan = PlannedWeight(**{**plan.__dict__, "codes": zero_point})
+            tensors.append(_code_tensor(zp_plan, np.ascontiguousarray(zero_point), names[2]))
+            inputs.append(names[2])
+        attributes = {"axis": axis}
+        if plan.block_size:
+            attributes["block_size"] = plan.block_size
+        node = onnx.helper.make_node("DequantizeLinear", inputs, [init.name], name=f"{init.name}_DequantizeLinear",
+                                     **attributes)
+        graph.initializer.remove(init)
+        graph.initializer.extend(tensors)
+        graph.node.insert(0, node)
+        done.add(init.name)
+    return model
+
+
+def describe_opset_limit(plans: Sequence[PlannedWeight]) -> str:
+    """A message fragment naming the first planned weight, for opset errors."""
+    first = plans[0]
+    return f"{first.fmt} (weight of '{first.name}')"
+
