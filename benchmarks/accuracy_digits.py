@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import torch
+from tables import format_table
 
 from quark_brevitas import Config, ModelQuantizer, ParamType, QLayerConfig, QTensorConfig, QuantType, algos
 from quark_brevitas.digits import evaluate, load_digits_data, train_digits_cnn
@@ -54,9 +55,7 @@ def main() -> None:
             mse = float(((quant(inputs) - reference) ** 2).mean())
         rows.append((name, f"{acc:.2f}", f"{acc - float_acc:+.2f}", f"{mse:.4f}", f"{seconds:.1f}"))
     header = ("config", "accuracy %", "vs float", "logits MSE", "quantize s")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        print(" | ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    print(format_table(header, rows))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ import onnx
 import onnxruntime as ort
 import torch
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+from tables import format_table
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
@@ -245,10 +246,8 @@ def latencies(
 
 
 def table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "-|-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    """``rows[0]`` is the header."""
+    return format_table(rows[0], rows[1:])
 
 
 def run_case(case: Case, out: pathlib.Path, threads: Sequence[int], runs: int) -> list[tuple[str, ...]]:

@@ -19,6 +19,7 @@ import time
 import warnings
 
 import torch
+from tables import format_table
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -176,10 +177,8 @@ def main() -> None:
             rows.append((name, str(bits), cnn_acc, cnn_size, tf_acc, tf_size))
     header = ("format (weights, or weights + activations)", "bits", "CNN acc %", "CNN ONNX KiB",
               "transformer acc %", "transformer ONNX KiB")
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     print(f"digits test split, {len(data.test.dataset)} images; ONNX sizes of the verified QCDQ export")
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        print("| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |")
+    print(format_table(header, rows))
     reasons: dict[str, list[str]] = {}
     for name, note in notes.items():
         reason = re.sub(r" \((act|weight) quantizer '[^']*' \(\w+\)\)", "", note).split(". ")[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import time
 
+from tables import format_table
+
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
 from quark_brevitas.digits import evaluate, fine_tune, load_digits_data, train_digits_cnn
 from quark_brevitas.qat import QATConfig, prepare_qat
@@ -49,9 +51,7 @@ def main() -> None:
         rows.append((name, f"{ptq:.2f}", f"{qat:.2f}", f"{ptq - float_acc:+.2f}", f"{qat - float_acc:+.2f}",
                      f"{time.perf_counter() - start:.1f}"))
     header = ("config", "PTQ %", "QAT %", "PTQ vs float", "QAT vs float", f"QAT s ({EPOCHS} ep)")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        print(" | ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    print(format_table(header, rows))
 
 
 if __name__ == "__main__":
