@@ -45,6 +45,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
+from models import EncoderLayer
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 from tables import format_table
 from torch import nn
@@ -70,23 +71,6 @@ FLOAT_KERNELS = ("Conv", "FusedConv", "Gemm", "FusedGemm", "MatMul", "FusedMatMu
 
 
 # ------------------------------------------------------------------------------------------- models
-
-
-class EncoderLayer(nn.Module):
-    """Post-norm transformer encoder layer (ReLU feed-forward), as ``nn.TransformerEncoderLayer`` in eval mode."""
-
-    def __init__(self, d_model: int = 128, nhead: int = 4, dim_feedforward: int = 256) -> None:
-        super().__init__()
-        self.self_attn = nn.MultiheadAttention(d_model, nhead, batch_first=True)
-        self.linear1 = nn.Linear(d_model, dim_feedforward)
-        self.relu = nn.ReLU()
-        self.linear2 = nn.Linear(dim_feedforward, d_model)
-        self.norm1 = nn.LayerNorm(d_model)
-        self.norm2 = nn.LayerNorm(d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm1(x + self.self_attn(x, x, x, need_weights=False)[0])
-        return self.norm2(x + self.linear2(self.relu(self.linear1(x))))
 
 
 class Encoder(nn.Module):

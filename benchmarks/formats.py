@@ -19,6 +19,7 @@ import time
 import warnings
 
 import torch
+from models import EncoderLayer
 from tables import format_table
 from torch import nn
 from torch.utils.data import DataLoader
@@ -85,23 +86,6 @@ ACTIVATION_FORMATS: list[tuple[str, int, QTensorConfig, QTensorConfig]] = [
 # ------------------------------------------------------------------------------------------- the transformer
 
 
-class _Block(nn.Module):
-    """Post-norm encoder layer written with the layers quark_brevitas quantizes (MultiheadAttention, Linear)."""
-
-    def __init__(self, d_model: int, heads: int, ff: int) -> None:
-        super().__init__()
-        self.self_attn = nn.MultiheadAttention(d_model, heads, batch_first=True)
-        self.linear1 = nn.Linear(d_model, ff)
-        self.relu = nn.ReLU()
-        self.linear2 = nn.Linear(ff, d_model)
-        self.norm1 = nn.LayerNorm(d_model)
-        self.norm2 = nn.LayerNorm(d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm1(x + self.self_attn(x, x, x, need_weights=False)[0])
-        return self.norm2(x + self.linear2(self.relu(self.linear1(x))))
-
-
 class DigitsTransformer(nn.Module):
     """8 tokens (image rows) of 8 pixels -> Linear embedding + positions -> 2 blocks -> mean -> classes."""
 
@@ -109,7 +93,7 @@ class DigitsTransformer(nn.Module):
         super().__init__()
         self.embed = nn.Linear(8, d_model)
         self.position = nn.Parameter(torch.zeros(1, 8, d_model))
-        self.blocks = nn.Sequential(*[_Block(d_model, heads, ff) for _ in range(layers)])
+        self.blocks = nn.Sequential(*[EncoderLayer(d_model, heads, ff) for _ in range(layers)])
         self.head = nn.Linear(d_model, 10)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

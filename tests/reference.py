@@ -320,3 +320,13 @@ def float_round_mode(y: torch.Tensor, exponent_bits: int, mantissa_bits: int, ro
     out = signed_grid[index]
     out = torch.where(flat > grid[-1], grid[-1], torch.where(flat < -grid[-1], -grid[-1], out))
     return out.to(y.dtype).reshape(y.shape)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Equal within 1e-6 relative; a value one grid step off can never pass."""
+    actual, expected = actual.detach(), expected.detach()
+    bad = (actual - expected).abs() > 1e-6 * expected.abs()
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())}/{bad.numel()} differ, e.g. got {actual[bad][:4].tolist()} "
+        f"expected {expected[bad][:4].tolist()}"
+    )

@@ -46,16 +46,6 @@ def _quant_weight(weight: torch.Tensor, spec: QTensorConfig):
     return _quantize(_layer_with(weight), QLayerConfig(weight=spec))[0].quant_weight()
 
 
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Equal within 1e-6 relative; a value one grid step off can never pass."""
-    actual, expected = actual.detach(), expected.detach()
-    bad = (actual - expected).abs() > 1e-6 * expected.abs()
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())}/{bad.numel()} differ, e.g. got {actual[bad][:4].tolist()} "
-        f"expected {expected[bad][:4].tolist()}"
-    )
-
-
 def _group_weights(cols: int = 200) -> torch.Tensor:
     """A [16, cols] weight: N(0, 0.05), outliers, one wide row, one all-positive row; cols not a
     multiple of the group sizes used, so the last group of each row is padded."""
@@ -97,15 +87,15 @@ def test_int_weight_per_group_matches_definition(bits, symmetric, group_size):
     else:
         scale, zp = ref.group_asymmetric_scale_zero_point(w, bits, group_size)
         expected = ref.int_qdq(w, scale, zp, bits, False, False)
-    _assert_close(q.scale, scale, "scale")
+    ref.assert_close(q.scale, scale, "scale")
     assert torch.equal(q.zero_point.detach().expand_as(zp), zp)
-    _assert_close(q.value, expected, "values")
+    ref.assert_close(q.value, expected, "values")
     codes = torch.round(q.value.detach() / q.scale.detach() + q.zero_point.detach())
     qmin, qmax = ref.int_range(bits, symmetric, symmetric)
     assert codes.min() >= qmin and codes.max() <= qmax
     # One scale per group: each group's largest magnitude (symmetric) lands exactly on +-qmax.
     if symmetric:
-        _assert_close(ref.group_absmax(q.value.detach(), group_size), ref.group_absmax(w, group_size), "group max")
+        ref.assert_close(ref.group_absmax(q.value.detach(), group_size), ref.group_absmax(w, group_size), "group max")
 
 
 def test_int_weight_per_group_conv_groups_run_over_input_channels():
@@ -114,8 +104,8 @@ def test_int_weight_per_group_conv_groups_run_over_input_channels():
     w = torch.randn(8, 12, 3, 3, generator=g) * 0.1
     q = _quant_weight(w, _int_group_spec(4, 8, True, ch_axis=1))
     scale = ref.group_symmetric_scale(w, 4, 8)
-    _assert_close(q.scale, scale, "scale")
-    _assert_close(q.value, ref.int_qdq(w, scale, 0.0, 4, True, True), "values")
+    ref.assert_close(q.scale, scale, "scale")
+    ref.assert_close(q.value, ref.int_qdq(w, scale, 0.0, 4, True, True), "values")
     assert len(torch.unique(q.scale.detach()[0, :, 1, 1])) == 2  # channels 0-7 and 8-11 differ
 
 
@@ -124,7 +114,7 @@ def test_int_weight_per_group_mse_on_own_grid_and_not_worse_than_stats(symmetric
     w = _group_weights()
     q = _quant_weight(w, _int_group_spec(4, 32, symmetric, param_type=ParamType.mse))
     scale, zp = q.scale.detach(), q.zero_point.detach()
-    _assert_close(q.value, ref.int_qdq(w, scale, zp, 4, symmetric, symmetric), "values on own grid")
+    ref.assert_close(q.value, ref.int_qdq(w, scale, zp, 4, symmetric, symmetric), "values on own grid")
     stats = _quant_weight(w, _int_group_spec(4, 32, symmetric))
     mse_err = ((q.value.detach() - w) ** 2).mean().item()
     assert mse_err <= ((stats.value.detach() - w) ** 2).mean().item() * (1 + 1e-6)
@@ -152,8 +142,8 @@ def test_mx_int_weight_matches_ocp(bits, group_size):
     q = _quant_weight(w, spec)
     step, expected = ref.mx_int_qdq(w, bits, group_size)
     assert isinstance(q, GroupwiseIntQuantTensor)
-    _assert_close(q.scale, step, "element step (shared scale x 2^-(b-2))")
-    _assert_close(q.value, expected, "values")
+    ref.assert_close(q.scale, step, "element step (shared scale x 2^-(b-2))")
+    ref.assert_close(q.value, expected, "values")
     # max|block| < 2^(k+1) = 2^(b-1) steps: only values within one step of the top saturate, by < 1 step.
     assert bool(((q.value.detach() - w).abs() <= step * (1 + 1e-6)).all())
 
@@ -167,7 +157,7 @@ def test_brevitas_stock_mxint8_clips_half_of_each_block():
         stock.weight.copy_(w)
     q = stock.quant_weight()
     step, _ = ref.mx_int_qdq(w, 8)
-    _assert_close(q.scale, step / 2, "stock MXInt8Weight step")
+    ref.assert_close(q.scale, step / 2, "stock MXInt8Weight step")
     clipped = (w.abs() > 127 * q.scale.detach()).float().mean().item()
     assert clipped > 0.01
     ours = _quant_weight(w, QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.int8))
@@ -182,9 +172,9 @@ def test_mx_float_weight_matches_ocp(element):
     scale, expected = ref.mx_float_qdq(w, e, m)
     assert isinstance(q, GroupwiseFloatQuantTensor)
     assert (q.exponent_bit_width.item(), q.mantissa_bit_width.item()) == (e, m)
-    _assert_close(q.scale, scale, "shared scale")
+    ref.assert_close(q.scale, scale, "shared scale")
     assert torch.equal(q.scale.detach(), torch.exp2(torch.log2(q.scale.detach()).round()))  # E8M0
-    _assert_close(q.value, expected, "values")
+    ref.assert_close(q.value, expected, "values")
     assert torch.isfinite(q.value).all()
     # OCP saturates: the block max may clip (emax rule), but never beyond max_finite * X.
     assert (q.value.detach().abs() <= ref.float_max_finite(e, m) * scale).all()
@@ -194,8 +184,8 @@ def test_mx_int8_short_form_equals_reference():
     w = _group_weights(256)
     q = _quant_weight(w, QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.int8))
     step, expected = ref.mx_int_qdq(w, 8)
-    _assert_close(q.scale, step, "step")
-    _assert_close(q.value, expected, "values")
+    ref.assert_close(q.scale, step, "step")
+    ref.assert_close(q.value, expected, "values")
 
 
 def _act_layer(spec: QTensorConfig, features: int = 64) -> nn.Module:
@@ -222,10 +212,10 @@ def test_mx_activations_match_ocp_per_input(element):
         _, expected = ref.mx_int_qdq(x, 8, 32, axis=-1)
     else:
         _, expected = ref.mx_float_qdq(x, *MX_FLOATS[element], 32, axis=-1)
-    _assert_close(out.value if hasattr(out, "value") else out, expected, "values")
+    ref.assert_close(out.value if hasattr(out, "value") else out, expected, "values")
     # Dynamic: scaling the input by a power of two scales the output exactly.
     again = layer.input_quant(x * 4)
-    _assert_close(again.value if hasattr(again, "value") else again, expected * 4, "scale-equivariant")
+    ref.assert_close(again.value if hasattr(again, "value") else again, expected * 4, "scale-equivariant")
 
 
 # ================================================================ 3. minifloats per group, fp6 / fp4
@@ -238,9 +228,9 @@ def test_float_weight_per_group_float_scale_matches_definition(dtype, group_size
     w = _group_weights()
     q = _quant_weight(w, QTensorConfig(dtype=dtype, qscheme=PG, group_size=group_size))
     scale = ref.group_float_scale(w, e, m, group_size)
-    _assert_close(q.scale, scale, "scale")
-    _assert_close(q.value, ref.float_qdq(w, scale, e, m), "values")
-    _assert_close(ref.group_absmax(q.value.detach(), group_size), ref.group_absmax(w, group_size), "group max")
+    ref.assert_close(q.scale, scale, "scale")
+    ref.assert_close(q.value, ref.float_qdq(w, scale, e, m), "values")
+    ref.assert_close(ref.group_absmax(q.value.detach(), group_size), ref.group_absmax(w, group_size), "group max")
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per_tensor", "per_channel"])
@@ -251,7 +241,7 @@ def test_float_short_forms_match_definition(dtype, per_channel):
     spec = QTensorConfig(dtype=dtype, qscheme=QSchemeType.per_channel if per_channel else QSchemeType.per_tensor)
     q = _quant_weight(w, spec)
     scale = ref.float_symmetric_scale(w, e, m, per_channel)
-    _assert_close(q.value, ref.float_qdq(w, scale, e, m), "values")
+    ref.assert_close(q.value, ref.float_qdq(w, scale, e, m), "values")
     saturated = _quant_weight(w * 1e4, spec)  # scale follows: still on the grid, never inf/NaN
     assert torch.isfinite(saturated.value).all()
 
@@ -317,7 +307,7 @@ def test_int_weight_rounding_methods(rounding):
     spec = QTensorConfig(round_method=None if rounding == "half_even" else RoundType[rounding])
     q = _quant_weight(_TIE_WEIGHTS, spec)
     assert q.scale.item() == 1.0
-    _assert_close(q.value, ref.int_qdq_rounded(_TIE_WEIGHTS, torch.ones(()), 0.0, 8, True, True, rounding), rounding)
+    ref.assert_close(q.value, ref.int_qdq_rounded(_TIE_WEIGHTS, torch.ones(()), 0.0, 8, True, True, rounding), rounding)
     explicit = _quant_weight(_TIE_WEIGHTS, QTensorConfig(round_method=RoundType[rounding]))
     assert torch.equal(explicit.value, q.value)
 
@@ -337,7 +327,7 @@ def test_int_weight_rounding_methods_on_random_weights(rounding, symmetric):
         scale, zp = ref.symmetric_scale(w, 4, per_channel=True), 0.0
     else:
         scale, zp = ref.asymmetric_scale_zero_point(w, 4, per_channel=True)
-    _assert_close(q.value, ref.int_qdq_rounded(w, scale, zp, 4, symmetric, symmetric, rounding), "values")
+    ref.assert_close(q.value, ref.int_qdq_rounded(w, scale, zp, 4, symmetric, symmetric, rounding), "values")
 
 
 @pytest.mark.xfail(
@@ -349,7 +339,7 @@ def test_int_weight_rounding_methods_on_random_weights(rounding, symmetric):
 def test_int_weight_floor_rounding_asymmetric_matches_definition():
     w, q = _rounded_weight("floor", False)
     scale, zp = ref.asymmetric_scale_zero_point(w, 4, per_channel=True)
-    _assert_close(q.value, ref.int_qdq_rounded(w, scale, zp, 4, False, False, "floor"), "values")
+    ref.assert_close(q.value, ref.int_qdq_rounded(w, scale, zp, 4, False, False, "floor"), "values")
 
 
 def test_int_weight_floor_rounding_asymmetric_follows_brevitas_zero_point_rule():
@@ -358,7 +348,7 @@ def test_int_weight_floor_rounding_asymmetric_follows_brevitas_zero_point_rule()
     lo = torch.clamp(w.amin(dim=1, keepdim=True), max=0.0)
     zp = torch.clamp(torch.floor(-lo / scale), 0, 15)
     assert torch.equal(q.zero_point.detach().reshape(zp.shape), zp)
-    _assert_close(q.value, ref.int_qdq_rounded(w, scale, zp, 4, False, False, "floor"), "values on that grid")
+    ref.assert_close(q.value, ref.int_qdq_rounded(w, scale, zp, 4, False, False, "floor"), "values on that grid")
 
 
 @pytest.mark.parametrize("rounding", ["floor", "round"])
@@ -368,14 +358,14 @@ def test_float_weight_rounding_methods(e, m, rounding):
     q = _quant_weight(w, QTensorConfig(quant_type=QTensorConfig().quant_type.float_quant, bit_width=1 + e + m,
                                        exponent_bit_width=e, mantissa_bit_width=m, round_method=RoundType[rounding]))
     scale = ref.float_symmetric_scale(w, e, m)
-    _assert_close(q.value, ref.float_round_mode(w / scale, e, m, rounding) * scale, "values")
+    ref.assert_close(q.value, ref.float_round_mode(w / scale, e, m, rounding) * scale, "values")
 
 
 def test_mx_weight_rounding_floor():
     w = _group_weights(256)
     q = _quant_weight(w, QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp4, round_method=RoundType.floor))
     scale = ref.mx_shared_scale(w, ref.mx_emax(2, 1))
-    _assert_close(q.value, ref.float_round_mode(w / scale, 2, 1, "floor") * scale, "values")
+    ref.assert_close(q.value, ref.float_round_mode(w / scale, 2, 1, "floor") * scale, "values")
 
 
 @pytest.mark.parametrize("rounding", ["floor", "round"])
@@ -385,7 +375,7 @@ def test_int_activation_rounding_methods(rounding):
         input_tensors=QTensorConfig(is_dynamic=True, round_method=RoundType[rounding])), [batch])[0]
     x = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5, -3.5, 100.5, -0.5, 3.2, -3.7, 17.25, -17.75, 0.0, 1.0, -1.0, 9.5])
     out = layer.input_quant(x.reshape(1, 16)).value[0]
-    _assert_close(out, ref.int_qdq_rounded(x, torch.ones(()), 0.0, 8, True, True, rounding), rounding)
+    ref.assert_close(out, ref.int_qdq_rounded(x, torch.ones(()), 0.0, 8, True, True, rounding), rounding)
 
 
 # ================================================================ 5. zero-point type
@@ -404,8 +394,8 @@ def test_float_zero_point_weights_match_definition(bits, per_channel):
     scale = (hi - lo) / (2**bits - 1)
     zp = -lo / scale
     assert not torch.equal(zp, torch.round(zp))
-    _assert_close(q.zero_point.detach().reshape(zp.shape), zp, "zero point")
-    _assert_close(q.value, ref.int_qdq_rounded(w, scale, zp, bits, False, False, "half_even"), "values")
+    ref.assert_close(q.zero_point.detach().reshape(zp.shape), zp, "zero point")
+    ref.assert_close(q.value, ref.int_qdq_rounded(w, scale, zp, bits, False, False, "half_even"), "values")
     assert torch.equal(_quant_weight(w, QTensorConfig(bit_width=bits, symmetric=False, qscheme=spec.qscheme,
                                                       zero_point_type=ZeroPointType.int32)).value,
                        _quant_weight(w, QTensorConfig(bit_width=bits, symmetric=False, qscheme=spec.qscheme)).value)
@@ -420,10 +410,10 @@ def test_float_zero_point_activations_match_definition():
     his = torch.stack([x.max() for x in batches])
     scale = (his - los).mean() / 255
     zp = -los.mean() / scale
-    _assert_close(layer.input_quant.scale().detach(), scale, "scale")
-    _assert_close(layer.input_quant.zero_point().detach(), zp, "float zero point")
+    ref.assert_close(layer.input_quant.scale().detach(), scale, "scale")
+    ref.assert_close(layer.input_quant.zero_point().detach(), zp, "float zero point")
     x = _token_probe()
-    _assert_close(layer.input_quant(x).value, ref.int_qdq_rounded(x, scale, zp, 8, False, False, "half_even"),
+    ref.assert_close(layer.input_quant(x).value, ref.int_qdq_rounded(x, scale, zp, 8, False, False, "half_even"),
                   "values")
 
 
@@ -444,7 +434,7 @@ def test_percentile_sets_the_int_activation_statistic(percentile):
     layer = _quantize(nn.Sequential(nn.Linear(16, 4)), QLayerConfig(input_tensors=spec), batches)[0]
     stat = torch.stack([ref.kth_smallest(x.abs(), ref.high_percentile_rank(percentile, x.numel()))
                         for x in batches]).mean()
-    _assert_close(layer.input_quant.scale().detach() * 128, stat, f"{percentile}th percentile")
+    ref.assert_close(layer.input_quant.scale().detach() * 128, stat, f"{percentile}th percentile")
 
 
 def test_percentile_asymmetric_uses_both_tails():
@@ -454,7 +444,7 @@ def test_percentile_asymmetric_uses_both_tails():
     his = [ref.kth_smallest(x, ref.high_percentile_rank(99.0, x.numel())) for x in batches]
     los = [torch.clamp(ref.kth_smallest(x, ref.low_percentile_rank(1.0, x.numel())), max=0.0) for x in batches]
     scale = torch.stack([h - lo for h, lo in zip(his, los)]).mean() / 255
-    _assert_close(layer.input_quant.scale().detach(), scale, "scale")
+    ref.assert_close(layer.input_quant.scale().detach(), scale, "scale")
 
 
 def test_percentile_for_float_activations():
@@ -463,7 +453,7 @@ def test_percentile_for_float_activations():
         input_tensors=QTensorConfig(dtype=Dtype.fp8_e4m3, percentile=99.0)), batches)[0]
     stat = torch.stack([ref.kth_smallest(x.abs(), ref.high_percentile_rank(99.0, x.numel()))
                         for x in batches]).mean()
-    _assert_close(layer.input_quant.scale().detach(), stat / 448.0, "scale")
+    ref.assert_close(layer.input_quant.scale().detach(), stat / 448.0, "scale")
     default = _quantize(nn.Sequential(nn.Linear(16, 4)), QLayerConfig(
         input_tensors=QTensorConfig(dtype=Dtype.fp8_e4m3)), batches)[0]
     assert default.input_quant.scale().item() > layer.input_quant.scale().item()  # max, not a percentile
@@ -500,10 +490,10 @@ def test_dynamic_int_activations_match_definition(bits, symmetric, per_token):
         scale, zp = ref.asymmetric_scale_zero_point(rows, bits, per_channel=per_token)
         expected = ref.int_qdq(rows, scale, zp, bits, False, False)
     out = layer.input_quant(x)
-    _assert_close(out.value, expected.reshape(x.shape), "values")
-    _assert_close(out.scale.reshape(-1), scale.reshape(-1), "scale")
+    ref.assert_close(out.value, expected.reshape(x.shape), "values")
+    ref.assert_close(out.scale.reshape(-1), scale.reshape(-1), "scale")
     # No calibration state: another input gets its own scale.
-    _assert_close(layer.input_quant(x * 3).value, expected.reshape(x.shape) * 3, "equivariant")
+    ref.assert_close(layer.input_quant(x * 3).value, expected.reshape(x.shape) * 3, "equivariant")
 
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["per_tensor", "per_token"])
@@ -516,7 +506,7 @@ def test_dynamic_float_activations_match_definition(dtype, per_token):
     x = _token_probe()
     rows = x.reshape(-1, 16) if per_token else x.reshape(1, -1)
     scale = ref.float_symmetric_scale(rows, e, m, per_channel=per_token)
-    _assert_close(layer.input_quant(x).value, ref.float_qdq(rows, scale, e, m).reshape(x.shape), "values")
+    ref.assert_close(layer.input_quant(x).value, ref.float_qdq(rows, scale, e, m).reshape(x.shape), "values")
 
 
 @pytest.mark.parametrize("group_size", [4, 8])
@@ -524,14 +514,14 @@ def test_dynamic_per_group_int_activations_match_definition(group_size):
     layer = _dynamic_layer(QTensorConfig(qscheme=PG, group_size=group_size))
     x = _token_probe()
     scale = ref.group_symmetric_scale(x, 8, group_size, axis=-1)
-    _assert_close(layer.input_quant(x).value, ref.int_qdq(x, scale, 0.0, 8, True, True), "values")
+    ref.assert_close(layer.input_quant(x).value, ref.int_qdq(x, scale, 0.0, 8, True, True), "values")
 
 
 def test_dynamic_per_group_float_activations_match_definition():
     layer = _dynamic_layer(QTensorConfig(dtype=Dtype.fp8_e4m3, qscheme=PG, group_size=8))
     x = _token_probe()
     scale = ref.group_float_scale(x, 4, 3, 8, axis=-1)
-    _assert_close(layer.input_quant(x).value, ref.float_qdq(x, scale, 4, 3), "values")
+    ref.assert_close(layer.input_quant(x).value, ref.float_qdq(x, scale, 4, 3), "values")
 
 
 def test_dynamic_activations_quantize_the_digits_cnn(digits_model, digits_data):

@@ -76,16 +76,6 @@ def _flat(t: torch.Tensor | float) -> torch.Tensor:
     return torch.as_tensor(t).detach().reshape(-1)
 
 
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Equal within 1e-6 relative; a value one grid step off can never pass."""
-    actual, expected = actual.detach(), expected.detach()
-    bad = (actual - expected).abs() > 1e-6 * expected.abs()
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())}/{bad.numel()} differ, e.g. got {actual[bad][:4].tolist()} "
-        f"expected {expected[bad][:4].tolist()}"
-    )
-
-
 def _weights() -> torch.Tensor:
     """A fixed [32, 64] weight: N(0, 0.05) with outliers, one wide row, one all-positive row."""
     g = torch.Generator().manual_seed(0)
@@ -174,15 +164,15 @@ def test_int_weight_stats_matches_definition(bits, per_channel, symmetric):
 
     assert isinstance(q, IntQuantTensor)
     assert q.bit_width.item() == bits and bool(q.signed) is signed
-    _assert_close(_flat(q.scale), _flat(scale).expand(_flat(q.scale).shape), "scale")
+    ref.assert_close(_flat(q.scale), _flat(scale).expand(_flat(q.scale).shape), "scale")
     assert torch.equal(_flat(q.zero_point), _flat(zp).expand(_flat(q.zero_point).shape))
-    _assert_close(q.value, expected, "values")
+    ref.assert_close(q.value, expected, "values")
     codes = torch.round(q.value.detach() / q.scale.detach() + q.zero_point.detach())
     qmin, qmax = ref.int_range(bits, signed, narrow)
     assert codes.min() >= qmin and codes.max() <= qmax
     if symmetric:
         # The largest magnitude is reproduced exactly (it sits on +-qmax), per tensor or per row.
-        _assert_close(ref.absmax(q.value.detach(), per_channel), ref.absmax(w, per_channel), "max |w|")
+        ref.assert_close(ref.absmax(q.value.detach(), per_channel), ref.absmax(w, per_channel), "max |w|")
     else:
         # Zero is exactly representable (through the layer's own quantizer), and row 30 (all positive:
         # its minimum is clamped to 0) has zero point 0, unlike most mixed-sign rows.
@@ -206,8 +196,8 @@ def test_int_weight_pof2_matches_definition(bits, per_channel, symmetric):
     w = _pow2_extreme_weights()
     q = _quant_weight(w, _int_spec(bits, per_channel, symmetric, ScaleType.pof2))
     scale, zp, expected, _, _ = _int_reference(w, bits, per_channel, symmetric, pof2=True)
-    _assert_close(_flat(q.scale), _flat(scale).expand(_flat(q.scale).shape), "pof2 scale")
-    _assert_close(q.value, expected, "values")
+    ref.assert_close(_flat(q.scale), _flat(scale).expand(_flat(q.scale).shape), "pof2 scale")
+    ref.assert_close(q.value, expected, "values")
 
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
@@ -229,7 +219,7 @@ def test_int_weight_pof2_scale_is_power_of_two_and_values_on_its_grid(bits, per_
         lo = torch.clamp(w.amin(dim=1, keepdim=True) if per_channel else w.min(), max=0.0)
         zp = torch.clamp(ref.round_half_even(-lo / scale), 0, 2**bits - 1)
     assert torch.equal(_flat(q.zero_point), _flat(zp).expand(_flat(q.zero_point).shape))
-    _assert_close(q.value, ref.int_qdq(w, scale, zp, bits, signed, narrow), "values on own pof2 grid")
+    ref.assert_close(q.value, ref.int_qdq(w, scale, zp, bits, signed, narrow), "values on own pof2 grid")
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per_tensor", "per_channel"])
@@ -242,7 +232,7 @@ def test_int_weight_rounds_half_to_even(per_channel):
     assert torch.all(q.scale == 1.0)
     assert q.value[0].tolist() == [127.0, 0.0, 2.0, 2.0, -2.0, -4.0, 100.0, 102.0]
     assert q.value[1].tolist() == [-127.0, 4.0, 6.0, -0.0, 6.0, 8.0, 8.0, 10.0]
-    _assert_close(q.value, ref.int_qdq(w, torch.ones(()), 0.0, 8, True, True), "ties")
+    ref.assert_close(q.value, ref.int_qdq(w, torch.ones(()), 0.0, 8, True, True), "ties")
 
 
 @pytest.mark.xfail(
@@ -280,7 +270,7 @@ def test_int_weight_mse_on_grid_and_not_worse_than_stats(bits, scale_type, per_c
     assert (codes - torch.round(codes)).abs().max() < 1e-3
     qmin, qmax = ref.int_range(bits, signed, narrow)
     assert torch.round(codes).min() >= qmin and torch.round(codes).max() <= qmax
-    _assert_close(q.value, ref.int_qdq(w, scale, zp, bits, signed, narrow), "values on own grid")
+    ref.assert_close(q.value, ref.int_qdq(w, scale, zp, bits, signed, narrow), "values on own grid")
     if scale_type is ScaleType.pof2:
         assert torch.equal(scale, torch.exp2(torch.round(torch.log2(scale))))
     # (b) the search never loses against the max-based (stats) scale of the same spec.
@@ -307,12 +297,12 @@ def test_float_weight_stats_matches_definition(e, m, per_channel):
     assert (q.exponent_bit_width.item(), q.mantissa_bit_width.item()) == (e, m)
     assert q.exponent_bias.item() == ref.exponent_bias(e)
     scale = ref.float_symmetric_scale(w, e, m, per_channel)
-    _assert_close(_flat(q.scale), _flat(scale).expand(_flat(q.scale).shape), "scale")
-    _assert_close(q.value, ref.float_qdq(w, scale, e, m), "values")
+    ref.assert_close(_flat(q.scale), _flat(scale).expand(_flat(q.scale).shape), "scale")
+    ref.assert_close(q.value, ref.float_qdq(w, scale, e, m), "values")
     # The largest magnitude sits on the largest finite value: 448 * scale for e4m3, 57344 for e5m2.
     max_finite = ref.float_max_finite(e, m)
     top = ref.absmax(q.value.detach(), per_channel)
-    _assert_close(top, max_finite * q.scale.detach().reshape(top.shape), "max finite * scale")
+    ref.assert_close(top, max_finite * q.scale.detach().reshape(top.shape), "max finite * scale")
     assert torch.isfinite(q.value).all()
 
 
@@ -341,8 +331,8 @@ def test_float_weight_pof2_matches_definition(e, m, per_channel):
     w = _pow2_extreme_weights()
     q = _quant_weight(w, _float_spec(e, m, per_channel, ScaleType.pof2))
     scale = ref.pof2(ref.float_symmetric_scale(w, e, m, per_channel))
-    _assert_close(_flat(q.scale), _flat(scale).expand(_flat(q.scale).shape), "pof2 scale")
-    _assert_close(q.value, ref.float_qdq(w, scale, e, m), "values")
+    ref.assert_close(_flat(q.scale), _flat(scale).expand(_flat(q.scale).shape), "pof2 scale")
+    ref.assert_close(q.value, ref.float_qdq(w, scale, e, m), "values")
 
 
 @pytest.mark.parametrize("param_type", [ParamType.stats, ParamType.mse], ids=["stats", "mse"])
@@ -360,7 +350,7 @@ def test_float_weight_pof2_and_mse_values_on_own_grid(e, m, per_channel, param_t
             definition = ref.pof2(ref.float_symmetric_scale(w, e, m, per_channel))
             ratio = _flat(definition).expand(_flat(scale).shape) / _flat(scale)
             assert torch.all((ratio == 1) | (ratio == 2)), ratio.unique()
-        _assert_close(q.value, ref.float_qdq(w, scale, e, m), f"{spec.short()} values on own grid")
+        ref.assert_close(q.value, ref.float_qdq(w, scale, e, m), f"{spec.short()} values on own grid")
         if param_type is ParamType.mse:
             stats = ref.float_qdq(w, ref.float_symmetric_scale(w, e, m, per_channel), e, m)
             if spec.scale_type is ScaleType.float:
@@ -416,12 +406,12 @@ def test_int_act_sym_calibrated_statistic_grid_and_clipping(bits, calib_batches)
     assert mean_max > 2 * stat
     scale = layer.input_quant.scale().detach()
     assert layer.input_quant.zero_point().item() == 0
-    _assert_close(scale * 2 ** (bits - 1), stat, "percentile statistic")
+    ref.assert_close(scale * 2 ** (bits - 1), stat, "percentile statistic")
 
     x = _probe()
     out = layer.input_quant(x)
     assert isinstance(out, IntQuantTensor) and bool(out.signed) and out.bit_width.item() == bits
-    _assert_close(out.value, ref.int_qdq(x, scale, 0.0, bits, True, False), "values")
+    ref.assert_close(out.value, ref.int_qdq(x, scale, 0.0, bits, True, False), "values")
     qmin, qmax = ref.int_range(bits, True, False)
     assert out.value[0, 0].item() == pytest.approx(qmax * scale.item(), rel=1e-6)
     assert out.value[0, 1].item() == pytest.approx(qmin * scale.item(), rel=1e-6)
@@ -438,7 +428,7 @@ def test_int_act_sym_calibrated_statistic_grid_and_clipping(bits, calib_batches)
 def test_int_act_sym_scale_matches_definition(bits, calib_batches):
     layer = _calibrated_input_quant(_int_spec(bits, False, True), calib_batches)
     expected = _sym_percentile_stat(calib_batches) / (2 ** (bits - 1) - 1)
-    _assert_close(layer.input_quant.scale().detach(), expected, "scale")
+    ref.assert_close(layer.input_quant.scale().detach(), expected, "scale")
 
 
 @pytest.mark.parametrize("shift", ["mixed", "relu"])
@@ -457,12 +447,12 @@ def test_int_act_asym_matches_definition(bits, shift, calib_batches):
     else:
         assert zp.item() > 0
 
-    _assert_close(layer.input_quant.scale().detach(), scale, "scale")
+    ref.assert_close(layer.input_quant.scale().detach(), scale, "scale")
     assert layer.input_quant.zero_point().item() == zp.item()
     x = _probe()
     out = layer.input_quant(x)
     assert isinstance(out, IntQuantTensor) and not bool(out.signed)
-    _assert_close(out.value, ref.int_qdq(x, scale, zp, bits, False, False), "values")
+    ref.assert_close(out.value, ref.int_qdq(x, scale, zp, bits, False, False), "values")
     s = scale.item()
     assert out.value[0, 0].item() == pytest.approx((2**bits - 1 - zp.item()) * s, rel=1e-6)
     assert out.value[0, 1].item() == pytest.approx(-zp.item() * s, rel=1e-6, abs=1e-12)
@@ -503,11 +493,11 @@ def test_float_act_matches_definition(e, m, calib_batches):
     layer = _calibrated_input_quant(_float_spec(e, m), calib_batches)
     max_finite = ref.float_max_finite(e, m)
     scale = torch.stack([x.abs().max() for x in calib_batches]).mean() / max_finite
-    _assert_close(layer.input_quant.scale().detach(), scale, "scale")
+    ref.assert_close(layer.input_quant.scale().detach(), scale, "scale")
     x = _probe()
     out = layer.input_quant(x)
     assert isinstance(out, FloatQuantTensor)
-    _assert_close(out.value, ref.float_qdq(x, scale, e, m), "values")
+    ref.assert_close(out.value, ref.float_qdq(x, scale, e, m), "values")
     # Saturating: far out of range gives +-max_finite * scale, never inf/NaN (e4m3 has a NaN code).
     assert out.value[0, 0].item() == pytest.approx(max_finite * scale.item(), rel=1e-6)
     assert out.value[0, 1].item() == pytest.approx(-max_finite * scale.item(), rel=1e-6)
@@ -540,7 +530,7 @@ def test_act_mse_values_on_grid_of_reported_scale(spec, calib_batches):
         zp = layer.input_quant.zero_point().detach()
         assert zp.item() == round(zp.item())
         expected = ref.int_qdq(x, scale, zp, spec.bit_width, spec.symmetric, False)
-    _assert_close(out.value, expected, "input values")
+    ref.assert_close(out.value, expected, "input values")
     # The output quantizer is calibrated too, and the layer's output lies on its grid.
     y = layer(x)
     out_scale = layer.output_quant.scale().detach()
@@ -572,10 +562,10 @@ def test_int_bias_scale_is_input_times_weight_scale(bias_bits, weight_per_channe
     s_in = layer.input_quant.scale().detach()
     s_w = q_w.scale.detach().reshape(-1)
     scale = s_in * s_w
-    _assert_close(_flat(q_b.scale), scale.expand(_flat(q_b.scale).shape), "bias scale")
+    ref.assert_close(_flat(q_b.scale), scale.expand(_flat(q_b.scale).shape), "bias scale")
     assert q_b.bit_width.item() == bias_bits and bool(q_b.signed)
     expected = ref.int_qdq(bias, scale, 0.0, bias_bits, True, False)
-    _assert_close(q_b.value, expected, "bias values")
+    ref.assert_close(q_b.value, expected, "bias values")
     qmin, qmax = ref.int_range(bias_bits, True, False)
     codes = bias / scale
     clamped = (codes > qmax + 0.5) | (codes < qmin - 0.5)
