@@ -30,7 +30,7 @@ def _onnx_exporter():  # imported lazily: onnx/onnxruntime are only needed when 
 
 
 def _qonnx_exporter():  # imported lazily: qonnx is only needed when exporting QONNX
-    from quark_brevitas.export_qonnx import export_qonnx
+    from quark_brevitas.export.qonnx import export_qonnx
 
     return export_qonnx
 

@@ -34,7 +34,6 @@ from brevitas.quant.scaled_int import (
 from onnx import TensorProto
 from torch import nn
 
-from quark_brevitas import export as export_mod
 from quark_brevitas.export import (
     ExportError,
     ExportMismatchError,
@@ -43,6 +42,7 @@ from quark_brevitas.export import (
     run_onnx,
     verify_onnx,
 )
+from quark_brevitas.export import qcdq as export_mod
 
 IMG = (3, 8, 8)
 

@@ -50,22 +50,10 @@ from brevitas.export.onnx.qonnx.manager import QONNXManager
 from brevitas.proxy.quant_proxy import QuantProxyFromInjector
 from torch import nn
 
-from quark_brevitas.export import (
-    DEFAULT_INT_OPSET,
-    ExportArgumentError,
-    ExportError,
-    ExportMismatchError,
-    PathLike,
-    TensorArgs,
-    _compare,
-    _FlatOutputs,
-    _input_names,
-    _normalize_args,
-    _reference,
-    _role,
-    _unique_names,
-    _validate_tolerance,
-)
+from quark_brevitas.export.args import PathLike, TensorArgs, _input_names, _normalize_args
+from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.export.inspect import DEFAULT_INT_OPSET, _role
+from quark_brevitas.export.verify import _compare, _FlatOutputs, _reference, _unique_names, _validate_tolerance
 
 __all__ = ["QONNX_DOMAIN", "QONNXExportReport", "export_qonnx", "run_qonnx"]
 

@@ -1,0 +1,89 @@
+"""Verified ONNX QCDQ export of Brevitas-quantized models for onnxruntime.
+
+:func:`export_onnx_qcdq` turns a Brevitas-quantized ``torch.nn.Module`` into a self-contained
+ONNX file in the QCDQ style (``QuantizeLinear`` -> ``Clip`` -> ``DequantizeLinear`` around every
+quantized tensor) that onnxruntime runs on CPU, and proves it: the file is executed with
+onnxruntime on the example inputs and compared with the PyTorch model before the function
+returns an :class:`ExportReport`.
+
+What the function guarantees on top of ``brevitas.export.export_onnx_qcdq``:
+
+* **Opset.** 13 for integer-only models; for models containing float8 (fp8 e4m3 / e5m2, OCP or
+  FNUZ) quantizers the lowest opset >= 19 that exports and loads in onnxruntime (float8
+  ``QuantizeLinear``/``DequantizeLinear`` need opset 19). Formats without an ONNX/onnxruntime
+  equivalent (e.g. > 8-bit weights or activations, group-wise/MX, fp4/fp6) raise
+  :class:`ExportError` naming the quantizer, the format and the target.
+* **Integer storage.** Quantized weights are stored as int8/uint8 (or float8) initializers, never
+  as float32: integer weights come straight from Brevitas, float8 weights (which Brevitas can only
+  emit as ``QuantizeLinear(float weight)``) are constant-folded to float8 initializers, and the
+  ``Clip`` Brevitas places on constant integer weights is folded too.
+* **Integer kernels.** Brevitas' graph as written makes onnxruntime run most int8 layers in float,
+  dequantizing the weights on every call (slower than the float model): its QDQ fusions reject a
+  ``Gemm``/``Conv`` whose output goes through a non-redundant ``Relu`` before the next quantizer
+  (Brevitas' signed activations have zero point 0), a ``Conv`` followed by ``Relu -> MaxPool``
+  before its quantizer and a ``Flatten`` between a dequantizer and its ``Gemm``; and its own
+  int8 -> uint8 activation conversion only handles adjacent Q/DQ pairs, so an integer ``Clip``
+  in between leaves mismatched types that no fusion accepts. Exact graph rewrites (ReLU as an
+  integer Clip after the quantizer, quantizers moved above layout ops/MaxPool and dequantizers
+  below them, activations stored as uint8 with the zero point shifted by 128, weights transposed
+  offline, ...) give onnxruntime complete QGemm/QLinearConv/QLinearMatMul/MatMulIntegerToFloat
+  groups; see ``_INTEGER_KERNEL_REWRITES``. ``integer_kernels=False`` skips them. Layers whose
+  activations are float (weight-only) or float8 stay unfused. onnxruntime rounds the float bias of
+  a layer with quantized input and weight to int32 in order to fuse it; when that breaks the
+  tolerance, the biases are moved into separate ``Add`` nodes and the file is verified again
+  (see ``_move_float_biases_out``).
+* **Clean file.** Initializers are not duplicated as graph inputs, nothing is stored as external
+  data, and nothing but the ``.onnx`` file is written to the output directory (Brevitas and
+  PyTorch work in a private temporary directory).
+* **Verification.** See :func:`export_onnx_qcdq` for the tolerance rule; a disagreement raises
+  :class:`ExportMismatchError`.
+
+:func:`run_onnx` / :func:`create_ort_session` run such files in onnxruntime (CPU) with the
+session settings they need. onnxruntime 1.31 mis-optimizes float8 QDQ graphs with its default
+settings (it fuses float8 QDQ pairs into integer-only ``QLinear*`` kernels and drops a ``Relu``
+in front of a float8 ``QuantizeLinear``), so for files containing float8 tensors these helpers
+disable the QDQ fusions (``session.disable_quant_qdq``) and the ``ReluQuantRewrite`` rule.
+
+The package is split by concept: :mod:`~quark_brevitas.export.errors` (exceptions),
+:mod:`~quark_brevitas.export.args` (argument handling), :mod:`~quark_brevitas.export.inspect` (quantizer
+inspection, format checks, opset choice), :mod:`~quark_brevitas.export.runtime` (onnxruntime sessions),
+:mod:`~quark_brevitas.export.verify` (reference outputs, tolerance, comparison),
+:mod:`~quark_brevitas.export.passes` (ONNX graph rewrites), :mod:`~quark_brevitas.export.qcdq` (the
+export itself), :mod:`~quark_brevitas.export.blocked` (per-group/MX/fp6/fp4 weights in ONNX) and
+:mod:`~quark_brevitas.export.qonnx` (QONNX export). Everything that used to be importable from
+``quark_brevitas.export`` still is.
+"""
+
+from __future__ import annotations
+
+from quark_brevitas.export.args import PathLike as PathLike
+from quark_brevitas.export.args import TensorArgs as TensorArgs
+from quark_brevitas.export.args import _input_names as _input_names
+from quark_brevitas.export.args import _normalize_args as _normalize_args
+from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.export.inspect import DEFAULT_INT_OPSET, MAX_OPSET, MIN_FLOAT8_OPSET
+from quark_brevitas.export.inspect import _role as _role
+from quark_brevitas.export.passes import _rewrite_for_integer_kernels as _rewrite_for_integer_kernels
+from quark_brevitas.export.qcdq import ExportReport, export_onnx_qcdq
+from quark_brevitas.export.runtime import create_ort_session, run_onnx
+from quark_brevitas.export.verify import VerificationResult, verify_onnx
+from quark_brevitas.export.verify import _compare as _compare
+from quark_brevitas.export.verify import _FlatOutputs as _FlatOutputs
+from quark_brevitas.export.verify import _reference as _reference
+from quark_brevitas.export.verify import _unique_names as _unique_names
+from quark_brevitas.export.verify import _validate_tolerance as _validate_tolerance
+
+__all__ = [
+    "DEFAULT_INT_OPSET",
+    "MAX_OPSET",
+    "MIN_FLOAT8_OPSET",
+    "ExportArgumentError",
+    "ExportError",
+    "ExportMismatchError",
+    "ExportReport",
+    "VerificationResult",
+    "create_ort_session",
+    "export_onnx_qcdq",
+    "run_onnx",
+    "verify_onnx",
+]

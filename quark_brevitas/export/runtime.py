@@ -1,0 +1,176 @@
+"""Running exported ONNX files in onnxruntime (CPU).
+
+:func:`create_ort_session` opens a file with the session settings it needs (float8 files get the QDQ
+fusions and ``ReluQuantRewrite`` disabled, see :mod:`quark_brevitas.export`), :func:`run_onnx` feeds
+it tensors or arrays, and a small thread-safe cache keeps recently used sessions keyed by the file's
+identity so that repeated verification does not reload them.
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+import threading
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto
+
+from quark_brevitas.export.args import PathLike, TensorArgs, _normalize_args
+from quark_brevitas.export.errors import ExportArgumentError, ExportError
+from quark_brevitas.export.passes import _attr
+
+_FLOAT8_ONNX_TYPES = frozenset(
+    {
+        TensorProto.FLOAT8E4M3FN,
+        TensorProto.FLOAT8E4M3FNUZ,
+        TensorProto.FLOAT8E5M2,
+        TensorProto.FLOAT8E5M2FNUZ,
+    }
+)
+
+
+# onnxruntime rewrites that are wrong for float8 QDQ graphs (see module docstring).
+_FLOAT8_DISABLED_ORT_OPTIMIZERS = ("ReluQuantRewrite",)
+# MatMulNBits compute precision: 1 = float32 (see create_ort_session).
+_MATMULNBITS_ACCURACY_LEVEL = "1"
+
+
+# --------------------------------------------------------------------------------------------
+# onnxruntime
+# --------------------------------------------------------------------------------------------
+
+
+_SESSION_CACHE: collections.OrderedDict[str, tuple[tuple[int, int, int], ort.InferenceSession]] = (
+    collections.OrderedDict()
+)
+_SESSION_CACHE_SIZE = 4
+_SESSION_LOCK = threading.Lock()
+
+
+def _model_uses_float8(model: onnx.ModelProto) -> bool:
+    if any(init.data_type in _FLOAT8_ONNX_TYPES for init in model.graph.initializer):
+        return True
+    infos = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
+    return any(vi.type.tensor_type.elem_type in _FLOAT8_ONNX_TYPES for vi in infos)
+
+
+def _has_blocked_8bit_weights(model: onnx.ModelProto) -> bool:
+    """Whether a blocked ``DequantizeLinear`` reads 8-bit integer codes: onnxruntime 1.31 fuses it with an
+    int8 activation into ``MatMulIntegerToFloat`` as if the scales were per channel, and fails at run time."""
+    eight_bit = {init.name for init in model.graph.initializer
+                 if init.data_type in (TensorProto.INT8, TensorProto.UINT8)}
+    return any(node.op_type == "DequantizeLinear" and node.input[0] in eight_bit and _attr(node, "block_size", 0)
+               for node in model.graph.node)
+
+
+def create_ort_session(path: PathLike) -> ort.InferenceSession:
+    """Create a CPU onnxruntime session for an ONNX file written by :func:`export_onnx_qcdq`.
+
+    For files with float8 tensors the onnxruntime QDQ fusions and the ``ReluQuantRewrite`` rule
+    are disabled: with them onnxruntime 1.31 either rejects the graph (float8 fed to integer
+    ``QLinearConv``/``QGemm``) or silently removes a ``Relu`` in front of a float8
+    ``QuantizeLinear``. The same holds for files with blocked 8-bit weights (MXINT8, int5-8 per
+    group): onnxruntime fuses them with int8 activations into ``MatMulIntegerToFloat`` as if their
+    scales were per channel and fails at run time. Integer files use onnxruntime's default (fully
+    optimized) settings, except that the ``MatMulNBits`` kernels onnxruntime makes of weight-only
+    ``DequantizeLinear -> MatMul`` run in float32 (accuracy level 1) rather than on int8-quantized
+    activations (its default, level 4).
+    """
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise ExportError(f"ONNX file {file} does not exist")
+    options = ort.SessionOptions()
+    # onnxruntime fuses DequantizeLinear (blocked int4/int8) -> MatMul into MatMulNBits, by default at
+    # accuracy level 4, which quantizes the activations to int8 on the fly: not what the file says.
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", _MATMULNBITS_ACCURACY_LEVEL)
+    disabled: list[str] = []
+    header = onnx.load(str(file), load_external_data=False)
+    if _model_uses_float8(header) or _has_blocked_8bit_weights(header):
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
+        disabled = list(_FLOAT8_DISABLED_ORT_OPTIMIZERS)
+    try:
+        return ort.InferenceSession(
+            str(file), options, providers=["CPUExecutionProvider"], disabled_optimizers=disabled
+        )
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ExportError(f"onnxruntime (CPU) cannot load {file}: {exc}") from exc
+
+
+def _cached_session(path: PathLike) -> ort.InferenceSession:
+    file = pathlib.Path(path).resolve()
+    try:
+        stat = file.stat()
+    except OSError as exc:
+        raise ExportError(f"ONNX file {file} does not exist") from exc
+    key = str(file)
+    stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+    with _SESSION_LOCK:
+        hit = _SESSION_CACHE.get(key)
+        if hit is not None and hit[0] == stamp:
+            _SESSION_CACHE.move_to_end(key)
+            return hit[1]
+    session = create_ort_session(file)
+    with _SESSION_LOCK:
+        _SESSION_CACHE[key] = (stamp, session)
+        _SESSION_CACHE.move_to_end(key)
+        while len(_SESSION_CACHE) > _SESSION_CACHE_SIZE:
+            _SESSION_CACHE.popitem(last=False)
+    return session
+
+
+def _forget_session(path: pathlib.Path) -> None:
+    with _SESSION_LOCK:
+        _SESSION_CACHE.pop(str(path.resolve()), None)
+
+
+_ORT_NUMPY_TYPES: dict[str, type] = {
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(bool)": np.bool_,
+}
+
+
+def _feed_array(value: torch.Tensor | np.ndarray, ort_type: str) -> np.ndarray:
+    """Convert an input to numpy, casting within the same kind (float/int) to the graph's type."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        array = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+    else:
+        array = np.asarray(value)
+    target = _ORT_NUMPY_TYPES.get(ort_type)
+    if target is not None and array.dtype != target and array.dtype.kind == np.dtype(target).kind:
+        array = array.astype(target)
+    return array
+
+
+def run_onnx(path: PathLike | ort.InferenceSession, args: TensorArgs | np.ndarray) -> list[np.ndarray]:
+    """Run an ONNX file with onnxruntime (CPU) on ``args`` and return its outputs.
+
+    ``args`` is a tensor (or numpy array) or a tuple/list of them, fed positionally to the graph
+    inputs. ``path`` may also be a session from :func:`create_ort_session`; for a file path the
+    session is cached (keyed by path, mtime, size and inode) so evaluation loops stay cheap.
+    Outputs come back in graph order, which for files of :func:`export_onnx_qcdq` is the
+    flattening order of the model's output.
+    """
+    inputs = _normalize_args(args, allow_numpy=True)
+    session = path if isinstance(path, ort.InferenceSession) else _cached_session(path)
+    graph_inputs = session.get_inputs()
+    if len(graph_inputs) != len(inputs):
+        names = ", ".join(i.name for i in graph_inputs)
+        raise ExportArgumentError(
+            f"the ONNX graph takes {len(graph_inputs)} inputs ({names}); got {len(inputs)}"
+        )
+    feed = {gi.name: _feed_array(x, gi.type) for gi, x in zip(graph_inputs, inputs)}
+    try:
+        outputs = session.run(None, feed)
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ExportError(f"onnxruntime failed to run the ONNX graph: {exc}") from exc
+    return [np.asarray(o) for o in outputs]

@@ -1,0 +1,287 @@
+"""Checking an ONNX file against its PyTorch model.
+
+Flattens the model's (possibly nested) outputs into named tensors, computes the reference outputs and
+the default tolerance (one output quantization step, or a fraction of the output range), compares them
+with onnxruntime's outputs and raises :class:`~quark_brevitas.export.ExportMismatchError` on a
+disagreement; :func:`verify_onnx` is the public entry point.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from brevitas.nn.mixin.base import QuantLayerMixin
+from brevitas.proxy.float_runtime_quant import (
+    ActFloatQuantProxyFromInjectorBase,
+)
+from brevitas.proxy.quant_proxy import QuantProxyFromInjector
+from brevitas.proxy.runtime_quant import (
+    ActQuantProxyFromInjectorBase,
+)
+from brevitas.quant_tensor import QuantTensor
+from torch import nn
+
+from quark_brevitas.export.args import PathLike, TensorArgs, _normalize_args, _type_name
+from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.export.inspect import _as_int, _safe_call
+from quark_brevitas.export.runtime import run_onnx
+
+#: Relative epsilon added to every tolerance so that float rounding of an exact one-step
+#: difference does not count as a mismatch.
+_TOLERANCE_EPS = 1e-6
+
+
+class VerificationResult(NamedTuple):
+    """Outcome of comparing an ONNX file with its PyTorch model (see :func:`verify_onnx`)."""
+
+    max_abs_diff: float
+    tolerance: float
+    tolerance_source: str
+    per_output: tuple[tuple[str, float], ...]
+
+
+# --------------------------------------------------------------------------------------------
+# Output flattening
+# --------------------------------------------------------------------------------------------
+
+
+def _flatten_outputs(obj: object, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Flatten a model output into ``(name, tensor)`` pairs in a deterministic order.
+
+    Tensors and QuantTensors (their ``.value``) are leaves; tuples/lists are walked in order and
+    mappings (dicts, Hugging Face ``ModelOutput``) in insertion order; ``None`` is skipped.
+    Names are ``"output"`` for a bare tensor, ``"output_<i>"`` / ``"<key>"`` at top level and
+    dotted paths below.
+    """
+    if isinstance(obj, QuantTensor):
+        return [(path or "output", obj.value)]
+    if isinstance(obj, torch.Tensor):
+        return [(path or "output", obj)]
+    if obj is None:
+        return []
+    if isinstance(obj, Mapping):
+        out: list[tuple[str, torch.Tensor]] = []
+        for key, value in obj.items():
+            out.extend(_flatten_outputs(value, f"{path}.{key}" if path else str(key)))
+        return out
+    if isinstance(obj, (tuple, list)):
+        out = []
+        for i, value in enumerate(obj):
+            out.extend(_flatten_outputs(value, f"{path}.{i}" if path else f"output_{i}"))
+        return out
+    raise ExportError(
+        f"model output {path or '<root>'} is a {_type_name(obj)}; ONNX export supports tensors, "
+        "QuantTensors and (nested) tuples, lists and dicts of them"
+    )
+
+
+def _unique_names(names: Sequence[str], taken: Sequence[str]) -> tuple[str, ...]:
+    seen = set(taken)
+    result = []
+    for name in names:
+        candidate, k = name, 1
+        while candidate in seen:
+            candidate, k = f"{name}_{k}", k + 1
+        seen.add(candidate)
+        result.append(candidate)
+    return tuple(result)
+
+
+class _FlatOutputs(nn.Module):
+    """Export wrapper returning the model's outputs as a flat tuple (see ``_flatten_outputs``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t for _, t in _flatten_outputs(self.model(*args)))
+
+
+# --------------------------------------------------------------------------------------------
+# Reference outputs and tolerance
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Reference:
+    outputs: tuple[tuple[str, torch.Tensor], ...]
+    last_quant_layer: str | None
+    output_step: float | None
+    output_step_source: str
+
+
+def _float8_top_step(proxy: Any) -> float:
+    """Spacing of the largest binade of the proxy's fp8 format, in units of its scale."""
+    e = _as_int(proxy.exponent_bit_width())
+    m = _as_int(proxy.mantissa_bit_width())
+    dtype = {
+        (4, 3, True): torch.float8_e4m3fn,
+        (5, 2, True): torch.float8_e5m2,
+        (4, 3, False): torch.float8_e4m3fnuz,
+        (5, 2, False): torch.float8_e5m2fnuz,
+    }[(e, m, bool(proxy.is_ocp))]
+    max_value = float(torch.finfo(dtype).max)
+    return float(2.0 ** (math.floor(math.log2(max_value)) - (m or 0)))
+
+
+def _output_quantizer(layer: nn.Module) -> QuantProxyFromInjector | None:
+    for attr in ("output_quant", "act_quant"):
+        if hasattr(layer, attr):
+            proxy = getattr(layer, attr)
+            if isinstance(proxy, ActQuantProxyFromInjectorBase) and proxy.is_quant_enabled:
+                return proxy
+            return None
+    return None
+
+
+def _output_step(layer_name: str, layer: nn.Module) -> tuple[float | None, str]:
+    proxy = _output_quantizer(layer)
+    if proxy is None:
+        return None, f"last quantized op '{layer_name}' has no output quantizer"
+    scale = _safe_call(proxy, "scale")
+    if not isinstance(scale, torch.Tensor):
+        return None, f"output quantizer of '{layer_name}' has no static scale"
+    step = float(scale.detach().abs().max())
+    if isinstance(proxy, ActFloatQuantProxyFromInjectorBase):
+        try:
+            factor = _float8_top_step(proxy)
+        except (KeyError, TypeError):
+            return None, f"output quantizer of '{layer_name}' has an unknown float format"
+        return (
+            step * factor,
+            f"one fp8 step (top binade, {factor:g} x scale) of the output quantizer of '{layer_name}'",
+        )
+    return step, f"largest scale of the output quantizer of '{layer_name}'"
+
+
+def _reference(model: nn.Module, args: tuple[torch.Tensor, ...]) -> _Reference:
+    """Run ``model`` (already in eval mode) on ``args`` and record what the tolerance needs."""
+    order: list[str] = []
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantLayerMixin)}
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, _o, name=name: order.append(name))
+        for name, m in layers.items()
+    ]
+    try:
+        with torch.no_grad():
+            output = model(*args)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    named = _flatten_outputs(output)
+    if not named:
+        raise ExportError("the model returned no tensor output; nothing to export")
+    last = order[-1] if order else None
+    if last is None:
+        step, source = None, "the model has no quantized op"
+    else:
+        step, source = _output_step(last, layers[last])
+    return _Reference(
+        outputs=tuple((n, t.detach()) for n, t in named),
+        last_quant_layer=last,
+        output_step=step,
+        output_step_source=source,
+    )
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    if t.is_floating_point() and t.dtype != torch.float64:
+        t = t.float()
+    return t.numpy()
+
+
+def _default_tolerance(ref: _Reference) -> tuple[float, str]:
+    arrays = [_to_numpy(t).astype(np.float64).ravel() for _, t in ref.outputs]
+    values = np.concatenate(arrays) if arrays else np.zeros(0)
+    finite = values[np.isfinite(values)]
+    abs_max = float(np.abs(finite).max()) if finite.size else 0.0
+    eps = _TOLERANCE_EPS * max(1.0, abs_max)
+    if ref.output_step is not None:
+        return ref.output_step + eps, ref.output_step_source
+    span = float(finite.max() - finite.min()) if finite.size else 0.0
+    reason = ref.output_step_source
+    return span / 255.0 + eps, f"one 8-bit step (max - min) / 255 of the reference output ({reason})"
+
+
+def _compare(
+    ref: _Reference, onnx_outputs: Sequence[np.ndarray], path: pathlib.Path, tolerance: float | None
+) -> VerificationResult:
+    if tolerance is None:
+        tol, source = _default_tolerance(ref)
+    else:
+        tol, source = tolerance, "given by the caller"
+    if len(onnx_outputs) != len(ref.outputs):
+        raise ExportMismatchError(
+            f"ONNX file {path} has {len(onnx_outputs)} outputs but the PyTorch model has {len(ref.outputs)} "
+            f"({', '.join(n for n, _ in ref.outputs)})",
+            max_abs_diff=math.inf,
+            tolerance=tol,
+            path=path,
+        )
+    per_output: list[tuple[str, float]] = []
+    for (name, expected), actual in zip(ref.outputs, onnx_outputs):
+        exp = _to_numpy(expected)
+        act = np.asarray(actual)
+        if exp.shape != act.shape:
+            raise ExportMismatchError(
+                f"ONNX output '{name}' of {path} has shape {act.shape}, PyTorch gives {exp.shape}",
+                max_abs_diff=math.inf,
+                tolerance=tol,
+                path=path,
+            )
+        diff = np.abs(act.astype(np.float64) - exp.astype(np.float64))
+        both_nan = np.isnan(act.astype(np.float64)) & np.isnan(exp.astype(np.float64))
+        diff = np.where(both_nan, 0.0, diff)
+        diff = np.where(np.isnan(diff), np.inf, diff)
+        per_output.append((name, float(diff.max()) if diff.size else 0.0))
+    max_diff = max(d for _, d in per_output)
+    if not max_diff <= tol:
+        worst = ", ".join(f"{n}: {d:.6g}" for n, d in per_output)
+        raise ExportMismatchError(
+            f"ONNX file {path} disagrees with PyTorch: max |onnxruntime - PyTorch| = {max_diff:.6g} > "
+            f"tolerance {tol:.6g} ({source}); per output: {worst}. The file was kept for inspection.",
+            max_abs_diff=max_diff,
+            tolerance=tol,
+            path=path,
+        )
+    return VerificationResult(max_diff, tol, source, tuple(per_output))
+
+
+def _validate_tolerance(tolerance: float | None) -> float | None:
+    if tolerance is None:
+        return None
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+        raise ExportArgumentError(f"tolerance must be a float or None; got {_type_name(tolerance)}")
+    if not math.isfinite(tolerance) or tolerance < 0:
+        raise ExportError(f"tolerance must be a finite number >= 0; got {tolerance}")
+    return float(tolerance)
+
+
+def verify_onnx(
+    model: nn.Module, args: TensorArgs, path: PathLike, *, tolerance: float | None = None
+) -> VerificationResult:
+    """Compare an ONNX file with ``model`` on ``args`` (same rules as :func:`export_onnx_qcdq`).
+
+    Raises :class:`ExportMismatchError` when ``|onnxruntime - PyTorch|`` exceeds the tolerance.
+    The model's training mode is restored afterwards.
+    """
+    if not isinstance(model, nn.Module):
+        raise ExportArgumentError(f"model must be a torch.nn.Module; got {_type_name(model)}")
+    example = _normalize_args(args)
+    tol = _validate_tolerance(tolerance)
+    was_training = model.training
+    model.eval()
+    try:
+        reference = _reference(model, example)
+    finally:
+        model.train(was_training)
+    file = pathlib.Path(path)
+    return _compare(reference, run_onnx(file, example), file, tol)
