@@ -32,6 +32,8 @@ class AlgorithmConfig:
     """Common base: parameter type checks, ``apply`` contract and the registry of subclasses."""
 
     name: ClassVar[str] = ""
+    #: Whether ``apply`` loops over calibration data (the pipeline then requires a calib_loader).
+    needs_data: ClassVar[bool] = True
 
     def verify(self, config: Config, path: str) -> None:
         """Check parameter types against the dataclass defaults; subclasses add semantic checks."""
@@ -94,6 +96,7 @@ class Preprocess(PreQuantOptConfig):
     """
 
     name: ClassVar[str] = "Pre-Processing"
+    needs_data: ClassVar[bool] = False
     trace_model: bool = True
     equalize_iterations: int = 20
     equalize_merge_bias: bool = True

@@ -30,9 +30,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ModelExporter", "ModelQuantizer"]
 
-# Algorithms that run without data; every other algorithm loops over the calibration loader.
-_DATA_FREE = ("Preprocess",)
-
 
 class ModelQuantizer:
     """Quantize PyTorch models with Brevitas according to a :class:`~quark_brevitas.config.Config`.
@@ -57,7 +54,7 @@ class ModelQuantizer:
 
     def _check_inputs(self, calib_loader: Any, activations: bool) -> None:
         needs = [type(a).__name__ for a in [*self.config.pre_quant_opt_config, *self.config.algo_config]
-                 if type(a).__name__ not in _DATA_FREE]
+                 if a.needs_data]
         if activations:
             needs.insert(0, "activation calibration")
         if calib_loader is None and needs:

@@ -51,7 +51,6 @@ from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer as QuantWBIO
 from brevitas.proxy.quant_proxy import QuantProxyFromInjector
 from torch import nn
 
-from quark_brevitas import algos
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
@@ -418,7 +417,7 @@ def _rebuild(float_model: nn.Module, info: CheckpointInfo, container: Container,
         quantizer.plan(float_model)
         work = copy.deepcopy(float_model)
         for index, algo in enumerate(config.pre_quant_opt_config):
-            if isinstance(algo, algos.Preprocess):
+            if not algo.needs_data:
                 work = algo.apply(work)
                 continue
             if example is None:

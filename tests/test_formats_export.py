@@ -7,10 +7,11 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from onnx_check import assert_onnx_predictions_match
 from torch import nn
 
 from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig
-from quark_brevitas.digits import evaluate, evaluate_predictions, example_input
+from quark_brevitas.digits import example_input
 from quark_brevitas.export import ExportError, export_onnx_qcdq, run_onnx
 from quark_brevitas.types import Dtype, QSchemeType, RoundType, ZeroPointType
 
@@ -58,15 +59,7 @@ def test_digits_exports_run_in_onnxruntime_with_pytorchs_predictions(digits_mode
                      if i.data_type == T.FLOAT and tuple(i.dims) in code_shapes and i.name not in scales]
     assert not float_weights
 
-    torch_predictions, ort_predictions = [], []
-    for images, _ in digits_data.test:
-        with torch.no_grad():
-            torch_predictions.append(quant(images).argmax(1).numpy())
-        ort_predictions.append(run_onnx(path, images)[0].argmax(1))
-    agreement = float(np.mean(np.concatenate(torch_predictions) == np.concatenate(ort_predictions)))
-    assert agreement >= 0.995, agreement
-    ort_accuracy = evaluate_predictions(lambda x: run_onnx(path, torch.from_numpy(x))[0], digits_data.test)
-    assert abs(ort_accuracy - evaluate(quant, digits_data.test)) <= 0.5
+    assert_onnx_predictions_match(quant, path, digits_data.test)
 
 
 def _mlp() -> nn.Module:
