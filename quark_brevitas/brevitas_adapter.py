@@ -1,0 +1,470 @@
+"""The one door to Brevitas internals.
+
+quark_brevitas builds on Brevitas's public classes (quantized layers, quantizer injectors, graph
+algorithms), but some things it needs are Brevitas internals: global flags, private tracing,
+attributes of quantizer proxies and quant tensors, the export managers' handler lists, quantizers
+that ship in ``brevitas_examples``. Every such use lives here, behind a small function with a
+docstring that says why it is needed; the rest of the package calls these functions. Each internal
+relied on has one canary test (``tests/test_brevitas_adapter.py``) that fails with a clear message
+if a Brevitas release changes it.
+
+The supported Brevitas range is checked once, at import (:data:`SUPPORTED_BREVITAS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import brevitas
+import torch
+from brevitas import config as _brevitas_config
+from brevitas.graph import calibrate as _calibrate
+from brevitas.nn.equalized_layer import EqualizedModule
+from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer
+from brevitas.nn.quant_scale_bias import ScaleBias
+from brevitas.proxy.float_parameter_quant import BiasFloatQuantProxyFromInjector, WeightFloatQuantProxyFromInjectorBase
+from brevitas.proxy.float_runtime_quant import ActFloatQuantProxyFromInjectorBase, DynamicActFloatQuantProxyFromInjector
+from brevitas.proxy.groupwise_float_runtime_quant import GroupwiseActFloatQuantProxyFromInjector
+from brevitas.proxy.groupwise_int_runtime_quant import GroupwiseActQuantProxyFromInjector
+from brevitas.proxy.parameter_quant import BiasQuantProxyFromInjectorBase, WeightQuantProxyFromInjectorBase
+from brevitas.proxy.quant_proxy import QuantProxyFromInjector
+from brevitas.proxy.runtime_quant import (
+    ActQuantProxyFromInjectorBase,
+    DynamicActQuantProxyFromInjector,
+    TruncQuantProxyFromInjector,
+)
+from brevitas.utils.torch_utils import StopFwdException
+from brevitas_examples.common.generative import quantizers as generative_quantizers
+from packaging.version import Version
+from torch import nn
+
+from quark_brevitas.errors import QuarkBrevitasError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FLOAT8_DTYPES",
+    "SUPPORTED_BREVITAS",
+    "EqualizedModule",
+    "QuantLayer",
+    "QuantizerSite",
+    "StopFwdException",
+    "a2gpfq_mode",
+    "activation_equalization_mode",
+    "bias_correction_mode",
+    "brevitas_version",
+    "calibration_mode",
+    "export_handler_proxy_types",
+    "float8_dtype",
+    "full_state_dict",
+    "gpfq_mode",
+    "generative_quantizers",
+    "gptq_mode",
+    "groupwise_parts",
+    "ignore_missing_keys",
+    "init_weight_scales",
+    "is_dynamic_activation",
+    "is_float_quantizer",
+    "is_groupwise",
+    "iter_quantizers",
+    "load_quant_model_mode",
+    "mark_scale_initialised",
+    "norm_correction_mode",
+    "quantization_disabled",
+    "quantizer_kind",
+    "quantizer_names",
+    "require_onnxoptimizer",
+    "reset_export_mode",
+    "scale_impl",
+    "scale_parameters",
+    "symbolic_trace",
+    "weight_quant_disabled",
+    "wrap_equalized",
+]
+
+#: The Brevitas releases this adapter was written and tested against: ``(lowest, first unsupported)``.
+SUPPORTED_BREVITAS = ("0.13", "0.14")
+
+#: Quantized layers with weight, bias, input and output quantizers (QuantLinear, QuantConv*, ...).
+QuantLayer = QuantWeightBiasInputOutputLayer
+
+
+def brevitas_version() -> str:
+    """The installed Brevitas version."""
+    return str(brevitas.__version__)
+
+
+def _check_version() -> None:
+    low, high = (Version(v) for v in SUPPORTED_BREVITAS)
+    installed = Version(brevitas_version())
+    if not low <= installed < high:
+        raise QuarkBrevitasError(
+            f"quark_brevitas supports Brevitas >= {low}, < {high}; Brevitas {installed} is installed. "
+            f"Install a supported release: pip install 'brevitas>={low},<{high}'"
+        )
+
+
+_check_version()
+
+
+# Quantizers Brevitas ships in its examples package rather than in ``brevitas.quant`` (per-group weights,
+# dynamic per-token / per-group activations): the translation table takes them from
+# ``generative_quantizers`` (imported above) and from nowhere else.
+
+# ===================================================================== global flags
+@contextlib.contextmanager
+def _flag(name: str, value: Any) -> Iterator[None]:
+    previous = getattr(_brevitas_config, name)
+    setattr(_brevitas_config, name, value)
+    try:
+        yield
+    finally:
+        setattr(_brevitas_config, name, previous)
+
+
+def ignore_missing_keys() -> contextlib.AbstractContextManager[None]:
+    """Let ``load_state_dict`` accept missing quantizer values.
+
+    A float state dict has no quantizer parameters (their values are initialised from statistics on
+    first use), and a calibrated model leaves uninitialised quantizers out of its state dict; Brevitas
+    accepts such state dicts only with its global ``IGNORE_MISSING_KEYS`` flag set.
+    """
+    return _flag("IGNORE_MISSING_KEYS", True)
+
+
+def full_state_dict() -> contextlib.AbstractContextManager[None]:
+    """Make ``state_dict()`` include quantizer values that are not initialised yet (Brevitas's private
+    ``_FULL_STATE_DICT`` flag): checkpoint loading compares the complete set of tensors."""
+    return _flag("_FULL_STATE_DICT", True)
+
+
+# ===================================================================== tracing
+def symbolic_trace(model: nn.Module, is_leaf: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+    """FX-trace ``model`` with Brevitas's tracer (its graph transforms need its backported FX classes).
+
+    ``is_leaf(module, qualified_name)`` keeps more modules whole than the default tracer does (which
+    keeps only ``torch.nn`` modules); Brevitas offers a custom tracer only through its private
+    ``_symbolic_trace``.
+    """
+    from brevitas.fx import Tracer
+    from brevitas.fx.brevitas_tracer import _symbolic_trace
+
+    class _Tracer(Tracer):
+        def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+            leaf = super().is_leaf_module(m, module_qualified_name)
+            return leaf or (is_leaf is not None and is_leaf(m, module_qualified_name))
+
+    return _symbolic_trace(_Tracer(), model, None)
+
+
+def is_graph_module(model: nn.Module) -> bool:
+    """Whether ``model`` is an FX graph module (torch's or Brevitas's backport)."""
+    from brevitas.fx import GraphModule as BrevitasGraphModule
+
+    return isinstance(model, torch.fx.GraphModule | BrevitasGraphModule)
+
+
+# ===================================================================== quantizers
+class QuantizerSite(NamedTuple):
+    """One quantizer proxy of a model and where it sits.
+
+    ``layer_name``: the module holding it (``""`` for the model itself); ``attribute``: its attribute
+    name on that module (``weight_quant``, ``input_quant``, ``q_scaled_quant``, ...); ``kind``:
+    ``weight``, ``bias``, ``act``, ``trunc`` or ``other`` (:func:`quantizer_kind`); ``name``: the
+    proxy's own qualified module name.
+    """
+
+    layer_name: str
+    attribute: str
+    kind: str
+    proxy: QuantProxyFromInjector
+    layer: nn.Module
+    name: str
+
+    @property
+    def role(self) -> str:
+        """``weight``, ``bias``, ``input``, ``output`` for the quantizers of weight/bias layers, else the
+        attribute name without its ``_quant`` suffix."""
+        return self.attribute.removesuffix("_quant")
+
+
+def quantizer_kind(proxy: nn.Module) -> str:
+    """``weight``, ``bias``, ``act`` (activations), ``trunc`` or ``other``."""
+    if isinstance(proxy, WeightQuantProxyFromInjectorBase):
+        return "weight"
+    if isinstance(proxy, BiasQuantProxyFromInjectorBase | BiasFloatQuantProxyFromInjector):
+        return "bias"
+    if isinstance(proxy, TruncQuantProxyFromInjector):
+        return "trunc"
+    if isinstance(proxy, ActQuantProxyFromInjectorBase):
+        return "act"
+    return "other"
+
+
+def iter_quantizers(model: nn.Module, *, enabled_only: bool = True) -> Iterator[QuantizerSite]:
+    """Every quantizer proxy of ``model``, in module order (the one walk every module uses).
+
+    With ``enabled_only`` (the default) proxies whose quantization is disabled are skipped. Proxies
+    are not searched for nested proxies.
+    """
+    modules = dict(model.named_modules())
+    for name, proxy in modules.items():
+        if not isinstance(proxy, QuantProxyFromInjector):
+            continue
+        if enabled_only and not proxy.is_quant_enabled:
+            continue
+        layer_name, _, attribute = name.rpartition(".")
+        yield QuantizerSite(layer_name, attribute, quantizer_kind(proxy), proxy, modules[layer_name], name)
+
+
+def quantizer_names(model: nn.Module) -> set[str]:
+    """Qualified names of every quantizer proxy (enabled or not); their internals are Brevitas's."""
+    return {site.name for site in iter_quantizers(model, enabled_only=False)}
+
+
+def is_groupwise(proxy: nn.Module) -> bool:
+    """Whether the proxy quantizes in groups (per-group or MX)."""
+    return bool(getattr(proxy, "is_groupwise", False))
+
+
+def is_dynamic_activation(proxy: nn.Module) -> bool:
+    """Whether an activation quantizer computes its scale from each input at run time (dynamic per
+    tensor / per token, per group, MX): it has nothing to calibrate and no ONNX QCDQ form."""
+    dynamic = (DynamicActQuantProxyFromInjector, DynamicActFloatQuantProxyFromInjector,
+               GroupwiseActQuantProxyFromInjector, GroupwiseActFloatQuantProxyFromInjector)
+    return isinstance(proxy, dynamic)
+
+
+def is_float_quantizer(proxy: nn.Module) -> bool:
+    """Whether the proxy quantizes to a minifloat format (fp8, fp6, fp4, MXFP)."""
+    return isinstance(proxy, WeightFloatQuantProxyFromInjectorBase | ActFloatQuantProxyFromInjectorBase
+                      | BiasFloatQuantProxyFromInjector)
+
+
+def injector_value(proxy: nn.Module, name: str, default: Any = None) -> Any:
+    """A value of the proxy's quant injector (e.g. a bias's static ``bit_width``, the rounding
+    ``float_to_int_impl``), or ``default`` if the injector does not define it."""
+    injector = getattr(proxy, "quant_injector", None)
+    if injector is None or name not in injector:
+        return default
+    return getattr(injector, name)
+
+
+def groupwise_parts(quant_tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
+    """``(value, scale, zero_point, group_dim, group_size)`` of a group-wise quant tensor, in its
+    grouped layout (``[..., groups, group_size, ...]``): Brevitas keeps them in private fields."""
+    zero_point = getattr(quant_tensor, "zero_point_", None)
+    return (quant_tensor.value_, quant_tensor.scale_, zero_point, int(quant_tensor.group_dim),
+            int(quant_tensor.group_size))
+
+
+@contextlib.contextmanager
+def weight_quant_disabled(proxy: nn.Module) -> Iterator[None]:
+    """Pass the weight through ``proxy`` unquantized while the context lasts."""
+    previous = proxy.disable_quant
+    proxy.disable_quant = True
+    try:
+        yield
+    finally:
+        proxy.disable_quant = previous
+
+
+# ===================================================================== scales
+def scale_impl(proxy: nn.Module) -> nn.Module | None:
+    """The module holding the proxy's learnable scale (a ``value`` parameter), if it has one."""
+    for module in proxy.modules():
+        if isinstance(getattr(module, "value", None), nn.Parameter):
+            return module
+    return None
+
+
+def scale_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Every learnable scale / threshold parameter of the model, by qualified parameter name.
+
+    Brevitas keeps them inside each proxy's ``scaling_impl`` (zero points live elsewhere).
+    """
+    found: dict[str, nn.Parameter] = {}
+    for site in iter_quantizers(model, enabled_only=False):
+        for name, param in site.proxy.named_parameters():
+            if "scaling_impl" in name.split("."):
+                found[f"{site.name}.{name}"] = param
+    return found
+
+
+def mark_scale_initialised(impl: nn.Module) -> None:
+    """Tell a scale module that its value is final: parameter-from-stats scalings stop initialising
+    from statistics (``init_done``), runtime-stats scalings stop collecting (``counter``)."""
+    if hasattr(impl, "init_done"):
+        impl.init_done = True
+    if hasattr(impl, "counter"):
+        impl.counter = getattr(impl, "collect_stats_steps", impl.counter) + 1
+
+
+def init_weight_scales(model: nn.Module) -> None:
+    """Compute every weight scale (and zero point) from its float weight now.
+
+    Parameter-from-stats weight scales are otherwise initialised lazily on the first quantized
+    forward pass; doing it at replacement makes weight-only quantization data-free and gives
+    GPTQ/GPFQ the initialised grid they require (calibration mode does not touch weight quantizers).
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, QuantLayer) and module.weight_quant.is_quant_enabled:
+                module.quant_weight()
+
+
+# ===================================================================== float8
+#: (exponent bits, mantissa bits, exponent bias) -> the torch dtype holding that fp8 format exactly
+#: (OCP e4m3 / e5m2, and the FNUZ variants with their larger bias).
+FLOAT8_DTYPES: dict[tuple[int, int, int], torch.dtype] = {
+    (4, 3, 7): torch.float8_e4m3fn,
+    (5, 2, 15): torch.float8_e5m2,
+    (4, 3, 8): torch.float8_e4m3fnuz,
+    (5, 2, 16): torch.float8_e5m2fnuz,
+}
+
+
+def float8_dtype(exponent_bits: int, mantissa_bits: int, *, fnuz: bool = False) -> torch.dtype | None:
+    """The torch float8 dtype of an fp8 format (OCP unless ``fnuz``), or ``None`` if it has none."""
+    bias = 2 ** (exponent_bits - 1) - 1 + int(fnuz)
+    return FLOAT8_DTYPES.get((exponent_bits, mantissa_bits, bias))
+
+
+# ===================================================================== modes and algorithms
+@contextlib.contextmanager
+def calibration_mode(model: nn.Module) -> Iterator[None]:
+    """Brevitas calibration mode, except that dynamic activation quantizers keep quantizing.
+
+    Brevitas runs every activation quantizer as an observer in this mode, which fails for per-group
+    ones and would show the static quantizers after them float values they never see at inference.
+    """
+    with _calibrate.calibration_mode(model):
+        for site in iter_quantizers(model, enabled_only=False):
+            if site.kind == "act" and is_dynamic_activation(site.proxy):
+                site.proxy.disable_quant = False
+                for sub in site.proxy.modules():
+                    if hasattr(sub, "observer_only"):
+                        sub.observer_only = False
+        yield
+
+
+def quantization_disabled(model: nn.Module, *, act: bool = True, weight: bool = True, bias: bool = True
+                          ) -> contextlib.AbstractContextManager[Any]:
+    """Run ``model`` with the chosen kinds of quantization switched off (float forward)."""
+    return _calibrate.quantization_status_manager(model, disable_act_quant=act, disable_weight_quant=weight,
+                                                  disable_bias_quant=bias)
+
+
+def bias_correction_mode(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """Brevitas's bias correction: collects the mean output error per layer, corrects it on exit."""
+    return _calibrate.bias_correction_mode(model)
+
+
+def norm_correction_mode(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """Brevitas's BatchNorm statistics re-estimation on the quantized model."""
+    return _calibrate.norm_correction_mode(model)
+
+
+def load_quant_model_mode(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """Loading a state dict marks every loaded quantizer value as initialised (no re-derivation)."""
+    return _calibrate.load_quant_model_mode(model)
+
+
+def activation_equalization_mode(model: nn.Module, alpha: float) -> contextlib.AbstractContextManager[Any]:
+    """Brevitas's layerwise (SmoothQuant-style) activation equalization, with scale modules."""
+    from brevitas.graph.equalize import activation_equalization_mode as mode
+
+    return mode(model, alpha=alpha, layerwise=True, add_mul_node=True)
+
+
+def gptq_mode(model: nn.Module, *, act_order: bool) -> Any:
+    """Brevitas's GPTQ context (float inputs to each layer)."""
+    from brevitas.graph.gptq import gptq_mode as mode
+
+    return mode(model, act_order=act_order, use_quant_activations=False)
+
+
+def gpfq_mode(model: nn.Module, *, act_order: bool) -> Any:
+    """Brevitas's GPFQ context (quantized inputs to each layer)."""
+    from brevitas.graph.gpfq import gpfq_mode as mode
+
+    return mode(model, act_order=act_order, use_quant_activations=True)
+
+
+def a2gpfq_mode(model: nn.Module, *, act_order: bool, accumulator_bit_width: int) -> Any:
+    """Accumulator-aware GPFQ (AXE), which Brevitas ships in ``brevitas_examples``."""
+    return _a2gpfq_class()(model, act_order=act_order, use_quant_activations=True,
+                           max_accumulator_bit_width=accumulator_bit_width)
+
+
+def _a2gpfq_class() -> Any:
+    try:
+        from brevitas_examples.common.axe import a2gpfq_mode as mode
+    except ImportError as exc:
+        raise QuarkBrevitasError(
+            "GPFA2Q needs brevitas_examples.common.axe.a2gpfq_mode (shipped with brevitas >= 0.11); "
+            f"the installed Brevitas does not provide it ({exc})"
+        ) from exc
+    return mode
+
+
+def a2gpfq_available() -> bool:
+    """Whether the installed Brevitas ships accumulator-aware GPFQ."""
+    try:
+        _a2gpfq_class()
+    except QuarkBrevitasError:
+        return False
+    return True
+
+
+# ===================================================================== equalized layers
+def wrap_equalized(layer: nn.Module, num_features: int, runtime_shape: list[int]) -> nn.Module:
+    """``layer`` behind a per-channel input scale module (what activation equalization inserts),
+    with unit scales: the structure of an equalized layer, whose scales a state dict then fills."""
+    return EqualizedModule(ScaleBias(num_features, bias=False, runtime_shape=tuple(runtime_shape)), layer)
+
+
+def equalized_scale_shape(module: nn.Module) -> tuple[int, list[int]] | None:
+    """``(num_features, runtime_shape)`` of an equalized layer's scale module; ``None`` otherwise."""
+    if not isinstance(module, EqualizedModule):
+        return None
+    scale = module.scale
+    return int(scale.num_features), [int(d) for d in scale.runtime_shape]
+
+
+# ===================================================================== export
+def export_handler_proxy_types(manager: Any) -> frozenset[type]:
+    """The proxy types an export manager (QCDQ, QONNX) has a handler for (its private handler list)."""
+    types: set[type] = set()
+    for handler in manager.handlers:
+        layer = handler.handled_layer
+        types.update(layer if isinstance(layer, tuple) else (layer,))
+    return frozenset(types)
+
+
+def reset_export_mode(model: nn.Module, manager: Any) -> None:
+    """Leave Brevitas's export mode after a failed export (export mode and cached activations must not
+    leak into the model's later use). Best effort: a failure here must not mask the export error."""
+    try:
+        manager.set_export_mode(model, enabled=False)
+    except Exception:  # noqa: BLE001 - cleanup must not mask the original error
+        logger.debug("could not reset Brevitas export mode", exc_info=True)
+    for module in model.modules():
+        if hasattr(module, "cache_inference_quant_act_backup"):
+            module.cache_inference_quant_act = module.cache_inference_quant_act_backup
+            del module.cache_inference_quant_act_backup
+
+
+def require_onnxoptimizer() -> None:
+    """Brevitas's TorchScript ONNX exporters refuse to run without onnxoptimizer installed; say so
+    clearly before an export starts rather than from inside Brevitas."""
+    try:
+        import onnxoptimizer  # noqa: F401 - only its presence matters
+    except ImportError as exc:
+        raise QuarkBrevitasError(
+            f"ONNX export needs the onnxoptimizer package, which Brevitas's exporter requires ({exc}); "
+            "install it with pip install onnxoptimizer"
+        ) from exc
