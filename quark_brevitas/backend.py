@@ -20,14 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import brevitas.nn as qnn
-import torch
-from brevitas import config as brevitas_config
 from brevitas.graph.base import ModuleToModuleByInstance
 from brevitas.graph.utils import set_module
-from brevitas.nn.equalized_layer import EqualizedModule
-from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer as QuantWBIOL
 from torch import nn
 
+from quark_brevitas.brevitas_adapter import EqualizedModule, ignore_missing_keys, init_weight_scales
 from quark_brevitas.config import Config, QuantizationConfig
 from quark_brevitas.errors import ModelError
 from quark_brevitas.quantizers import build_quantizer
@@ -235,9 +232,7 @@ class LayerwiseBackend:
         modules = dict(model.named_modules())
         # The float state dict has no quantizer parameters (scales are initialised from statistics on
         # first use), so Brevitas must be told to accept them as missing while loading it.
-        ignore_missing = brevitas_config.IGNORE_MISSING_KEYS
-        brevitas_config.IGNORE_MISSING_KEYS = True
-        try:
+        with ignore_missing_keys():
             for row in rows:
                 if row.layer_config is None:
                     continue
@@ -249,9 +244,7 @@ class LayerwiseBackend:
                     model = new  # the model is itself a single supported layer
                 else:
                     set_module(model, new, row.name)
-        finally:
-            brevitas_config.IGNORE_MISSING_KEYS = ignore_missing
-        _init_weight_scales(model)
+        init_weight_scales(model)
         kept = [f"{r.name} ({r.module_type}{_why_float(r)})" for r in rows
                 if r.layer_config is None and not any(r.name.startswith(t + ".") for t in targets)
                 and (r.sources or not list(modules[r.name].children()))]
@@ -263,19 +256,6 @@ def _why_float(row: PlannedLayer) -> str:
     if not row.sources:
         return ""
     return ", excluded" if EXCLUDED in row.sources.values() else ", no spec at any level"
-
-
-def _init_weight_scales(model: nn.Module) -> None:
-    """Compute every weight scale (and zero point) from its float weight now.
-
-    Parameter-from-stats weight scales are otherwise initialised lazily on the first quantized
-    forward pass; doing it here makes weight-only quantization data-free and gives GPTQ/GPFQ the
-    initialised grid they require (Brevitas's calibration mode does not touch weight quantizers).
-    """
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, QuantWBIOL) and module.weight_quant.is_quant_enabled:
-                module.quant_weight()
 
 
 __all__ = [

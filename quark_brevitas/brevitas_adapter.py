@@ -381,10 +381,11 @@ def activation_equalization_mode(model: nn.Module, alpha: float) -> contextlib.A
 
 
 def gptq_mode(model: nn.Module, *, act_order: bool) -> Any:
-    """Brevitas's GPTQ context (float inputs to each layer)."""
+    """Brevitas's GPTQ context (float inputs to each layer). GPTQ does not need the float copy of each
+    weight that Brevitas's GPxQ base class keeps by default, so none is made."""
     from brevitas.graph.gptq import gptq_mode as mode
 
-    return mode(model, act_order=act_order, use_quant_activations=False)
+    return mode(model, act_order=act_order, use_quant_activations=False, create_weight_orig=False)
 
 
 def gpfq_mode(model: nn.Module, *, act_order: bool) -> Any:

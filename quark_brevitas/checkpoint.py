@@ -6,23 +6,22 @@ replacement) and values (weights, biases, scales, zero points, BatchNorm statist
 therefore stores the *recipe* and the *values* but no code:
 
 - ``model.safetensors``: the quantized model's ``state_dict`` -- weights, biases and every
-  initialised quantizer parameter (scales, zero points), plus buffers algorithms attach (GPTQ/GPFQ's
-  ``weight_orig``). Brevitas leaves uninitialised quantizer values out of its state dict; so do we.
+  initialised quantizer parameter (scales, zero points). Brevitas leaves uninitialised quantizer
+  values out of its state dict; so do we.
 - ``config.json``: the :class:`~quark_brevitas.config.Config` (algorithms included).
 - ``manifest.json``: format version, library/Brevitas/torch versions, the module names and types of
   the quantized model (Brevitas quantizer internals excluded), the FX code of traced graphs, every
   tensor's shape and dtype, the train/eval mode, frozen parameters and the example input's shapes.
 - ``example_input.safetensors`` (optional): the example input given to :func:`save_quantized`, used
-  for export from the command line and to rebuild structure that a forward pass decides.
+  for export from the command line.
 
-:func:`load_quantized` rebuilds the structure on a *copy* of the float model by replaying the
-pipeline without calibration data: ``Preprocess`` (data-free) runs as in quantization,
-``ActivationEqualization`` (whose inserted scale modules depend only on the shapes a forward pass
-sees) runs on the stored example input, and the backend replaces the layers. Calibration and the
-post-quantization algorithms (GPTQ, GPFQ, bias correction, BatchNorm calibration) change only values,
-which the state dict restores; a bias that bias correction added to a bias-free layer and GPTQ's
-``weight_orig`` buffers are recreated before loading. Loading marks every quantizer whose value is
-loaded as initialised, so nothing is re-derived from statistics: the outputs are bit-identical.
+:func:`load_quantized` rebuilds the structure on a *copy* of the float model with the pipeline's
+structure phase (:meth:`quark_brevitas.pipeline.Pipeline.rebuild`): ``Preprocess`` (data-free) runs as
+in quantization, the backend replaces the layers, and each data-driven algorithm that leaves structure
+behind (activation equalization's scale modules, the bias bias correction gives a bias-free layer)
+recreates it from the checkpoint's record of modules and tensor shapes, through its own handler. No
+calibration data or example input is needed. Loading marks every quantizer whose value is loaded as
+initialised, so nothing is re-derived from statistics: the outputs are bit-identical.
 
 Before loading, the rebuilt model is compared with the manifest -- modules, FX code, tensor names,
 shapes and dtypes -- and the first difference is reported as a :class:`CheckpointError`, so a model
@@ -35,25 +34,30 @@ float weights, so such a model must be rebuilt from the same float weights it wa
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from brevitas import config as brevitas_config
-from brevitas.graph.calibrate import load_quant_model_mode
-from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer as QuantWBIOL
-from brevitas.proxy.quant_proxy import QuantProxyFromInjector
 from torch import nn
 
+from quark_brevitas.brevitas_adapter import (
+    brevitas_version,
+    full_state_dict,
+    ignore_missing_keys,
+    is_graph_module,
+    load_quant_model_mode,
+    quantizer_names,
+)
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
+from quark_brevitas.pipeline import CONFIG_ATTRIBUTE, Pipeline, SavedStructure
 
 __all__ = [
     "CONFIG_ATTRIBUTE",
@@ -73,10 +77,6 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 EXAMPLE_FILE = "example_input.safetensors"
-#: Attribute under which :meth:`ModelQuantizer.quantize_model` leaves the Config on the quantized model.
-CONFIG_ATTRIBUTE = "quark_brevitas_config"
-#: Buffers Brevitas algorithms register on quantized layers (GPTQ/GPFQ keep the float weights).
-_ATTACHED_BUFFERS = ("weight_orig",)
 
 #: A model's example input: a tensor, a tuple/list of positional tensors or a dict of keyword tensors.
 ExampleInput = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | dict[str, torch.Tensor]
@@ -107,8 +107,8 @@ def save_quantized(
     """Write ``model`` (returned by ``ModelQuantizer.quantize_model``) as a checkpoint directory.
 
     - ``example_input``: optional model input (a tensor, a tuple of positional tensors or a dict of
-      keyword tensors), stored so that ``quark-brevitas export`` and models with
-      ``ActivationEqualization`` can be rebuilt without data. Its values are stored too.
+      keyword tensors), stored so that ``quark-brevitas export`` can export the checkpoint without
+      being given an input.
     - ``config``: only for models not produced by ``quantize_model`` (which carry their Config).
 
     Works in train and eval mode (the mode is restored on load, so QAT can be resumed). Existing
@@ -169,11 +169,9 @@ def _write_atomic(target: Path, write: Any) -> None:
 
 
 def _versions() -> dict[str, str]:
-    import brevitas
-
     from quark_brevitas import __version__
 
-    return {"quark_brevitas": __version__, "brevitas": brevitas.__version__, "torch": torch.__version__}
+    return {"quark_brevitas": __version__, "brevitas": brevitas_version(), "torch": torch.__version__}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -224,23 +222,18 @@ def _structure(model: nn.Module) -> dict[str, str]:
     """Module name -> class name, in model order, not descending into Brevitas quantizers (their
     internals are covered by the state-dict keys)."""
     rows: dict[str, str] = {}
-    proxies: set[str] = set()
+    proxies = quantizer_names(model)
     for name, module in model.named_modules():
         parts = name.split(".")
         if any(".".join(parts[:i]) in proxies for i in range(1, len(parts))):
             continue
         rows[name] = type(module).__name__
-        if isinstance(module, QuantProxyFromInjector):
-            proxies.add(name)
     return rows
 
 
 def _graph_code(model: nn.Module) -> dict[str, str]:
     """The generated Python code of every FX graph module (torch's or Brevitas's backport)."""
-    from brevitas.fx import GraphModule as BrevitasGraphModule
-
-    return {name: module.code for name, module in model.named_modules()
-            if isinstance(module, torch.fx.GraphModule | BrevitasGraphModule)}
+    return {name: module.code for name, module in model.named_modules() if is_graph_module(module)}
 
 
 # ===================================================================== read
@@ -315,7 +308,8 @@ def load_quantized(
 
     - ``config``: if given, must equal the checkpoint's config (else the first differing field is named).
     - ``container``: the container used for quantization, if it registered custom layer mappings.
-    - ``example_input``: overrides the stored example input (only ActivationEqualization needs one).
+    - ``example_input``: deprecated and ignored: checkpoints record the structure that data-driven
+      algorithms leave, so rebuilding needs no input any more.
 
     Raises :class:`CheckpointError` naming the first module, tensor, shape or config field that does
     not fit. The returned model is in the mode it was saved in (train mode: QAT can continue).
@@ -328,24 +322,22 @@ def load_quantized(
         difference = _first_difference(info.config.to_dict(), _config_dict(config))
         if difference is not None:
             raise CheckpointError(f"{where} was made with a different config: {difference}")
+    if example_input is not None:
+        warnings.warn("load_quantized(example_input=...) is ignored: checkpoints record the structure that "
+                      "data-driven algorithms leave, so rebuilding needs no input", DeprecationWarning, stacklevel=2)
     _warn_versions(info)
     state = _read_safetensors(info.directory / WEIGHTS_FILE)
-    model = _rebuild(float_model, info, container if container is not None else Container(),
-                     example_input if example_input is not None else info.example_input)
+    model = _rebuild(float_model, info, container, state)
     prefix = f"{where} does not fit {type(float_model).__name__}"
     _check_structure(model, info.manifest, prefix)
-    _check_and_prepare_state(model, state, prefix)
-    ignore_missing = brevitas_config.IGNORE_MISSING_KEYS
+    _check_state(model, state, prefix)
     # Quantizers that were never initialised (e.g. an activation quantizer no calibration batch
     # reached) are absent from the state dict in both models; Brevitas accepts that only with this flag.
-    brevitas_config.IGNORE_MISSING_KEYS = True
     try:
-        with load_quant_model_mode(model):
+        with ignore_missing_keys(), load_quant_model_mode(model):
             model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         raise CheckpointError(f"{prefix}: {exc}") from exc
-    finally:
-        brevitas_config.IGNORE_MISSING_KEYS = ignore_missing
     model.train(bool(info.manifest.get("training", False)))
     frozen = set(info.manifest.get("frozen_parameters", []))
     for name, parameter in model.named_parameters():
@@ -389,52 +381,23 @@ def _first_difference(saved: Any, given: Any, path: str = "") -> str | None:
 
 
 def _warn_versions(info: CheckpointInfo) -> None:
-    import brevitas
-
     saved = info.manifest.get("versions", {}).get("brevitas")
-    if saved is not None and saved != brevitas.__version__:
+    if saved is not None and saved != brevitas_version():
         logger.warning("checkpoint %s was written with Brevitas %s, this is Brevitas %s; quantizer state "
-                       "names may differ", info.directory, saved, brevitas.__version__)
+                       "names may differ", info.directory, saved, brevitas_version())
 
 
-def _example_batch(example: ExampleInput) -> Any:
-    """The example input as one calibration batch (see :mod:`quark_brevitas.data`)."""
-    if isinstance(example, tuple | list):
-        return (tuple(example),)
-    return example
-
-
-def _rebuild(float_model: nn.Module, info: CheckpointInfo, container: Container, example: ExampleInput | None
-             ) -> nn.Module:
-    """Replay the structural part of the pipeline on a copy of ``float_model`` (no calibration)."""
-    from quark_brevitas.api import ModelQuantizer
-
-    config = info.config
-    quantizer = ModelQuantizer(config, container)
+def _rebuild(float_model: nn.Module, info: CheckpointInfo, container: Container | None,
+             state: Mapping[str, torch.Tensor]) -> nn.Module:
+    """The pipeline's structure phase on a copy of ``float_model``, with what the checkpoint records of
+    the structure data-driven algorithms left."""
+    saved = SavedStructure(modules=dict(info.manifest.get("modules", {})),
+                           tensors={key: tuple(tensor.shape) for key, tensor in state.items()})
     try:
-        # As in quantize_model: the config's layer names are resolved against the model as given, and
-        # the backend replaces the layers of the pre-processed copy without checking them again.
-        quantizer.plan(float_model)
-        work = copy.deepcopy(float_model)
-        for index, algo in enumerate(config.pre_quant_opt_config):
-            if not algo.needs_data:
-                work = algo.apply(work)
-                continue
-            if example is None:
-                raise CheckpointError(
-                    f"pre_quant_opt_config[{index}] {type(algo).__name__} changes the model's structure according "
-                    f"to a forward pass, and checkpoint {str(info.directory)!r} holds no example input; save it "
-                    "with save_quantized(..., example_input=...) or pass example_input= to load_quantized"
-                )
-            logger.info("Rebuilding %s's structure on the example input", type(algo).__name__)
-            work = algo.apply(work, calib_loader=[_example_batch(example)])
-        work = container.backends()[config.backend.name].quantize(work, config, check_names=False)
-    except CheckpointError:
-        raise
+        return Pipeline(info.config, container).rebuild(float_model, saved)
     except QuarkBrevitasError as exc:
         raise CheckpointError(f"cannot rebuild the quantized model of checkpoint {str(info.directory)!r} from "
                               f"{type(float_model).__name__}: {exc}") from exc
-    return work
 
 
 def _check_structure(model: nn.Module, manifest: Mapping[str, Any], prefix: str) -> None:
@@ -478,20 +441,10 @@ def _line(lines: list[str], index: int) -> str:
     return lines[index].strip() if index < len(lines) else "<end of graph>"
 
 
-def _full_state_keys(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The rebuilt model's state dict including quantizer values that are not initialised yet."""
-    previous = brevitas_config._FULL_STATE_DICT
-    brevitas_config._FULL_STATE_DICT = True
-    try:
-        return model.state_dict()
-    finally:
-        brevitas_config._FULL_STATE_DICT = previous
-
-
-def _check_and_prepare_state(model: nn.Module, state: Mapping[str, torch.Tensor], prefix: str) -> None:
-    """Compare the checkpoint's tensors with the rebuilt model's, in model order; recreate the buffers
-    and biases that algorithms attach to layers."""
-    full = _full_state_keys(model)
+def _check_state(model: nn.Module, state: Mapping[str, torch.Tensor], prefix: str) -> None:
+    """Compare the checkpoint's tensors with the rebuilt model's (names, shapes, dtypes), in model order."""
+    with full_state_dict():
+        full = model.state_dict()
     required = model.state_dict().keys()
     modules = dict(model.named_modules())
     extra = []
@@ -503,13 +456,9 @@ def _check_and_prepare_state(model: nn.Module, state: Mapping[str, torch.Tensor]
         if module is not None and isinstance(getattr(module, attr, None), torch.Tensor) and \
                 tuple(getattr(module, attr).shape) == tuple(tensor.shape):
             # A quantizer tensor left out of an uncalibrated quantizer's state dict even in Brevitas's full
-            # mode (ParameterFromRuntimeZeroPoint.value: asymmetric activations); loading it restores it.
+            # mode (the runtime zero point of asymmetric activations); loading it restores it.
             continue
-        if attr in _ATTACHED_BUFFERS and module is not None and not hasattr(module, attr):
-            device = next((p.device for p in module.parameters()), torch.device("cpu"))
-            module.register_buffer(attr, torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
-        elif not (attr == "bias" and isinstance(module, QuantWBIOL) and module.bias is None):
-            extra.append(key)  # (a bias added by bias correction is recreated by load_quant_model_mode)
+        extra.append(key)
     for key, expected in full.items():
         if key not in state:
             if key in required:

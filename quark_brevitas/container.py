@@ -11,7 +11,8 @@ without patching the library. For example, to quantize a custom layer type::
     quant_model = ModelQuantizer(config, container=container).quantize_model(model, loader)
 
 Replaceable parts: ``layer_map`` (float class -> LayerMapping), ``backends`` (one per
-:class:`~quark_brevitas.config.Backend` name), ``calibrator`` (``(model, loader) -> model``),
+:class:`~quark_brevitas.config.Backend` name), ``calibrator`` (``(model, data) -> model``, where ``data`` is a
+:class:`~quark_brevitas.data.CalibrationData`: iterating it yields the batches),
 ``onnx_exporter`` and ``qonnx_exporter`` (``(model, args, path) -> report``).
 """
 
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 from dependency_injector import containers, providers
 
-from quark_brevitas.algos import calibrate
 from quark_brevitas.backend import DEFAULT_LAYER_MAP, LayerwiseBackend
+from quark_brevitas.calibration import calibrate
 
 
 def _onnx_exporter():  # imported lazily: onnx/onnxruntime are only needed when exporting

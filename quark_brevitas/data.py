@@ -1,15 +1,19 @@
-"""Calibration data plumbing: any loader, any batch shape, checked and moved to the model.
+"""Calibration data: any loader, any batch shape, checked and moved to the model.
 
-Every loop over user data in the library goes through :func:`run_batches`, so every loop gets the
-same batch conventions, the same checks (non-finite values, empty loaders, batches the model
-rejects — all reported with the batch index) and a tqdm progress bar.
+:class:`CalibrationData` is the pipeline's view of the user's calibration loader, and
+:meth:`CalibrationData.forward` is the one loop over calibration data in the library: calibration,
+every algorithm and QAT threshold initialisation run their forward passes through it, so every loop
+gets the same batch conventions, the same checks (non-finite values, empty loaders, batches the
+model rejects, all reported with the batch index) and a tqdm progress bar.
 
 Batch conventions (one batch = one forward call):
 
 - a tensor: ``model(batch)``;
 - a tuple or list: Quark's ``(inputs, target)`` convention, the first element is the input
   (a tensor, a tuple/list of positional tensors, or a dict of keyword arguments);
-- a mapping (e.g. a Hugging Face tokenizer's ``BatchEncoding``): ``model(**batch)``.
+- a mapping (e.g. a Hugging Face tokenizer's ``BatchEncoding``): ``model(**batch)``;
+- anything else, or another reading of tuples (a model with two positional inputs), through a
+  ``batch_to_inputs(batch) -> (args, kwargs)`` callable given to ``quantize_model``.
 
 Floating-point tensors are cast to the model's floating dtype; integer tensors (token ids,
 attention masks) keep their dtype. Everything moves to the model's device.
@@ -18,24 +22,30 @@ attention masks) keep their dtype. Everything moves to the model's device.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from brevitas.utils.torch_utils import StopFwdException
 from torch import nn
 from tqdm.auto import tqdm
 
+from quark_brevitas.brevitas_adapter import StopFwdException
 from quark_brevitas.errors import CalibrationDataError, ModelError
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["ALLOWED_BATCHES", "BatchToInputs", "CalibrationData", "model_device_dtype", "prepare_batch",
+           "run_batches", "split_batch"]
+
 ALLOWED_BATCHES = "a tensor, an (inputs, target) tuple/list, or a dict of keyword arguments"
+
+#: ``batch -> (args, kwargs)``: how one batch becomes the model's forward call.
+BatchToInputs = Callable[[Any], "tuple[tuple[Any, ...], dict[str, Any]]"]
 
 
 def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     """Device and floating dtype of the model, taken from its first floating parameter or buffer."""
-    for tensor in list(model.parameters()) + list(model.buffers()):
+    for tensor in (*model.parameters(), *model.buffers()):
         if tensor.is_floating_point():
             return tensor.device, tensor.dtype
     raise ModelError(f"{type(model).__name__} has no floating-point parameters or buffers: nothing to quantize")
@@ -60,7 +70,7 @@ def _move(value: Any, device: torch.device, dtype: torch.dtype, index: int, wher
 
 
 def split_batch(batch: Any, index: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Turn one batch into ``(args, kwargs)`` for the model's forward call."""
+    """Turn one batch into ``(args, kwargs)`` for the model's forward call (the default conventions)."""
     if isinstance(batch, torch.Tensor):
         return (batch,), {}
     if isinstance(batch, Mapping):
@@ -80,20 +90,127 @@ def split_batch(batch: Any, index: int) -> tuple[tuple[Any, ...], dict[str, Any]
             f"calibration batch {index}: first element is a {type(first).__name__}; expected a tensor, "
             "a tuple of tensors or a dict of keyword arguments"
         )
-    raise CalibrationDataError(f"calibration batch {index}: got a {type(batch).__name__}; expected {ALLOWED_BATCHES}")
+    raise CalibrationDataError(f"calibration batch {index}: got a {type(batch).__name__}; expected {ALLOWED_BATCHES} "
+                               "(or pass batch_to_inputs to quantize_model)")
 
 
-def prepare_batch(batch: Any, index: int, device: torch.device, dtype: torch.dtype
-                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _custom_split(convert: BatchToInputs, batch: Any, index: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    try:
+        result = convert(batch)
+    except Exception as exc:
+        raise CalibrationDataError(f"calibration batch {index}: batch_to_inputs failed ({type(exc).__name__}: "
+                                   f"{exc})") from exc
+    if (not isinstance(result, tuple) or len(result) != 2 or not isinstance(result[0], tuple | list)
+            or not isinstance(result[1], Mapping)):
+        raise CalibrationDataError(f"calibration batch {index}: batch_to_inputs must return (args, kwargs), a tuple "
+                                   f"of positional inputs and a dict of keyword inputs; got {type(result).__name__}")
+    return tuple(result[0]), dict(result[1])
+
+
+def prepare_batch(batch: Any, index: int, device: torch.device, dtype: torch.dtype,
+                  batch_to_inputs: BatchToInputs | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Split, check and move one batch; see the module docstring for the conventions."""
-    args, kwargs = split_batch(batch, index)
+    if batch_to_inputs is not None:
+        args, kwargs = _custom_split(batch_to_inputs, batch, index)
+    else:
+        args, kwargs = split_batch(batch, index)
     return _move(args, device, dtype, index, "input"), _move(kwargs, device, dtype, index, "input")
 
 
-def forward_batch(model: nn.Module, batch: Any, index: int) -> Any:
-    """Run the model on one batch; a failure is re-raised naming the batch index."""
-    device, dtype = model_device_dtype(model)
-    args, kwargs = prepare_batch(batch, index, device, dtype)
+def _is_one_shot(loader: Any) -> bool:
+    """Whether iterating ``loader`` consumes it (a generator or iterator rather than a collection)."""
+    try:
+        return iter(loader) is loader
+    except TypeError:
+        return False
+
+
+class CalibrationData:
+    """The user's calibration loader as the pipeline feeds it: re-iterable, checked, one loop.
+
+    - A one-shot iterator or generator is read once and kept in memory (with a log line), because
+      calibration and algorithms such as GPTQ go over the data several times.
+    - A bare tensor is rejected: iterating it would feed the model one row at a time.
+    - ``batch_to_inputs``: optional ``batch -> (args, kwargs)`` for batches the default conventions
+      read wrongly (e.g. a tuple of two positional inputs).
+
+    Iterating a CalibrationData yields the raw batches.
+    """
+
+    def __init__(self, loader: Iterable[Any], batch_to_inputs: BatchToInputs | None = None) -> None:
+        if isinstance(loader, CalibrationData):
+            loader, batch_to_inputs = loader.loader, batch_to_inputs or loader.batch_to_inputs
+        if isinstance(loader, torch.Tensor):
+            raise CalibrationDataError(
+                "calib_loader is a single tensor; iterating it would feed the model one row at a time. Pass a "
+                "list of batches ([x] for one batch, or x.split(32) for batches of 32) or a DataLoader"
+            )
+        if isinstance(loader, Mapping):
+            raise CalibrationDataError("calib_loader is a single dict (one batch?); pass a list of batches "
+                                       "([batch]) or a DataLoader")
+        try:
+            iter(loader)
+        except TypeError:
+            raise CalibrationDataError(
+                f"calib_loader must be an iterable of batches (a DataLoader, a list, a generator); got "
+                f"{type(loader).__name__}"
+            ) from None
+        if batch_to_inputs is not None and not callable(batch_to_inputs):
+            raise TypeError(f"batch_to_inputs must be a callable batch -> (args, kwargs), got "
+                            f"{type(batch_to_inputs).__name__}")
+        if _is_one_shot(loader):
+            logger.info("calib_loader is a one-shot iterator; its batches are kept in memory so that "
+                        "calibration and algorithms can go over them several times")
+            loader = list(loader)
+        self.loader = loader
+        self.batch_to_inputs = batch_to_inputs
+
+    @classmethod
+    def wrap(cls, loader: Any, batch_to_inputs: BatchToInputs | None = None) -> CalibrationData | None:
+        """``loader`` as CalibrationData (``None`` stays ``None``: the pipeline says who needs data)."""
+        if loader is None:
+            if batch_to_inputs is not None:
+                raise CalibrationDataError("batch_to_inputs was given without a calib_loader")
+            return None
+        return cls(loader, batch_to_inputs)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        """The number of batches, if the loader knows it (a list, a DataLoader); ``TypeError`` otherwise."""
+        return len(self.loader)
+
+    def inputs(self, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+        """Every batch as checked ``(args, kwargs)`` on ``device`` / ``dtype``."""
+        for index, batch in enumerate(self.loader):
+            yield prepare_batch(batch, index, device, dtype, self.batch_to_inputs)
+
+    def forward(self, model: nn.Module, desc: str, *, on_output: Callable[[int, Any], None] | None = None) -> int:
+        """Run every batch through ``model`` without gradients; return the number of batches.
+
+        ``on_output(index, output)`` sees each output. Raises :class:`CalibrationDataError` for an
+        empty loader and for bad batches (naming the batch index and the cause).
+        """
+        device, dtype = model_device_dtype(model)
+        count = 0
+        with torch.no_grad():
+            batches = enumerate(tqdm(self.loader, desc=desc, leave=False, disable=None))
+            for index, batch in batches:
+                args, kwargs = prepare_batch(batch, index, device, dtype, self.batch_to_inputs)
+                output = call_model(model, args, kwargs, index)
+                if on_output is not None:
+                    on_output(index, output)
+                count += 1
+        if count == 0:
+            raise CalibrationDataError(f"{desc}: the calibration loader yielded no batches")
+        logger.debug("%s: %d batches", desc, count)
+        return count
+
+
+def call_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
+    """``model(*args, **kwargs)``; a failure is re-raised as a :class:`CalibrationDataError` naming the
+    batch index (the pipeline decides whether the data or the quantized model is at fault)."""
     try:
         return model(*args, **kwargs)
     except StopFwdException:
@@ -105,21 +222,7 @@ def forward_batch(model: nn.Module, batch: Any, index: int) -> Any:
 
 
 def run_batches(model: nn.Module, loader: Iterable[Any] | None, desc: str) -> int:
-    """Forward every batch of ``loader`` through ``model`` without gradients; return the count.
-
-    Raises :class:`CalibrationDataError` for a missing or empty loader and for bad batches.
-    """
+    """Forward every batch of ``loader`` through ``model`` (see :meth:`CalibrationData.forward`)."""
     if loader is None:
         raise CalibrationDataError(f"{desc} needs calibration data: pass calib_loader")
-    count = 0
-    with torch.no_grad():
-        for index, batch in enumerate(tqdm(loader, desc=desc, leave=False, disable=None)):
-            forward_batch(model, batch, index)
-            count += 1
-    if count == 0:
-        raise CalibrationDataError(f"{desc}: the calibration loader yielded no batches")
-    logger.debug("%s: %d batches", desc, count)
-    return count
-
-
-__all__ = ["forward_batch", "model_device_dtype", "prepare_batch", "run_batches", "split_batch"]
+    return CalibrationData(loader).forward(model, desc)

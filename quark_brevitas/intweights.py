@@ -26,24 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer as QuantWBIOL
-from brevitas.proxy.parameter_quant import WeightQuantProxyFromInjectorBase
 from brevitas.quant_tensor import FloatQuantTensor, IntQuantTensor
 from torch import nn
 
+from quark_brevitas.brevitas_adapter import FLOAT8_DTYPES, QuantLayer, is_groupwise, iter_quantizers
 from quark_brevitas.errors import ModelError, QuarkBrevitasError
 
 __all__ = ["IntegerWeight", "integer_weights", "save_integer_weights"]
 
 logger = logging.getLogger(__name__)
-
-# (exponent bits, mantissa bits, exponent bias) -> torch float8 dtype holding the format exactly.
-_FLOAT8_DTYPES: dict[tuple[int, int, int], torch.dtype] = {
-    (4, 3, 7): torch.float8_e4m3fn,
-    (5, 2, 15): torch.float8_e5m2,
-    (4, 3, 8): torch.float8_e4m3fnuz,
-    (5, 2, 16): torch.float8_e5m2fnuz,
-}
 
 
 @dataclass(frozen=True)
@@ -150,7 +141,7 @@ def _from_float(name: str, qt: FloatQuantTensor) -> IntegerWeight:
     if not torch.equal(qt.zero_point.detach(), torch.zeros_like(qt.zero_point)):
         raise ModelError(f"float weight quantizer of '{name}' has a non-zero zero point; not supported")
     codes = qt.minifloat().detach()
-    dtype = _FLOAT8_DTYPES.get((e, m, bias))
+    dtype = FLOAT8_DTYPES.get((e, m, bias))
     if dtype is not None:
         codes = codes.to(dtype)
     return IntegerWeight(
@@ -171,21 +162,22 @@ def integer_weights(model: nn.Module) -> dict[str, IntegerWeight]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     result: dict[str, IntegerWeight] = {}
-    covered: set[int] = set()
+    other = []
     with torch.no_grad():
-        for name, layer in model.named_modules():
-            if not isinstance(layer, QuantWBIOL):
+        for site in iter_quantizers(model):
+            if site.kind != "weight":
                 continue
-            covered.add(id(layer.weight_quant))
-            if not layer.weight_quant.is_quant_enabled:
+            layer = site.layer
+            if not isinstance(layer, QuantLayer) or site.attribute != "weight_quant":
+                other.append(site.name)
                 continue
-            label = name or "(model)"
+            label = site.layer_name or "(model)"
             qt = layer.quant_weight()
-            if getattr(layer.weight_quant, "is_groupwise", False):
+            if is_groupwise(site.proxy):
                 raise ModelError(f"'{label}' has a per-group weight quantizer; integer_weights supports per-tensor "
                                  "and per-channel scales")
             if isinstance(qt, IntQuantTensor):
-                entry = _from_int(label, qt, bool(layer.weight_quant.is_narrow_range))
+                entry = _from_int(label, qt, bool(site.proxy.is_narrow_range))
             elif isinstance(qt, FloatQuantTensor):
                 entry = _from_float(label, qt)
             else:
@@ -196,8 +188,6 @@ def integer_weights(model: nn.Module) -> dict[str, IntegerWeight]:
                 raise QuarkBrevitasError(f"integer weights of '{label}' ({entry.format}) do not reproduce its "
                                          f"quantized weight exactly (max difference {diff:.3g}); please report this")
             result[label] = entry
-    other = [n for n, m in model.named_modules()
-             if isinstance(m, WeightQuantProxyFromInjectorBase) and m.is_quant_enabled and id(m) not in covered]
     if other:
         logger.warning("integer_weights: weight quantizers outside weight/bias layers are not extracted: %s",
                        ", ".join(other))
@@ -241,7 +231,7 @@ def save_integer_weights(
 
     arrays: dict[str, Any] = {"__metadata__": np.array(metadata)}
     for key, tensor in tensors.items():
-        if tensor.dtype in _FLOAT8_DTYPES.values():
+        if tensor.dtype in FLOAT8_DTYPES.values():
             tensor = tensor.view(torch.uint8)
         arrays[key] = tensor.numpy()
     with open(target, "wb") as handle:  # an open file keeps numpy from appending ".npz" to the name

@@ -35,11 +35,18 @@ from typing import Any
 
 import torch
 from brevitas.core.restrict_val import PowerOfTwoRestrictValue
-from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer as QuantWBIOL
 from torch import nn
 
-from quark_brevitas.data import run_batches
-from quark_brevitas.errors import QuarkBrevitasError
+from quark_brevitas.brevitas_adapter import (
+    QuantLayer,
+    iter_quantizers,
+    mark_scale_initialised,
+    quantization_disabled,
+    scale_impl,
+    scale_parameters,
+)
+from quark_brevitas.data import CalibrationData
+from quark_brevitas.errors import CalibrationDataError, QuarkBrevitasError
 from quark_brevitas.types import TQTThresholdInitMeth
 
 logger = logging.getLogger(__name__)
@@ -69,31 +76,15 @@ class QATConfig:
                            f"got {self.threshold_init!r}")
 
 
+_TRAINED_ROLES = ("weight", "input", "output")
+
+
 def _quantizers(model: nn.Module) -> Iterator[tuple[str, str, nn.Module, Any]]:
-    """Yield (layer name, role, layer, tensor quant) for every enabled weight/input/output quantizer."""
-    for name, layer in model.named_modules():
-        if not isinstance(layer, QuantWBIOL):
-            continue
-        for role, proxy in (("weight", layer.weight_quant), ("input", layer.input_quant),
-                            ("output", layer.output_quant)):
-            if proxy.is_quant_enabled:
-                yield name, role, layer, proxy
-
-
-def _scale_impl(proxy: Any) -> nn.Module | None:
-    for module in proxy.modules():
-        if isinstance(getattr(module, "value", None), nn.Parameter):
-            return module
-    return None
-
-
-def scale_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Every learnable scale/threshold parameter of the quantized model, by parameter name."""
-    params = {}
-    for name, param in model.named_parameters():
-        if ".scaling_impl." in f".{name}" or "scaling_impl.value" in name:
-            params[name] = param
-    return params
+    """Yield (layer name, role, layer, proxy) for every enabled weight/input/output quantizer of the
+    weight/bias layers (the quantizers TQT initialises)."""
+    for site in iter_quantizers(model):
+        if isinstance(site.layer, QuantLayer) and site.role in _TRAINED_ROLES:
+            yield site.layer_name, site.role, site.layer, site.proxy
 
 
 def _is_pof2(impl: nn.Module) -> bool:
@@ -146,10 +137,7 @@ def _set_threshold(impl: nn.Module, proxy: Any, threshold: torch.Tensor) -> None
     """Store ``log2(threshold)`` so that the effective scale is 2**ceil(log2 t) / 2**(b-1)."""
     with torch.no_grad():
         impl.value.copy_(torch.log2(threshold).reshape(impl.value.shape).to(impl.value))
-        if hasattr(impl, "init_done"):
-            impl.init_done = True
-        if hasattr(impl, "counter"):  # runtime-stats scalings stop collecting statistics
-            impl.counter = getattr(impl, "collect_stats_steps", impl.counter) + 1
+    mark_scale_initialised(impl)
 
 
 def _collect_inputs(model: nn.Module, loader: Any) -> dict[str, list[torch.Tensor]]:
@@ -164,14 +152,14 @@ def _collect_inputs(model: nn.Module, loader: Any) -> dict[str, list[torch.Tenso
             seen.setdefault(key, []).append(args[0].detach().flatten())
 
         hooks.append(proxy.register_forward_pre_hook(hook))
+    if loader is None:
+        raise CalibrationDataError("TQT threshold initialisation of activation quantizers needs calibration data: "
+                                   "pass calib_loader to prepare_qat")
     was_training = model.training
     model.eval()
     try:
-        from brevitas.graph.calibrate import quantization_status_manager
-
-        with quantization_status_manager(model, disable_act_quant=True, disable_weight_quant=True,
-                                         disable_bias_quant=True):
-            run_batches(model, loader, "TQT threshold statistics")
+        with quantization_disabled(model):
+            CalibrationData(loader).forward(model, "TQT threshold statistics")
     finally:
         for h in hooks:
             h.remove()
@@ -181,14 +169,14 @@ def _collect_inputs(model: nn.Module, loader: Any) -> dict[str, list[torch.Tenso
 
 def _init_thresholds(model: nn.Module, method: TQTThresholdInitMeth, loader: Any) -> None:
     quantizers = list(_quantizers(model))
-    not_pof2 = [f"{n} ({r})" for n, r, _, p in quantizers if (impl := _scale_impl(p)) is None or not _is_pof2(impl)]
+    not_pof2 = [f"{n} ({r})" for n, r, _, p in quantizers if (impl := scale_impl(p)) is None or not _is_pof2(impl)]
     if not_pof2:
         raise QATError(f"TQT threshold initialisation needs power-of-two scales (scale_type=pof2); these quantizers "
                        f"are not: {', '.join(not_pof2)}")
     needs_data = any(role != "weight" for _, role, _, _ in quantizers)
     activations = _collect_inputs(model, loader) if needs_data else {}
     for name, role, layer, proxy in quantizers:
-        impl = _scale_impl(proxy)
+        impl = scale_impl(proxy)
         bit_width = int(proxy.bit_width())
         if role == "weight":
             weight = layer.weight.detach()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos
+from quark_brevitas.algorithms import apply_algorithm
 from quark_brevitas.types import QSchemeType
 
 W3_PC_A8 = QLayerConfig(weight=QTensorConfig(bit_width=3, qscheme=QSchemeType.per_channel),
@@ -112,7 +113,7 @@ def test_activation_equalization_lowers_error(logits_error) -> None:
 def test_preprocess_merges_batch_norm_and_keeps_the_function(digits_model, test_inputs) -> None:
     import copy
 
-    processed = algos.Preprocess().apply(copy.deepcopy(digits_model))
+    processed = apply_algorithm(algos.Preprocess(), copy.deepcopy(digits_model))
     assert not any(isinstance(m, nn.BatchNorm2d) for m in processed.modules())
     with torch.no_grad():
         torch.testing.assert_close(processed(test_inputs), digits_model(test_inputs), atol=1e-4, rtol=1e-4)
@@ -129,7 +130,7 @@ def test_preprocess_warns_once_for_untraceable_models(caplog) -> None:
 
     model = DataDependent()
     with caplog.at_level(logging.WARNING, logger="quark_brevitas.algos"):
-        out = algos.Preprocess().apply(model)
+        out = apply_algorithm(algos.Preprocess(), model)
     assert out is model
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "cannot be FX-traced" in warnings[0].getMessage()

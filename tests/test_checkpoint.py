@@ -33,6 +33,7 @@ from quark_brevitas import (
     load_quantized,
     save_quantized,
 )
+from quark_brevitas.algorithms import apply_algorithm
 from quark_brevitas.checkpoint import CONFIG_ATTRIBUTE, read_checkpoint
 from quark_brevitas.cli import main
 from quark_brevitas.digits import DigitsCNN, example_input
@@ -107,7 +108,7 @@ def test_files_are_safetensors_and_json(quantized, digits_data, tmp_path: Path) 
     assert tensors.keys() == model.state_dict().keys()
     assert any(k.endswith("scaling_impl.value") for k in tensors)  # scales are stored, not recomputed
     assert any(k.endswith("zero_point_impl.value") for k in tensors)  # asymmetric weights: zero points too
-    assert "fc1.weight_orig" in tensors  # GPTQ's float weights survive the round trip
+    assert not any(k.endswith("weight_orig") for k in tensors)  # GPTQ leaves no float weight copies behind
     assert Config.from_json((tmp_path / "config.json").read_text()) == CONFIGS["w4pc_asym_gptq_bias_correction"]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["modules"]["fc1"] == "QuantLinear" and manifest["modules"]["conv1"] == "QuantConv2d"
@@ -182,8 +183,8 @@ def test_ptq_resumes_from_checkpoint(digits_model, digits_data, tmp_path: Path) 
     save_quantized(model, tmp_path)
     loaded = load_quantized(_fresh_digits(), tmp_path)
     for algo in (algos.GPTQ(), algos.BiasCorrection()):
-        model = algo.apply(model, calib_loader=calib)
-        loaded = algo.apply(loaded, calib_loader=calib)
+        model = apply_algorithm(algo, model, calib)
+        loaded = apply_algorithm(algo, loaded, calib)
     with torch.no_grad():
         assert torch.equal(loaded(images), model(images))
 
@@ -283,15 +284,31 @@ def test_custom_layer_needs_the_same_container(tmp_path: Path) -> None:
     assert torch.equal(loaded(x), quant(x))
 
 
-def test_activation_equalization_needs_an_example(quantized, tmp_path: Path) -> None:
+def test_activation_equalization_loads_without_an_example(quantized, tmp_path: Path) -> None:
+    """The scale modules activation equalization inserts are recreated from the checkpoint's record of the
+    model (its handler's restore), without data or an example input."""
     save_quantized(quantized["act_equalization"], tmp_path)  # no example input stored
-    with pytest.raises(CheckpointError, match=r"pre_quant_opt_config\[1\] ActivationEqualization .* example_input"):
-        load_quantized(_fresh_digits(), tmp_path)
-    example = torch.zeros(2, 1, 8, 8)  # only the shapes matter for the structure
-    loaded = load_quantized(_fresh_digits(), tmp_path, example_input=example)
+    loaded = load_quantized(_fresh_digits(), tmp_path)
+    assert any(type(m).__name__ == "EqualizedModule" for m in loaded.modules())
     x = torch.randn(5, 1, 8, 8)
     with torch.no_grad():
         assert torch.equal(loaded(x), quantized["act_equalization"](x))
+    with pytest.warns(DeprecationWarning, match="example_input"):
+        load_quantized(_fresh_digits(), tmp_path, example_input=torch.zeros(2, 1, 8, 8))
+
+
+def test_checkpoint_with_gptq_float_weight_copies_still_loads(quantized, tmp_path: Path) -> None:
+    """Checkpoints written before GPTQ/GPFQ stopped leaving their float weight copies (``weight_orig``)
+    hold those tensors; the GPxQ handler recreates the buffers so that they load."""
+    model = quantized["w4pc_asym_gptq_bias_correction"]
+    save_quantized(model, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["fc1.weight_orig"] = torch.randn(64, 512)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "quark_brevitas.checkpoint"})
+    loaded = load_quantized(_fresh_digits(), tmp_path)
+    x = torch.randn(5, 1, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
 
 
 def test_unreadable_checkpoints(w8a8_checkpoint: Path, tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ def test_calibrator_override_is_used() -> None:
 
     def calibrator(model: nn.Module, loader) -> nn.Module:
         calls.append(len(loader))
-        from quark_brevitas.algos import calibrate
+        from quark_brevitas.calibration import calibrate
 
         return calibrate(model, loader)
 

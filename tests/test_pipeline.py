@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, ParamType, QLayerConfig, QTensorConfig, QuantType, algos
+from quark_brevitas.algorithms import handler_for
 from quark_brevitas.digits import evaluate
 from quark_brevitas.types import QSchemeType, ScaleType
 
@@ -147,13 +148,14 @@ def test_multihead_attention_is_replaced() -> None:
 def test_algorithms_run_in_list_order(digits_model, digits_data, monkeypatch) -> None:
     calls: list[str] = []
     for cls in (algos.BiasCorrection, algos.CalibrateBatchNorm):
-        original = cls.apply
+        handler = handler_for(cls())
+        original = handler.apply
 
-        def spy(self, model, calib_loader=None, _original=original, _name=cls.__name__):
+        def spy(algo, model, data, _original=original, _name=cls.__name__):
             calls.append(_name)
-            return _original(self, model, calib_loader)
+            return _original(algo, model, data)
 
-        monkeypatch.setattr(cls, "apply", spy)
+        monkeypatch.setattr(handler, "apply", spy)
     config = Config(global_quant_config=QLayerConfig(weight=QTensorConfig(), input_tensors=A8),
                     algo_config=[algos.CalibrateBatchNorm(), algos.BiasCorrection(), algos.CalibrateBatchNorm()])
     ModelQuantizer(config).quantize_model(digits_model, digits_data.calib)

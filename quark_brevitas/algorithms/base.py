@@ -1,0 +1,93 @@
+"""What an algorithm does, as opposed to what it is: handlers, found through a registry.
+
+An algorithm's *config* (``quark_brevitas.algos``: ``GPTQ(act_order=True)``) is plain data. Its
+*handler* says what running it does to a model, given the pipeline's calibration data, and, if the
+algorithm leaves structure behind (wrapped layers, a bias added to a bias-free layer), how to
+recreate that structure without data when a checkpoint is loaded. Adding an algorithm means a
+config dataclass plus one handler registered here with :func:`register`; the pipeline looks it up
+with :func:`handler_for` and never special-cases an algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from quark_brevitas.data import CalibrationData
+from quark_brevitas.errors import CalibrationDataError, ConfigError
+
+__all__ = ["AlgorithmHandler", "SavedStructure", "apply_algorithm", "handler_for", "register", "registered_handlers"]
+
+
+@dataclass(frozen=True)
+class SavedStructure:
+    """What a checkpoint says about the quantized model's structure (no values).
+
+    ``modules``: qualified module name -> class name; ``tensors``: state-dict key -> shape. A
+    handler's :meth:`AlgorithmHandler.restore` reads the structure its algorithm left from these.
+    """
+
+    modules: Mapping[str, str] = field(default_factory=dict)
+    tensors: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+class AlgorithmHandler:
+    """Base class of the handlers. Subclasses implement :meth:`apply`; the default :meth:`restore`
+    says the algorithm changes only values, which a checkpoint's state dict restores."""
+
+    def apply(self, algo: Any, model: nn.Module, data: CalibrationData | None) -> nn.Module:
+        """Run the algorithm on ``model`` (the whole model, or one block of it) with ``data`` (``None``
+        only for algorithms whose config says ``needs_data = False``); return the model."""
+        raise NotImplementedError
+
+    def check(self, algo: Any, path: str) -> None:
+        """Raise if the algorithm cannot run here at all (e.g. the installed Brevitas lacks it); called
+        when the config is accepted, before any model is touched."""
+
+    def restore(self, algo: Any, model: nn.Module, saved: SavedStructure) -> nn.Module:
+        """Recreate, without data, the structure :meth:`apply` leaves in a model (wrappers, buffers,
+        parameters), so that a saved state dict fits; the values come from the state dict."""
+        return model
+
+
+_HANDLERS: dict[type, AlgorithmHandler] = {}
+
+
+def register(config_type: type) -> Any:
+    """Class decorator: ``@register(MyAlgo) class MyAlgoHandler(AlgorithmHandler): ...`` makes the pipeline
+    run ``MyAlgoHandler().apply`` for every ``MyAlgo`` config (and its subclasses without a handler)."""
+
+    def decorate(handler_cls: type[AlgorithmHandler]) -> type[AlgorithmHandler]:
+        if not (isinstance(handler_cls, type) and issubclass(handler_cls, AlgorithmHandler)):
+            raise TypeError(f"register({config_type.__name__}) decorates AlgorithmHandler subclasses, got "
+                            f"{handler_cls!r}")
+        _HANDLERS[config_type] = handler_cls()
+        return handler_cls
+
+    return decorate
+
+
+def handler_for(algo: Any, path: str = "") -> AlgorithmHandler:
+    """The handler of an algorithm config (the closest registered class in its MRO)."""
+    for cls in type(algo).__mro__:
+        if cls in _HANDLERS:
+            return _HANDLERS[cls]
+    raise ConfigError(path, f"{type(algo).__name__} has no registered handler; register one with "
+                            "quark_brevitas.algorithms.register")
+
+
+def apply_algorithm(algo: Any, model: nn.Module, calib_loader: Any = None) -> nn.Module:
+    """Run one algorithm on ``model`` in place, outside a ``quantize_model`` call (e.g. a post-quantization
+    algorithm on a model loaded from a checkpoint); returns the model."""
+    data = CalibrationData.wrap(calib_loader)
+    if data is None and algo.needs_data:
+        raise CalibrationDataError(f"{type(algo).__name__} needs calibration data: pass calib_loader")
+    return handler_for(algo).apply(algo, model, data if algo.needs_data else None)
+
+
+def registered_handlers() -> dict[type, AlgorithmHandler]:
+    """A copy of the registry (config class -> handler)."""
+    return dict(_HANDLERS)

@@ -1,0 +1,21 @@
+"""Activation calibration: statistics for every static activation quantizer, on the pipeline's data."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from quark_brevitas.brevitas_adapter import calibration_mode
+from quark_brevitas.data import CalibrationData
+
+__all__ = ["calibrate"]
+
+
+def calibrate(model: nn.Module, data: CalibrationData) -> nn.Module:
+    """Run the calibration data through ``model`` in Brevitas's calibration mode (activation quantizers
+    observe, scales are set on exit; dynamic quantizers keep quantizing) and return it in eval mode."""
+    if not isinstance(data, CalibrationData):
+        data = CalibrationData(data)
+    model.eval()
+    with calibration_mode(model):
+        data.forward(model, "Calibration")
+    return model
