@@ -27,6 +27,7 @@ from torch import nn
 from quark_brevitas.brevitas_adapter import EqualizedModule, ignore_missing_keys, init_weight_scales
 from quark_brevitas.config import Config, QuantizationConfig
 from quark_brevitas.errors import ModelError
+from quark_brevitas.layers import QuantMultiheadAttention
 from quark_brevitas.quantizers import build_quantizer
 from quark_brevitas.resolve import EXCLUDED, Resolver
 
@@ -73,7 +74,9 @@ def mha_kwargs(layer: QuantizationConfig) -> dict[str, Any]:
         "out_proj_weight_quant": weight,
         "out_proj_bias_quant": bias,
         "out_proj_output_quant": build_quantizer(layer.output_tensors, "output_tensors"),
-        "packed_in_proj": True,
+        # Separate q/k/v projections: Brevitas's packed projection handles self-attention only, and a
+        # MultiheadAttention may be called with other keys and values (nn.TransformerDecoder's cross-attention).
+        "packed_in_proj": False,
         "return_quant_tensor": False,
     }
 
@@ -92,7 +95,7 @@ DEFAULT_LAYER_MAP: dict[type[nn.Module], LayerMapping] = {
     nn.Conv2d: LayerMapping(qnn.QuantConv2d),
     nn.ConvTranspose1d: LayerMapping(qnn.QuantConvTranspose1d),
     nn.ConvTranspose2d: LayerMapping(qnn.QuantConvTranspose2d),
-    nn.MultiheadAttention: LayerMapping(qnn.QuantMultiheadAttention, mha_kwargs),
+    nn.MultiheadAttention: LayerMapping(QuantMultiheadAttention, mha_kwargs),
 }
 
 

@@ -186,6 +186,22 @@ class CalibrationData:
         for index, batch in enumerate(self.loader):
             yield prepare_batch(batch, index, device, dtype, self.batch_to_inputs)
 
+    def accepted_by(self, model: nn.Module, index: int) -> bool:
+        """Whether ``model`` runs batch ``index`` without an error (used to tell whether a batch that a
+        quantized model rejected is at fault, or the quantization)."""
+        device, dtype = model_device_dtype(model)
+        for position, batch in enumerate(self.loader):
+            if position != index:
+                continue
+            args, kwargs = prepare_batch(batch, index, device, dtype, self.batch_to_inputs)
+            try:
+                with torch.no_grad():
+                    model(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - any failure means "not accepted"; the caller reports the original
+                return False
+            return True
+        return False
+
     def forward(self, model: nn.Module, desc: str, *, on_output: Callable[[int, Any], None] | None = None) -> int:
         """Run every batch through ``model`` without gradients; return the number of batches.
 
@@ -217,7 +233,7 @@ def call_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
         raise  # Brevitas's GPxQ algorithms stop the forward pass on purpose.
     except Exception as exc:
         raise CalibrationDataError(
-            f"calibration batch {index}: the model rejected it ({type(exc).__name__}: {exc})"
+            f"calibration batch {index}: the model rejected it ({type(exc).__name__}: {exc})", batch_index=index
         ) from exc
 
 

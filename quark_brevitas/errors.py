@@ -23,7 +23,14 @@ class ConfigError(QuarkBrevitasError):
 
 
 class CalibrationDataError(QuarkBrevitasError):
-    """A calibration batch is malformed, non-finite, or rejected by the model."""
+    """A calibration batch is malformed, non-finite, or rejected by the model.
+
+    ``batch_index`` is the index of the batch at fault when the model rejected one (else ``None``).
+    """
+
+    def __init__(self, message: str, *, batch_index: int | None = None) -> None:
+        super().__init__(message)
+        self.batch_index = batch_index
 
 
 class ModelError(QuarkBrevitasError):

@@ -28,7 +28,7 @@ from quark_brevitas.backend import PlannedLayer
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
 from quark_brevitas.data import BatchToInputs, CalibrationData, model_device_dtype
-from quark_brevitas.errors import CalibrationDataError
+from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.resolve import Resolver
 
 logger = logging.getLogger(__name__)
@@ -133,12 +133,22 @@ class Pipeline:
         activations = self._require_data(rows, data)
         start = time.perf_counter()
         work = model if inplace else copy.deepcopy(model)
-        work = self._run_algorithms("pre_quant_opt_config", work, data)
-        work = self.replace_layers(work)
-        if activations:
-            logger.info("Applying calibration")
-            work = self.container.calibrator()(work, data)
-        work = self._run_algorithms("algo_config", work, data)
+        try:
+            work = self._run_algorithms("pre_quant_opt_config", work, data)
+            work = self.replace_layers(work)
+            if activations:
+                logger.info("Applying calibration")
+                work = self.container.calibrator()(work, data)
+            work = self._run_algorithms("algo_config", work, data)
+        except CalibrationDataError as exc:
+            if exc.batch_index is not None and not inplace and data.accepted_by(model, exc.batch_index):
+                raise ModelError(
+                    f"the model being quantized failed on calibration batch {exc.batch_index}, which the float "
+                    f"model accepts: a limitation of quantizing this model, not a problem with the data "
+                    f"({exc.__cause__.__class__.__name__}: {exc.__cause__}). Keep the layer involved in float "
+                    "(Config.exclude) or report it"
+                ) from exc.__cause__
+            raise
         logger.info("Quantization done in %.1f s", time.perf_counter() - start)
         return self._finish(work)
 

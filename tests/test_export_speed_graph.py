@@ -209,9 +209,10 @@ def test_attention_encoder_runs_on_integer_kernels(tmp_path: pathlib.Path) -> No
     quant, x, report = _export("encoder", LAYERS["W8A8 per-channel"], tmp_path / "encoder.onnx")
     assert report.max_abs_diff <= report.tolerance
     kernels = _ort_kernels(report.path, tmp_path)
-    # in_proj, q @ k, attention @ v, out_proj, linear1, linear2: all integer (3-D inputs: MatMul, not Gemm)
+    # q/k/v projections, q @ k, attention @ v, out_proj, linear1, linear2: all integer (3-D inputs: MatMul, not
+    # Gemm)
     assert not FLOAT_COMPUTE & set(kernels), kernels
-    assert sum(kernels[op] for op in INTEGER_COMPUTE) == 6, kernels
+    assert sum(kernels[op] for op in INTEGER_COMPUTE) == 8, kernels
     graph = onnx.load(str(report.path)).graph
     producer = {out: node for node in graph.node for out in node.output}
     inits = {i.name for i in graph.initializer}

@@ -83,7 +83,8 @@ def test_integer_weights_reproduce_quantized_weights_exactly(name: str) -> None:
     model = _weight_only(spec)
     weights = integer_weights(model)
     layers = _layers(model)
-    assert list(weights) == ["conv", "deconv", "fc", "attn.in_proj", "attn.out_proj"] == list(layers)
+    assert list(weights) == ["conv", "deconv", "fc", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"] \
+        == list(layers)
     for layer_name, entry in weights.items():
         with torch.no_grad():
             quant_weight = layers[layer_name].quant_weight().value

@@ -1,0 +1,66 @@
+"""Quantized layers the library adds on top of Brevitas's, where Brevitas's own do not fit PyTorch's callers.
+
+:class:`QuantMultiheadAttention` is Brevitas's quantized attention made a drop-in for
+``nn.MultiheadAttention`` inside ``nn.TransformerEncoder`` / ``nn.TransformerDecoder``: those containers
+pass ``is_causal=`` and read ``in_proj_weight`` / ``in_proj_bias``, which Brevitas's class lacks, and
+their fused fast paths would compute attention with the raw float weights, bypassing the quantizers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import brevitas.nn as qnn
+import torch
+from torch import Tensor
+
+__all__ = ["QuantMultiheadAttention"]
+
+
+class _RuntimeQuantizedParameter(Tensor):
+    """A projection weight or bias as PyTorch's fused transformer kernels see it.
+
+    ``nn.TransformerEncoderLayer`` and ``nn.TransformerEncoder`` run a fused C++ kernel with the attention's
+    raw ``in_proj_weight`` unless one of those tensors overrides ``__torch_function__``; a quantized layer
+    must never take that path (its weights are quantized at run time), so the tensors it exposes do.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class QuantMultiheadAttention(qnn.QuantMultiheadAttention):
+    """Brevitas's ``QuantMultiheadAttention`` with ``nn.MultiheadAttention``'s full calling convention.
+
+    - ``is_causal=True`` without ``attn_mask`` builds the causal mask (with a mask, it is only a hint,
+      as in PyTorch);
+    - ``in_proj_weight`` / ``in_proj_bias`` are read-only views of the q/k/v projections (for callers
+      that inspect them); they keep PyTorch's fused transformer fast paths away (see
+      :class:`_RuntimeQuantizedParameter`).
+    """
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
+                need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        if is_causal and attn_mask is None:
+            seq_dim = 1 if self.batch_first and query.dim() == 3 else 0
+            target, source = query.shape[seq_dim], key.shape[seq_dim]
+            attn_mask = torch.ones(target, source, dtype=torch.bool, device=query.device).triu(1)
+        return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                               attn_mask=attn_mask, average_attn_weights=average_attn_weights)
+
+    def _projections(self) -> list[Any]:
+        return [self.in_proj] if self.in_proj is not None else [self.q_proj, self.k_proj, self.v_proj]
+
+    @property
+    def in_proj_weight(self) -> Tensor:
+        weight = torch.cat([proj.weight.detach() for proj in self._projections()])
+        return weight.as_subclass(_RuntimeQuantizedParameter)
+
+    @property
+    def in_proj_bias(self) -> Tensor | None:
+        biases = [proj.bias for proj in self._projections()]
+        if any(bias is None for bias in biases):
+            return None
+        return torch.cat([bias.detach() for bias in biases]).as_subclass(_RuntimeQuantizedParameter)
