@@ -28,7 +28,7 @@ from torch import nn
 
 from quark_brevitas.brevitas_adapter import require_onnxoptimizer, reset_export_mode
 from quark_brevitas.errors import QuarkBrevitasError
-from quark_brevitas.export.args import TensorArgs, check_model, check_path, input_names, normalize_args
+from quark_brevitas.export.args import PathLike, TensorArgs, check_model, check_path, input_names, normalize_args
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
 from quark_brevitas.export.runtime import forget_session
 from quark_brevitas.export.verify import (
@@ -63,7 +63,7 @@ class ExportFormat(abc.ABC, Generic[ReportT]):
     """
 
     #: Prefix of the private temporary directory Brevitas writes into.
-    temp_prefix: ClassVar[str] = "quark_brevitas_export_"
+    temp_prefix: ClassVar[str]
 
     def check_options(self) -> None:  # noqa: B027 - an optional hook: most formats have no options to check
         """Check the format's own options (after the argument types, before the output path is examined)."""
@@ -105,7 +105,7 @@ class ExportFormat(abc.ABC, Generic[ReportT]):
         """The report of a verified file."""
 
 
-def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorArgs, path: object,
+def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorArgs, path: PathLike,
                     tolerance: float | None) -> ReportT:
     """Export ``model`` in ``fmt`` to the self-contained file ``path``, verify it, return ``fmt``'s report.
 
@@ -169,7 +169,7 @@ def _verify(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference
         except ExportMismatchError as exc:
             if not fmt.recover(proto, exc):
                 raise
-        save_model(proto, path)
+        save_model(proto, path)  # the format changed the graph: verify the new file once more
         return compare(reference, fmt.run(path, example), path, tolerance)
     except ExportMismatchError as exc:
         explained = fmt.explain(exc)

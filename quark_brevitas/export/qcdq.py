@@ -251,7 +251,7 @@ def export_onnx_qcdq(
         dynamic_batch: Make dimension 0 of every input symbolic (``"batch"``), so the file runs
             on other batch sizes than the example's.
         integer_kernels: Apply the exact graph rewrites that let onnxruntime run the 8-bit integer
-            layers with its integer kernels (QGemm, QLinearConv, ...; see the module docstring;
+            layers with its integer kernels (QGemm, QLinearConv, ...; see :mod:`quark_brevitas.export`;
             opset >= 13, graphs with control flow are left alone). ``False`` keeps the graph as
             Brevitas writes it (constant folding only). Either way the file is verified.
 
@@ -262,7 +262,7 @@ def export_onnx_qcdq(
     Raises:
         ExportArgumentError: ``args`` (or another argument) has the wrong type.
         ExportError: A quantization format or opset cannot be exported, Brevitas or onnxruntime
-            fail on the model.
+            fail on the model, or onnxoptimizer (which Brevitas's exporter needs) is missing.
         ExportMismatchError: onnxruntime disagrees with PyTorch by more than ``tolerance``
             (the file is kept for inspection).
 

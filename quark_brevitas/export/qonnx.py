@@ -320,7 +320,8 @@ def export_qonnx(
 
     Raises:
         ExportArgumentError: an argument has the wrong type.
-        ExportError: a quantizer cannot be written as QONNX, qonnx is missing or cannot run the file.
+        ExportError: a quantizer cannot be written as QONNX, qonnx (or onnxoptimizer, which Brevitas's
+            exporter needs) is missing, or qonnx cannot run the file.
         ExportMismatchError: qonnx's result differs from PyTorch's by more than the tolerance (the
             file is kept for inspection).
     """
