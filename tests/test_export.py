@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import pathlib
+import sys
 
 import brevitas.nn as qnn
 import numpy as np
@@ -438,3 +439,13 @@ def test_brevitas_failure_is_wrapped_and_model_stays_usable(tmp_path: pathlib.Pa
     assert np.array_equal(_torch_out(model, _x()), before)
     report = export_onnx_qcdq(model, _x(), tmp_path / "ok.onnx")
     assert report.max_abs_diff <= report.tolerance
+
+
+def test_missing_onnxoptimizer_is_explained_before_brevitas_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    model = ConvNet(weight_quant=Int8WeightPerTensorFloat, act_quant=Int8ActPerTensorFloat)
+    monkeypatch.setitem(sys.modules, "onnxoptimizer", None)  # makes "import onnxoptimizer" fail
+    with pytest.raises(ExportError, match="pip install onnxoptimizer"):
+        export_onnx_qcdq(model, _x(), tmp_path / "m.onnx")
+    assert os.listdir(tmp_path) == []

@@ -23,7 +23,8 @@ from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
 from quark_brevitas.digits import example_input
-from quark_brevitas.export import ExportReport, _rewrite_for_integer_kernels, export_onnx_qcdq, run_onnx
+from quark_brevitas.export import ExportReport, export_onnx_qcdq, run_onnx
+from quark_brevitas.export.passes.kernels import rewrite_for_integer_kernels
 from quark_brevitas.types import QSchemeType
 
 PC = QSchemeType.per_channel
@@ -336,7 +337,7 @@ def test_bias_with_foreign_scale_is_not_left_to_the_fused_kernel(tmp_path: pathl
     reference = _run_unoptimized(original, x)
     # onnxruntime's fused QGemm gets this bias wrong ...
     assert np.abs(run_onnx(original, x)[0] - reference).max() > 0.01
-    rewrites = dict(_rewrite_for_integer_kernels(model))
+    rewrites = dict(rewrite_for_integer_kernels(model))
     assert rewrites["biases dequantized offline (scale is not input x weight scale)"] == 1
     fixed = tmp_path / "fixed.onnx"
     onnx.save(model, str(fixed))

@@ -27,11 +27,11 @@ What the function guarantees on top of ``brevitas.export.export_onnx_qcdq``:
   integer Clip after the quantizer, quantizers moved above layout ops/MaxPool and dequantizers
   below them, activations stored as uint8 with the zero point shifted by 128, weights transposed
   offline, ...) give onnxruntime complete QGemm/QLinearConv/QLinearMatMul/MatMulIntegerToFloat
-  groups; see ``_INTEGER_KERNEL_REWRITES``. ``integer_kernels=False`` skips them. Layers whose
+  groups; see :mod:`quark_brevitas.export.passes.kernels`. ``integer_kernels=False`` skips them. Layers whose
   activations are float (weight-only) or float8 stay unfused. onnxruntime rounds the float bias of
   a layer with quantized input and weight to int32 in order to fuse it; when that breaks the
   tolerance, the biases are moved into separate ``Add`` nodes and the file is verified again
-  (see ``_move_float_biases_out``).
+  (see :mod:`quark_brevitas.export.passes.float_bias`).
 * **Clean file.** Initializers are not duplicated as graph inputs, nothing is stored as external
   data, and nothing but the ``.onnx`` file is written to the output directory (Brevitas and
   PyTorch work in a private temporary directory).
@@ -45,33 +45,25 @@ in front of a float8 ``QuantizeLinear``), so for files containing float8 tensors
 disable the QDQ fusions (``session.disable_quant_qdq``) and the ``ReluQuantRewrite`` rule.
 
 The package is split by concept: :mod:`~quark_brevitas.export.errors` (exceptions),
-:mod:`~quark_brevitas.export.args` (argument handling), :mod:`~quark_brevitas.export.inspect` (quantizer
-inspection, format checks, opset choice), :mod:`~quark_brevitas.export.runtime` (onnxruntime sessions),
+:mod:`~quark_brevitas.export.args` (argument checks), :mod:`~quark_brevitas.export.orchestrate` (the one
+export procedure every format runs through), :mod:`~quark_brevitas.export.inspect` (quantizer inspection,
+format checks, opset choice), :mod:`~quark_brevitas.export.runtime` (onnxruntime sessions),
 :mod:`~quark_brevitas.export.verify` (reference outputs, tolerance, comparison),
-:mod:`~quark_brevitas.export.passes` (ONNX graph rewrites), :mod:`~quark_brevitas.export.qcdq` (the
-export itself), :mod:`~quark_brevitas.export.blocked` (per-group/MX/fp6/fp4 weights in ONNX) and
-:mod:`~quark_brevitas.export.qonnx` (QONNX export). Everything that used to be importable from
-``quark_brevitas.export`` still is.
+:mod:`~quark_brevitas.export.passes` (ONNX graph passes), :mod:`~quark_brevitas.export.onnx_types` (ONNX
+element types), :mod:`~quark_brevitas.export.summary` (what a written file stores),
+:mod:`~quark_brevitas.export.qcdq` (the QCDQ format), :mod:`~quark_brevitas.export.blocked` (per-group/MX/
+fp6/fp4 weights in ONNX) and :mod:`~quark_brevitas.export.qonnx` (the QONNX format). This package
+re-exports the public API only; the helpers are public names of those internal modules.
 """
 
 from __future__ import annotations
 
-from quark_brevitas.export.args import PathLike as PathLike
-from quark_brevitas.export.args import TensorArgs as TensorArgs
-from quark_brevitas.export.args import _input_names as _input_names
-from quark_brevitas.export.args import _normalize_args as _normalize_args
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
 from quark_brevitas.export.inspect import DEFAULT_INT_OPSET, MAX_OPSET, MIN_FLOAT8_OPSET
-from quark_brevitas.export.inspect import _role as _role
-from quark_brevitas.export.passes import _rewrite_for_integer_kernels as _rewrite_for_integer_kernels
 from quark_brevitas.export.qcdq import ExportReport, export_onnx_qcdq
+from quark_brevitas.export.qonnx import QONNXExportReport, export_qonnx, run_qonnx
 from quark_brevitas.export.runtime import create_ort_session, run_onnx
 from quark_brevitas.export.verify import VerificationResult, verify_onnx
-from quark_brevitas.export.verify import _compare as _compare
-from quark_brevitas.export.verify import _FlatOutputs as _FlatOutputs
-from quark_brevitas.export.verify import _reference as _reference
-from quark_brevitas.export.verify import _unique_names as _unique_names
-from quark_brevitas.export.verify import _validate_tolerance as _validate_tolerance
 
 __all__ = [
     "DEFAULT_INT_OPSET",
@@ -81,9 +73,12 @@ __all__ = [
     "ExportError",
     "ExportMismatchError",
     "ExportReport",
+    "QONNXExportReport",
     "VerificationResult",
     "create_ort_session",
     "export_onnx_qcdq",
+    "export_qonnx",
     "run_onnx",
+    "run_qonnx",
     "verify_onnx",
 ]

@@ -34,22 +34,26 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import torch
-from brevitas.proxy.float_parameter_quant import WeightFloatQuantProxyFromInjectorBase
-from brevitas.proxy.parameter_quant import WeightQuantProxyFromInjectorBase
 from onnx import TensorProto, numpy_helper
 from torch import nn
 
+from quark_brevitas.brevitas_adapter import (
+    float8_dtype,
+    groupwise_parts,
+    injector_value,
+    is_float_quantizer,
+    is_groupwise,
+    quantizer_kind,
+    weight_quant_disabled,
+)
 from quark_brevitas.errors import QuarkBrevitasError
+from quark_brevitas.export.onnx_types import FLOAT8_ONNX_TYPES, TORCH_TO_ONNX
 
 __all__ = ["BLOCKED_OPSET", "PlannedWeight", "float_weights", "insert_dequantize", "needs_plan", "plan_weights",
            "weight_format"]
 
 #: First opset with blocked DequantizeLinear and int4/uint4 (and int16) inputs.
 BLOCKED_OPSET = 21
-
-_FLOAT8_TYPES = {(4, 3): (TensorProto.FLOAT8E4M3FN, torch.float8_e4m3fn),
-                 (5, 2): (TensorProto.FLOAT8E5M2, torch.float8_e5m2)}
-
 
 class _PlanError(QuarkBrevitasError):
     """A weight cannot be written exactly (converted to ExportError by the caller)."""
@@ -72,10 +76,6 @@ class PlannedWeight:
     block_size: int
 
 
-def _is_groupwise(proxy: nn.Module) -> bool:
-    return bool(getattr(proxy, "is_groupwise", False))
-
-
 def _float_widths(proxy: nn.Module) -> tuple[int, int]:
     return int(proxy.exponent_bit_width()), int(proxy.mantissa_bit_width())
 
@@ -83,23 +83,22 @@ def _float_widths(proxy: nn.Module) -> tuple[int, int]:
 def needs_plan(proxy: nn.Module) -> bool:
     """Whether the weight quantizer ``proxy`` is written here rather than by Brevitas: group-wise (per-group,
     MX) weights, and minifloat weights other than OCP / FNUZ fp8."""
-    if not isinstance(proxy, WeightQuantProxyFromInjectorBase | WeightFloatQuantProxyFromInjectorBase):
+    if quantizer_kind(proxy) != "weight":
         return False
-    if _is_groupwise(proxy):
+    if is_groupwise(proxy):
         return True
-    if isinstance(proxy, WeightFloatQuantProxyFromInjectorBase):
+    if is_float_quantizer(proxy):
         return not (proxy.is_ocp or proxy.is_fnuz)
     return False
 
 
 def weight_format(proxy: nn.Module) -> str:
     """A readable name of the weight format, e.g. ``int4 per-group g32``, ``mxfp4_e2m1 g32``, ``fp6_e3m2``."""
-    groupwise = _is_groupwise(proxy)
+    groupwise = is_groupwise(proxy)
     group = f" g{int(proxy.group_size)}" if groupwise else ""
-    injector = proxy.quant_injector
-    pof2 = groupwise and "restrict_scaling_type" in injector and \
-        str(injector.restrict_scaling_type).upper().endswith("POWER_OF_TWO")
-    if isinstance(proxy, WeightFloatQuantProxyFromInjectorBase):
+    restrict = injector_value(proxy, "restrict_scaling_type")
+    pof2 = groupwise and restrict is not None and str(restrict).upper().endswith("POWER_OF_TWO")
+    if is_float_quantizer(proxy):
         e, m = _float_widths(proxy)
         kind = f"fp{1 + e + m}_e{e}m{m}"
     else:
@@ -132,16 +131,15 @@ def _plan_one(name: str, layer: nn.Module, proxy: nn.Module) -> PlannedWeight:
     shape = list(values.shape)
     zero_point_full = torch.zeros(())
     zero_point_block: torch.Tensor | None = None
-    if _is_groupwise(proxy):
-        axis, block_size = int(qt.group_dim), int(qt.group_size)
-        value_, scale_ = qt.value_.detach().float(), qt.scale_.detach().float()
-        elements = _ungroup(value_ / scale_, axis, shape)
-        scale = scale_.squeeze(axis + 1)
-        zp_ = getattr(qt, "zero_point_", None)
-        if zp_ is not None and zp_.dim():
-            zp_ = zp_.detach().float().expand_as(scale_)
-            zero_point_full = _ungroup(zp_.expand_as(value_), axis, shape)
-            zero_point_block = zp_.squeeze(axis + 1)
+    if is_groupwise(proxy):
+        grouped_value, grouped_scale, grouped_zp, axis, block_size = groupwise_parts(qt)
+        grouped_value, grouped_scale = grouped_value.detach().float(), grouped_scale.detach().float()
+        elements = _ungroup(grouped_value / grouped_scale, axis, shape)
+        scale = grouped_scale.squeeze(axis + 1)
+        if grouped_zp is not None and grouped_zp.dim():
+            grouped_zp = grouped_zp.detach().float().expand_as(grouped_scale)
+            zero_point_full = _ungroup(grouped_zp.expand_as(grouped_value), axis, shape)
+            zero_point_block = grouped_zp.squeeze(axis + 1)
     else:
         block_size = 0
         scale_full = qt.scale.detach().float()
@@ -153,10 +151,11 @@ def _plan_one(name: str, layer: nn.Module, proxy: nn.Module) -> PlannedWeight:
             scale = scale_full.reshape(-1)
     fmt = weight_format(proxy)
     zero_point = None
-    if isinstance(proxy, WeightFloatQuantProxyFromInjectorBase):
+    if is_float_quantizer(proxy):
         e, m = _float_widths(proxy)
-        if (e, m) in _FLOAT8_TYPES and proxy.is_ocp:
-            code_type, torch_type = _FLOAT8_TYPES[(e, m)]
+        torch_type = float8_dtype(e, m) if proxy.is_ocp else None
+        if torch_type is not None:
+            code_type = TORCH_TO_ONNX[torch_type]
             codes8 = elements.to(torch_type)
             codes, code_values = codes8.view(torch.uint8).numpy(), codes8.float()
         else:
@@ -213,24 +212,22 @@ def plan_weights(model: nn.Module, names: Sequence[str]) -> list[PlannedWeight]:
 @contextlib.contextmanager
 def float_weights(plans: Sequence[PlannedWeight]) -> Iterator[None]:
     """While exporting: each planned layer computes with its quantized weight as a plain float tensor."""
-    saved = []
-    try:
+    with contextlib.ExitStack() as stack:
         for plan in plans:
-            proxy = plan.layer.weight_quant
-            saved.append((plan, plan.layer.weight.data, proxy.disable_quant))
+            stack.callback(_restore_weight, plan.layer, plan.layer.weight.data)
             plan.layer.weight.data = torch.from_numpy(plan.values.copy()).to(plan.layer.weight.dtype)
-            proxy.disable_quant = True
+            stack.enter_context(weight_quant_disabled(plan.layer.weight_quant))
         yield
-    finally:
-        for plan, data, disabled in reversed(saved):
-            plan.layer.weight.data = data
-            plan.layer.weight_quant.disable_quant = disabled
+
+
+def _restore_weight(layer: nn.Module, data: torch.Tensor) -> None:
+    layer.weight.data = data
 
 
 def _code_tensor(plan: PlannedWeight, codes: np.ndarray, name: str) -> TensorProto:
     if plan.code_type in (TensorProto.INT4, TensorProto.UINT4):
         return onnx.helper.make_tensor(name, plan.code_type, list(codes.shape), codes.reshape(-1).tolist())
-    if plan.code_type in (TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2):
+    if plan.code_type in FLOAT8_ONNX_TYPES:
         raw = np.ascontiguousarray(codes).tobytes()
         return onnx.helper.make_tensor(name, plan.code_type, list(codes.shape), raw, raw=True)
     return numpy_helper.from_array(np.ascontiguousarray(codes), name=name)
@@ -301,10 +298,4 @@ def insert_dequantize(model: onnx.ModelProto, plans: Sequence[PlannedWeight]) ->
         graph.node.insert(0, node)
         done.add(init.name)
     return model
-
-
-def describe_opset_limit(plans: Sequence[PlannedWeight]) -> str:
-    """A message fragment naming the first planned weight, for opset errors."""
-    first = plans[0]
-    return f"{first.fmt} (weight of '{first.name}')"
 

@@ -1,52 +1,43 @@
 """The verified QCDQ export: :func:`export_onnx_qcdq` and its :class:`ExportReport`.
 
-Orchestrates the export: checks the arguments, inspects the quantizers and chooses the opset, runs
-Brevitas' TorchScript QCDQ export in a private temporary directory, applies the graph passes, writes the
-self-contained file, verifies it in onnxruntime against PyTorch and reports what was written.
+What is particular to QCDQ on top of the shared procedure (:mod:`~quark_brevitas.export.orchestrate`):
+the quantizer rules and the opset choice (:mod:`~quark_brevitas.export.inspect`), weights Brevitas cannot
+write (:mod:`~quark_brevitas.export.blocked`), Brevitas's QCDQ export tried at each candidate opset, the
+graph passes (:mod:`~quark_brevitas.export.passes`), verification in onnxruntime with one retry with float
+biases moved out of quantized layers, and a report of what the file stores.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
-import tempfile
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 import torch
 from brevitas.export import export_onnx_qcdq as _brevitas_export_onnx_qcdq
 from brevitas.export.onnx.standard.qcdq.manager import StdQCDQONNXManager
-from onnx import TensorProto, numpy_helper
 from torch import nn
 
 from quark_brevitas.errors import QuarkBrevitasError
-from quark_brevitas.export.args import PathLike, TensorArgs, _input_names, _normalize_args, _type_name
-from quark_brevitas.export.blocked import (
-    BLOCKED_OPSET,
-    float_weights,
-    insert_dequantize,
-    plan_weights,
-)
-from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
-from quark_brevitas.export.inspect import _candidate_opsets, _inspect_quantizers, _target
-from quark_brevitas.export.passes import (
-    _BIAS_CONSUMERS,
-    _FLOAT_BIAS_REWRITE,
-    _WEIGHT_CONSUMERS,
-    _clean_graph,
-    _move_float_biases_out,
-    _operand_dtypes,
-    _opset_of,
-    _postprocess,
-)
-from quark_brevitas.export.runtime import _forget_session, _model_uses_float8, create_ort_session, run_onnx
-from quark_brevitas.export.verify import _compare, _FlatOutputs, _reference, _unique_names, _validate_tolerance
+from quark_brevitas.export.args import PathLike, TensorArgs
+from quark_brevitas.export.blocked import BLOCKED_OPSET, PlannedWeight, float_weights, insert_dequantize, plan_weights
+from quark_brevitas.export.errors import ExportError, ExportMismatchError
+from quark_brevitas.export.inspect import Quantizer, candidate_opsets, inspect_quantizers, target
+from quark_brevitas.export.onnx_types import uses_float8
+from quark_brevitas.export.orchestrate import ExportFormat, GraphNames, brevitas_export, export_verified
+from quark_brevitas.export.passes.float_bias import FLOAT_BIAS_REWRITE, move_float_biases_out
+from quark_brevitas.export.passes.folding import fold_constant_quantization
+from quark_brevitas.export.passes.graph import clean_graph, opset_of
+from quark_brevitas.export.passes.kernels import rewrite_for_integer_kernels
+from quark_brevitas.export.runtime import create_ort_session, run_onnx
+from quark_brevitas.export.summary import bias_dtypes, count_ops, float_initializer_bytes, weight_dtypes
+from quark_brevitas.export.verify import VerificationResult
 
 logger = logging.getLogger(__name__)
 
-#: A self-contained ONNX file is a single protobuf, limited to 2 GiB.
-_PROTOBUF_LIMIT = 2**31 - 1
+Rewrites = tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True)
@@ -97,63 +88,132 @@ class ExportReport:
     rewrites: tuple[tuple[str, int], ...] = ()
 
 
-def _reset_export_state(model: nn.Module) -> None:
-    """Best-effort cleanup after a failed Brevitas export (export mode must not leak)."""
-    try:
-        StdQCDQONNXManager.set_export_mode(model, enabled=False)
-    except Exception:  # noqa: BLE001 - cleanup must not mask the original error
-        logger.debug("could not reset Brevitas export mode", exc_info=True)
-    for module in model.modules():
-        if hasattr(module, "cache_inference_quant_act_backup"):
-            module.cache_inference_quant_act = module.cache_inference_quant_act_backup
-            del module.cache_inference_quant_act_backup
+class QCDQFormat(ExportFormat[ExportReport]):
+    """The QCDQ steps of one :func:`export_onnx_qcdq` call (see :class:`ExportFormat` for the order)."""
 
+    temp_prefix = "quark_brevitas_export_"
 
-def _brevitas_export(
-    wrapped: nn.Module,
-    args: tuple[torch.Tensor, ...],
-    target: pathlib.Path,
-    *,
-    opset: int,
-    weight_q_node: bool,
-    input_names: tuple[str, ...],
-    output_names: tuple[str, ...],
-    dynamic_batch: bool,
-) -> onnx.ModelProto:
-    dynamic_axes = (
-        {name: {0: "batch"} for name, arg in zip(input_names, args) if arg.ndim > 0}
-        if dynamic_batch
-        else None
-    )
-    try:
-        _brevitas_export_onnx_qcdq(
-            wrapped,
-            args=args[0] if len(args) == 1 else args,
-            export_path=str(target),
-            dynamo=False,
-            opset_version=opset,
-            export_weight_q_node=weight_q_node,
-            input_names=list(input_names),
-            output_names=list(output_names),
-            dynamic_axes=dynamic_axes,
-            keep_initializers_as_inputs=False,
+    def __init__(self, *, opset: int | None, dynamic_batch: bool, integer_kernels: bool) -> None:
+        self.requested_opset = opset
+        self.dynamic_batch = dynamic_batch
+        self.integer_kernels = integer_kernels
+        self.quantizers: list[Quantizer] = []
+        self.opsets: list[int] = []
+        self.plans: list[PlannedWeight] = []
+        self.chosen_opset = 0
+        self.folded = 0
+        self.rewrites: Rewrites = ()
+
+    def inspect(self, model: nn.Module) -> None:
+        self.quantizers = inspect_quantizers(model)
+        self.opsets = candidate_opsets(self.requested_opset, self.quantizers)
+
+    def prepare(self, model: nn.Module) -> None:
+        try:
+            self.plans = plan_weights(model, [q.name for q in self.quantizers if q.planned])
+        except QuarkBrevitasError as exc:
+            raise ExportError(f"cannot export to {target(BLOCKED_OPSET)}: {exc}") from exc
+
+    def write(self, model: nn.Module, args: tuple[torch.Tensor, ...], names: GraphNames,
+              workdir: pathlib.Path) -> onnx.ModelProto:
+        """Try the candidate opsets in turn; the first that exports (and, if there is a choice, loads in
+        onnxruntime) wins."""
+        errors: list[str] = []
+        for candidate in self.opsets:
+            try:
+                proto = self._write_at(candidate, model, args, names, workdir)
+            except ExportError as exc:
+                errors.append(f"opset {candidate}: {exc}")
+                logger.debug("export attempt at opset %d failed: %s", candidate, exc)
+                continue
+            self.chosen_opset = candidate
+            return proto
+        formats = sorted({q.fmt for q in self.quantizers}) or ["float"]
+        raise ExportError(
+            f"cannot export {', '.join(formats)} to {target('/'.join(map(str, self.opsets)))}: " + "; ".join(errors)
         )
-    except Exception as exc:
-        _reset_export_state(wrapped)
-        raise ExportError(
-            f"Brevitas could not export the model to {_target(opset)}: {type(exc).__name__}: {exc}"
-        ) from exc
-    return onnx.load(str(target))
 
+    def _write_at(self, opset: int, model: nn.Module, args: tuple[torch.Tensor, ...], names: GraphNames,
+                  workdir: pathlib.Path) -> onnx.ModelProto:
+        raw_path = workdir / f"brevitas_opset{opset}.onnx"
+        dynamic_axes = (
+            {name: {0: "batch"} for name, arg in zip(names.inputs, args) if arg.ndim > 0}
+            if self.dynamic_batch
+            else None
+        )
+        weight_q_node = any(q.is_float8 and q.role == "weight" for q in self.quantizers)
+        with float_weights(self.plans):
+            brevitas_export(_brevitas_export_onnx_qcdq, StdQCDQONNXManager, model, args, raw_path, opset=opset,
+                            names=names, where=target(opset), export_weight_q_node=weight_q_node,
+                            dynamic_axes=dynamic_axes)
+            proto = onnx.load(str(raw_path))
+        self.folded = fold_constant_quantization(proto.graph)
+        self.rewrites = rewrite_for_integer_kernels(proto) if self.integer_kernels else ()
+        clean_graph(proto.graph)
+        if self.plans:
+            try:
+                proto = insert_dequantize(proto, self.plans)
+            except QuarkBrevitasError as exc:
+                raise ExportError(str(exc)) from exc
+            clean_graph(proto.graph)
+        if len(self.opsets) > 1:  # "lowest working opset": onnxruntime must accept the file
+            staged = workdir / f"staged_opset{opset}.onnx"
+            onnx.save_model(proto, str(staged))
+            create_ort_session(staged)
+        return proto
 
-def _save(proto: onnx.ModelProto, path: pathlib.Path) -> None:
-    try:
-        onnx.save_model(proto, str(path), save_as_external_data=False)
-    except ValueError as exc:
-        raise ExportError(
-            f"the exported model does not fit in a self-contained ONNX file (2 GiB protobuf limit): {exc}"
-        ) from exc
-    _forget_session(path)
+    def check_written(self, proto: onnx.ModelProto, path: pathlib.Path) -> None:
+        try:
+            onnx.checker.check_model(proto)
+        except onnx.checker.ValidationError as exc:
+            logger.warning("onnx.checker reports a problem with %s: %s", path, exc)
+
+    def run(self, path: pathlib.Path, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+        return run_onnx(path, args)
+
+    def recover(self, proto: onnx.ModelProto, mismatch: ExportMismatchError) -> bool:
+        """onnxruntime's int32 rounding of float biases may be what broke the tolerance: move them out."""
+        moved = move_float_biases_out(proto) if self.integer_kernels else 0
+        if moved:
+            logger.info("%s; retrying with the float biases of %d quantized layers outside them", mismatch, moved)
+            self.rewrites = (*self.rewrites, (FLOAT_BIAS_REWRITE, moved))
+        return bool(moved)
+
+    def report(self, proto: onnx.ModelProto, path: pathlib.Path, result: VerificationResult,
+               names: GraphNames) -> ExportReport:
+        graph = proto.graph
+        report = ExportReport(
+            path=path,
+            opset=opset_of(proto),
+            file_size=path.stat().st_size,
+            max_abs_diff=result.max_abs_diff,
+            tolerance=result.tolerance,
+            tolerance_source=result.tolerance_source,
+            formats=tuple(sorted({f"{q.fmt} {q.role}" for q in self.quantizers})),
+            weight_dtypes=weight_dtypes(graph),
+            bias_dtypes=bias_dtypes(graph),
+            n_quantize_nodes=count_ops(graph, "QuantizeLinear"),
+            n_dequantize_nodes=count_ops(graph, "DequantizeLinear"),
+            n_folded_nodes=self.folded,
+            rewrites=self.rewrites,
+            float_initializer_bytes=float_initializer_bytes(graph),
+            input_names=tuple(i.name for i in graph.input),
+            output_names=tuple(o.name for o in graph.output),
+            dynamic_batch=self.dynamic_batch,
+            uses_float8=uses_float8(proto),
+        )
+        logger.info(
+            "exported %s (opset %d, %d bytes, weights %s): max |ORT - PyTorch| = %.3g <= %.3g",
+            path,
+            report.opset,
+            report.file_size,
+            ",".join(report.weight_dtypes) or "-",
+            report.max_abs_diff,
+            report.tolerance,
+        )
+        if self.chosen_opset != report.opset and not self.plans:  # pragma: no cover - defensive
+            logger.warning("asked for opset %d, file declares %d", self.chosen_opset, report.opset)
+        return report
 
 
 def export_onnx_qcdq(
@@ -191,7 +251,7 @@ def export_onnx_qcdq(
         dynamic_batch: Make dimension 0 of every input symbolic (``"batch"``), so the file runs
             on other batch sizes than the example's.
         integer_kernels: Apply the exact graph rewrites that let onnxruntime run the 8-bit integer
-            layers with its integer kernels (QGemm, QLinearConv, ...; see the module docstring;
+            layers with its integer kernels (QGemm, QLinearConv, ...; see :mod:`quark_brevitas.export`;
             opset >= 13, graphs with control flow are left alone). ``False`` keeps the graph as
             Brevitas writes it (constant folding only). Either way the file is verified.
 
@@ -202,7 +262,7 @@ def export_onnx_qcdq(
     Raises:
         ExportArgumentError: ``args`` (or another argument) has the wrong type.
         ExportError: A quantization format or opset cannot be exported, Brevitas or onnxruntime
-            fail on the model.
+            fail on the model, or onnxoptimizer (which Brevitas's exporter needs) is missing.
         ExportMismatchError: onnxruntime disagrees with PyTorch by more than ``tolerance``
             (the file is kept for inspection).
 
@@ -210,133 +270,5 @@ def export_onnx_qcdq(
     are flattened in a deterministic order -- sequences in order, mappings in insertion order,
     ``None`` skipped -- and become the graph outputs in that order.
     """
-    if not isinstance(model, nn.Module):
-        raise ExportArgumentError(f"model must be a torch.nn.Module; got {_type_name(model)}")
-    example = _normalize_args(args)
-    if not isinstance(path, (str, os.PathLike)):
-        raise ExportArgumentError(f"path must be a str or os.PathLike; got {_type_name(path)}")
-    out_path = pathlib.Path(path)
-    if out_path.is_dir():
-        raise ExportError(f"path {out_path} is a directory; give the .onnx file to write")
-    tol = _validate_tolerance(tolerance)
-
-    was_training = model.training
-    model.eval()
-    try:
-        quantizers = _inspect_quantizers(model)
-        opsets = _candidate_opsets(opset, quantizers)
-        weight_q_node = any(q.is_float8 and q.role == "weight" for q in quantizers)
-        reference = _reference(model, example)
-        try:
-            plans = plan_weights(model, [q.name for q in quantizers if q.planned])
-        except QuarkBrevitasError as exc:
-            raise ExportError(f"cannot export to {_target(BLOCKED_OPSET)}: {exc}") from exc
-        input_names = _input_names(len(example))
-        raw_names = [n for n, _ in reference.outputs]
-        output_names = _unique_names(raw_names, input_names)
-        single_tensor = len(raw_names) == 1 and raw_names[0] == "output"
-        wrapped = model if single_tensor else _FlatOutputs(model)
-
-        out_dir = out_path.parent
-        before = set(os.listdir(out_dir)) if out_dir.is_dir() else set()
-        errors: list[str] = []
-        chosen: tuple[int, onnx.ModelProto, int, tuple[tuple[str, int], ...]] | None = None
-        with tempfile.TemporaryDirectory(prefix="quark_brevitas_export_") as tmp:
-            for candidate in opsets:
-                try:
-                    with float_weights(plans):
-                        proto = _brevitas_export(
-                            wrapped,
-                            example,
-                            pathlib.Path(tmp) / f"brevitas_opset{candidate}.onnx",
-                            opset=candidate,
-                            weight_q_node=weight_q_node,
-                            input_names=input_names,
-                            output_names=output_names,
-                            dynamic_batch=dynamic_batch,
-                        )
-                    folded, rewrites = _postprocess(proto, integer_kernels=integer_kernels)
-                    if plans:
-                        try:
-                            proto = insert_dequantize(proto, plans)
-                        except QuarkBrevitasError as exc:
-                            raise ExportError(str(exc)) from exc
-                        _clean_graph(proto.graph)
-                    if len(opsets) > 1:  # "lowest working opset": onnxruntime must accept the file
-                        staged = pathlib.Path(tmp) / f"staged_opset{candidate}.onnx"
-                        onnx.save_model(proto, str(staged))
-                        create_ort_session(staged)
-                except ExportError as exc:
-                    errors.append(f"opset {candidate}: {exc}")
-                    logger.debug("export attempt at opset %d failed: %s", candidate, exc)
-                    continue
-                chosen = (candidate, proto, folded, rewrites)
-                break
-        if chosen is None:
-            formats = sorted({q.fmt for q in quantizers}) or ["float"]
-            raise ExportError(
-                f"cannot export {', '.join(formats)} to {_target('/'.join(map(str, opsets)))}: "
-                + "; ".join(errors)
-            )
-        chosen_opset, proto, folded, rewrites = chosen
-        try:
-            onnx.checker.check_model(proto)
-        except onnx.checker.ValidationError as exc:
-            logger.warning("onnx.checker reports a problem with %s: %s", out_path, exc)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        _save(proto, out_path)
-        stray = sorted(set(os.listdir(out_dir)) - before - {out_path.name})
-        if stray:
-            logger.warning(
-                "files appeared in %s during export (not written by this export): %s", out_dir, stray
-            )
-
-        try:
-            result = _compare(reference, run_onnx(out_path, example), out_path, tol)
-        except ExportMismatchError as exc:
-            moved = _move_float_biases_out(proto) if integer_kernels else 0
-            if not moved:
-                raise
-            logger.info("%s; retrying with the float biases of %d quantized layers outside them", exc, moved)
-            rewrites = (*rewrites, (_FLOAT_BIAS_REWRITE, moved))
-            _save(proto, out_path)
-            result = _compare(reference, run_onnx(out_path, example), out_path, tol)
-    finally:
-        model.train(was_training)
-
-    graph = proto.graph
-    float_types = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
-    report = ExportReport(
-        path=out_path,
-        opset=_opset_of(proto),
-        file_size=out_path.stat().st_size,
-        max_abs_diff=result.max_abs_diff,
-        tolerance=result.tolerance,
-        tolerance_source=result.tolerance_source,
-        formats=tuple(sorted({f"{q.fmt} {q.role}" for q in quantizers})),
-        weight_dtypes=_operand_dtypes(graph, _WEIGHT_CONSUMERS, 1),
-        bias_dtypes=_operand_dtypes(graph, _BIAS_CONSUMERS, 2),
-        n_quantize_nodes=sum(n.op_type == "QuantizeLinear" for n in graph.node),
-        n_dequantize_nodes=sum(n.op_type == "DequantizeLinear" for n in graph.node),
-        n_folded_nodes=folded,
-        rewrites=rewrites,
-        float_initializer_bytes=sum(
-            numpy_helper.to_array(i).nbytes for i in graph.initializer if i.data_type in float_types
-        ),
-        input_names=tuple(i.name for i in graph.input),
-        output_names=tuple(o.name for o in graph.output),
-        dynamic_batch=dynamic_batch,
-        uses_float8=_model_uses_float8(proto),
-    )
-    logger.info(
-        "exported %s (opset %d, %d bytes, weights %s): max |ORT - PyTorch| = %.3g <= %.3g",
-        out_path,
-        report.opset,
-        report.file_size,
-        ",".join(report.weight_dtypes) or "-",
-        report.max_abs_diff,
-        report.tolerance,
-    )
-    if chosen_opset != report.opset and not plans:  # pragma: no cover - defensive, torch writes what it is asked
-        logger.warning("asked for opset %d, file declares %d", chosen_opset, report.opset)
-    return report
+    fmt = QCDQFormat(opset=opset, dynamic_batch=dynamic_batch, integer_kernels=integer_kernels)
+    return export_verified(fmt, model, args, path, tolerance)

@@ -33,9 +33,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 import pathlib
-import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,13 +45,14 @@ import onnx
 import torch
 from brevitas.export import export_qonnx as _brevitas_export_qonnx
 from brevitas.export.onnx.qonnx.manager import QONNXManager
-from brevitas.proxy.quant_proxy import QuantProxyFromInjector
 from torch import nn
 
-from quark_brevitas.export.args import PathLike, TensorArgs, _input_names, _normalize_args
+from quark_brevitas.brevitas_adapter import export_handler_proxy_types, is_groupwise, iter_quantizers
+from quark_brevitas.export.args import PathLike, TensorArgs, normalize_args, type_name
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
-from quark_brevitas.export.inspect import DEFAULT_INT_OPSET, _role
-from quark_brevitas.export.verify import _compare, _FlatOutputs, _reference, _unique_names, _validate_tolerance
+from quark_brevitas.export.inspect import DEFAULT_INT_OPSET
+from quark_brevitas.export.orchestrate import ExportFormat, GraphNames, brevitas_export, export_verified
+from quark_brevitas.export.verify import VerificationResult
 
 __all__ = ["QONNX_DOMAIN", "QONNXExportReport", "export_qonnx", "run_qonnx"]
 
@@ -108,15 +107,11 @@ def _import_qonnx() -> Any:
 
 def _check_quantizers(model: nn.Module) -> None:
     """Raise :class:`ExportError` for enabled quantizers Brevitas cannot write as QONNX nodes."""
-    handled: set[type] = set()
-    for handler in QONNXManager.handlers:
-        layer = handler.handled_layer
-        handled.update(layer if isinstance(layer, tuple) else (layer,))
-    for name, proxy in model.named_modules():
-        if not isinstance(proxy, QuantProxyFromInjector) or not proxy.is_quant_enabled:
-            continue
-        where = f"{_role(proxy)} quantizer '{name}' ({type(proxy).__qualname__})"
-        if getattr(proxy, "is_groupwise", False):
+    handled = export_handler_proxy_types(QONNXManager)
+    for site in iter_quantizers(model):
+        proxy = site.proxy
+        where = f"{site.kind} quantizer '{site.name}' ({type_name(proxy)})"
+        if is_groupwise(proxy):
             raise ExportError(f"per-group / MX quantization ({where}) cannot be exported to {_TARGET}: "
                               "Brevitas writes QONNX Quant nodes with per-tensor or per-channel scales only")
         if type(proxy) not in handled:
@@ -213,7 +208,7 @@ def run_qonnx(path: PathLike | Any, args: TensorArgs | np.ndarray) -> list[np.nd
     from qonnx.core.onnx_exec import execute_onnx
 
     model = path if isinstance(path, modelwrapper.ModelWrapper) else modelwrapper.ModelWrapper(str(path))
-    inputs = _normalize_args(args, allow_numpy=True)
+    inputs = normalize_args(args, allow_numpy=True)
     names = [i.name for i in model.graph.input]
     if len(inputs) != len(names):
         raise ExportArgumentError(f"the QONNX graph has {len(names)} inputs ({', '.join(names)}); got {len(inputs)}")
@@ -238,11 +233,69 @@ def run_qonnx(path: PathLike | Any, args: TensorArgs | np.ndarray) -> list[np.nd
 # --------------------------------------------------------------------------------------------
 
 
-def _reset_export_mode(model: nn.Module) -> None:
-    try:
-        QONNXManager.set_export_mode(model, enabled=False)
-    except Exception:  # noqa: BLE001 - cleanup must not mask the original error
-        logger.debug("could not reset Brevitas export mode", exc_info=True)
+class QONNXFormat(ExportFormat[QONNXExportReport]):
+    """The QONNX steps of one :func:`export_qonnx` call (see :class:`ExportFormat` for the order)."""
+
+    temp_prefix = "quark_brevitas_qonnx_"
+
+    def __init__(self, *, opset: int) -> None:
+        self.opset = opset
+        self.modelwrapper: Any = None
+        self.cleaned: Any = None
+
+    def check_options(self) -> None:
+        opset = self.opset
+        if isinstance(opset, bool) or not isinstance(opset, int) or not 11 <= opset <= 20:
+            raise ExportError(f"opset must be an integer in 11..20 for {_TARGET}; got {opset!r}")
+
+    def require_tools(self) -> None:
+        self.modelwrapper = _import_qonnx()
+
+    def inspect(self, model: nn.Module) -> None:
+        _check_quantizers(model)
+
+    def write(self, model: nn.Module, args: tuple[torch.Tensor, ...], names: GraphNames,
+              workdir: pathlib.Path) -> onnx.ModelProto:
+        raw_path = workdir / "brevitas_qonnx.onnx"
+        brevitas_export(_brevitas_export_qonnx, QONNXManager, model, args, raw_path, opset=self.opset, names=names,
+                        where=f"{_TARGET} at opset {self.opset}")
+        try:
+            self.cleaned = _cleanup(self.modelwrapper.ModelWrapper(str(raw_path)))
+        except Exception as exc:
+            raise ExportError(f"qonnx could not clean up the exported graph: {type(exc).__name__}: {exc}") from exc
+        return self.cleaned.model
+
+    def run(self, path: pathlib.Path, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+        return run_qonnx(path, args)
+
+    def explain(self, mismatch: ExportMismatchError) -> ExportMismatchError:
+        return ExportMismatchError(
+            f"QONNX file {mismatch.path} disagrees with PyTorch when executed by qonnx: max |qonnx - PyTorch| = "
+            f"{mismatch.max_abs_diff:.6g} > tolerance {mismatch.tolerance:.6g}. The file was kept for inspection.",
+            max_abs_diff=mismatch.max_abs_diff, tolerance=mismatch.tolerance, path=mismatch.path,
+        )
+
+    def report(self, proto: onnx.ModelProto, path: pathlib.Path, result: VerificationResult,
+               names: GraphNames) -> QONNXExportReport:
+        graph = proto.graph
+        counts = collections.Counter(n.op_type for n in graph.node if n.domain == QONNX_DOMAIN)
+        report = QONNXExportReport(
+            path=path,
+            opset=next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), self.opset),
+            file_size=path.stat().st_size,
+            max_abs_diff=result.max_abs_diff,
+            tolerance=result.tolerance,
+            tolerance_source=result.tolerance_source,
+            quant_nodes=dict(sorted(counts.items())),
+            input_names=tuple(i.name for i in graph.input),
+            output_names=tuple(o.name for o in graph.output),
+            input_shapes=tuple(tuple(self.cleaned.get_tensor_shape(i.name)) for i in graph.input),
+        )
+        logger.info("exported %s (QONNX, opset %d, %d bytes, %s): max |qonnx - PyTorch| = %.3g <= %.3g",
+                    path, report.opset, report.file_size,
+                    ", ".join(f"{v} {k}" for k, v in report.quant_nodes.items()) or "no quant nodes",
+                    report.max_abs_diff, report.tolerance)
+        return report
 
 
 def export_qonnx(
@@ -267,81 +320,9 @@ def export_qonnx(
 
     Raises:
         ExportArgumentError: an argument has the wrong type.
-        ExportError: a quantizer cannot be written as QONNX, qonnx is missing or cannot run the file.
+        ExportError: a quantizer cannot be written as QONNX, qonnx (or onnxoptimizer, which Brevitas's
+            exporter needs) is missing, or qonnx cannot run the file.
         ExportMismatchError: qonnx's result differs from PyTorch's by more than the tolerance (the
             file is kept for inspection).
     """
-    if not isinstance(model, nn.Module):
-        raise ExportArgumentError(f"model must be a torch.nn.Module; got {type(model).__qualname__}")
-    example = _normalize_args(args)
-    if not isinstance(path, str | os.PathLike):
-        raise ExportArgumentError(f"path must be a str or os.PathLike; got {type(path).__qualname__}")
-    if isinstance(opset, bool) or not isinstance(opset, int) or not 11 <= opset <= 20:
-        raise ExportError(f"opset must be an integer in 11..20 for {_TARGET}; got {opset!r}")
-    out_path = pathlib.Path(path)
-    if out_path.is_dir():
-        raise ExportError(f"path {out_path} is a directory; give the .onnx file to write")
-    tol = _validate_tolerance(tolerance)
-    modelwrapper = _import_qonnx()
-
-    was_training = model.training
-    model.eval()
-    try:
-        _check_quantizers(model)
-        reference = _reference(model, example)
-        input_names = _input_names(len(example))
-        raw_names = [n for n, _ in reference.outputs]
-        output_names = _unique_names(raw_names, input_names)
-        single = len(raw_names) == 1 and raw_names[0] == "output"
-        wrapped = model if single else _FlatOutputs(model)
-        with tempfile.TemporaryDirectory(prefix="quark_brevitas_qonnx_") as tmp:
-            raw_path = pathlib.Path(tmp) / "brevitas_qonnx.onnx"
-            try:
-                _brevitas_export_qonnx(
-                    wrapped, args=example[0] if len(example) == 1 else example, export_path=str(raw_path),
-                    dynamo=False, opset_version=opset, input_names=list(input_names),
-                    output_names=list(output_names), keep_initializers_as_inputs=False,
-                )
-            except Exception as exc:
-                _reset_export_mode(wrapped)
-                raise ExportError(f"Brevitas could not export the model to {_TARGET} at opset {opset}: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-            try:
-                cleaned = _cleanup(modelwrapper.ModelWrapper(str(raw_path)))
-            except Exception as exc:
-                raise ExportError(f"qonnx could not clean up the exported graph: {type(exc).__name__}: {exc}") from exc
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            onnx.save_model(cleaned.model, str(out_path), save_as_external_data=False)
-        except ValueError as exc:
-            raise ExportError(f"the exported model does not fit in a self-contained ONNX file: {exc}") from exc
-        try:
-            result = _compare(reference, run_qonnx(out_path, example), out_path, tol)
-        except ExportMismatchError as exc:
-            raise ExportMismatchError(
-                f"QONNX file {out_path} disagrees with PyTorch when executed by qonnx: max |qonnx - PyTorch| = "
-                f"{exc.max_abs_diff:.6g} > tolerance {exc.tolerance:.6g}. The file was kept for inspection.",
-                max_abs_diff=exc.max_abs_diff, tolerance=exc.tolerance, path=out_path,
-            ) from exc
-    finally:
-        model.train(was_training)
-
-    graph = cleaned.model.graph
-    counts = collections.Counter(n.op_type for n in graph.node if n.domain == QONNX_DOMAIN)
-    report = QONNXExportReport(
-        path=out_path,
-        opset=next((o.version for o in cleaned.model.opset_import if o.domain in ("", "ai.onnx")), opset),
-        file_size=out_path.stat().st_size,
-        max_abs_diff=result.max_abs_diff,
-        tolerance=result.tolerance,
-        tolerance_source=result.tolerance_source,
-        quant_nodes=dict(sorted(counts.items())),
-        input_names=tuple(i.name for i in graph.input),
-        output_names=tuple(o.name for o in graph.output),
-        input_shapes=tuple(tuple(cleaned.get_tensor_shape(i.name)) for i in graph.input),
-    )
-    logger.info("exported %s (QONNX, opset %d, %d bytes, %s): max |qonnx - PyTorch| = %.3g <= %.3g",
-                out_path, report.opset, report.file_size,
-                ", ".join(f"{v} {k}" for k, v in report.quant_nodes.items()) or "no quant nodes",
-                report.max_abs_diff, report.tolerance)
-    return report
+    return export_verified(QONNXFormat(opset=opset), model, args, path, tolerance)

@@ -18,19 +18,10 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto
 
-from quark_brevitas.export.args import PathLike, TensorArgs, _normalize_args
+from quark_brevitas.export.args import PathLike, TensorArgs, normalize_args
 from quark_brevitas.export.errors import ExportArgumentError, ExportError
-from quark_brevitas.export.passes import _attr
-
-_FLOAT8_ONNX_TYPES = frozenset(
-    {
-        TensorProto.FLOAT8E4M3FN,
-        TensorProto.FLOAT8E4M3FNUZ,
-        TensorProto.FLOAT8E5M2,
-        TensorProto.FLOAT8E5M2FNUZ,
-    }
-)
-
+from quark_brevitas.export.onnx_types import uses_float8
+from quark_brevitas.export.passes.graph import attr
 
 # onnxruntime rewrites that are wrong for float8 QDQ graphs (see module docstring).
 _FLOAT8_DISABLED_ORT_OPTIMIZERS = ("ReluQuantRewrite",)
@@ -50,19 +41,12 @@ _SESSION_CACHE_SIZE = 4
 _SESSION_LOCK = threading.Lock()
 
 
-def _model_uses_float8(model: onnx.ModelProto) -> bool:
-    if any(init.data_type in _FLOAT8_ONNX_TYPES for init in model.graph.initializer):
-        return True
-    infos = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
-    return any(vi.type.tensor_type.elem_type in _FLOAT8_ONNX_TYPES for vi in infos)
-
-
 def _has_blocked_8bit_weights(model: onnx.ModelProto) -> bool:
     """Whether a blocked ``DequantizeLinear`` reads 8-bit integer codes: onnxruntime 1.31 fuses it with an
     int8 activation into ``MatMulIntegerToFloat`` as if the scales were per channel, and fails at run time."""
     eight_bit = {init.name for init in model.graph.initializer
                  if init.data_type in (TensorProto.INT8, TensorProto.UINT8)}
-    return any(node.op_type == "DequantizeLinear" and node.input[0] in eight_bit and _attr(node, "block_size", 0)
+    return any(node.op_type == "DequantizeLinear" and node.input[0] in eight_bit and attr(node, "block_size", 0)
                for node in model.graph.node)
 
 
@@ -88,7 +72,7 @@ def create_ort_session(path: PathLike) -> ort.InferenceSession:
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", _MATMULNBITS_ACCURACY_LEVEL)
     disabled: list[str] = []
     header = onnx.load(str(file), load_external_data=False)
-    if _model_uses_float8(header) or _has_blocked_8bit_weights(header):
+    if uses_float8(header) or _has_blocked_8bit_weights(header):
         options.add_session_config_entry("session.disable_quant_qdq", "1")
         disabled = list(_FLOAT8_DISABLED_ORT_OPTIMIZERS)
     try:
@@ -121,7 +105,8 @@ def _cached_session(path: PathLike) -> ort.InferenceSession:
     return session
 
 
-def _forget_session(path: pathlib.Path) -> None:
+def forget_session(path: pathlib.Path) -> None:
+    """Drop the cached session of ``path`` (the exporter calls it after rewriting the file)."""
     with _SESSION_LOCK:
         _SESSION_CACHE.pop(str(path.resolve()), None)
 
@@ -160,7 +145,7 @@ def run_onnx(path: PathLike | ort.InferenceSession, args: TensorArgs | np.ndarra
     Outputs come back in graph order, which for files of :func:`export_onnx_qcdq` is the
     flattening order of the model's output.
     """
-    inputs = _normalize_args(args, allow_numpy=True)
+    inputs = normalize_args(args, allow_numpy=True)
     session = path if isinstance(path, ort.InferenceSession) else _cached_session(path)
     graph_inputs = session.get_inputs()
     if len(graph_inputs) != len(inputs):

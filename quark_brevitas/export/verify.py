@@ -8,28 +8,23 @@ disagreement; :func:`verify_onnx` is the public entry point.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from brevitas.nn.mixin.base import QuantLayerMixin
-from brevitas.proxy.float_runtime_quant import (
-    ActFloatQuantProxyFromInjectorBase,
-)
-from brevitas.proxy.quant_proxy import QuantProxyFromInjector
-from brevitas.proxy.runtime_quant import (
-    ActQuantProxyFromInjectorBase,
-)
 from brevitas.quant_tensor import QuantTensor
 from torch import nn
 
-from quark_brevitas.export.args import PathLike, TensorArgs, _normalize_args, _type_name
+from quark_brevitas.brevitas_adapter import float8_dtype, is_float_quantizer, quantizer_kind
+from quark_brevitas.export.args import PathLike, TensorArgs, check_model, normalize_args, type_name
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
-from quark_brevitas.export.inspect import _as_int, _safe_call
+from quark_brevitas.export.inspect import as_int, safe_call
 from quark_brevitas.export.runtime import run_onnx
 
 #: Relative epsilon added to every tolerance so that float rounding of an exact one-step
@@ -51,7 +46,7 @@ class VerificationResult(NamedTuple):
 # --------------------------------------------------------------------------------------------
 
 
-def _flatten_outputs(obj: object, path: str = "") -> list[tuple[str, torch.Tensor]]:
+def flatten_outputs(obj: object, path: str = "") -> list[tuple[str, torch.Tensor]]:
     """Flatten a model output into ``(name, tensor)`` pairs in a deterministic order.
 
     Tensors and QuantTensors (their ``.value``) are leaves; tuples/lists are walked in order and
@@ -68,20 +63,21 @@ def _flatten_outputs(obj: object, path: str = "") -> list[tuple[str, torch.Tenso
     if isinstance(obj, Mapping):
         out: list[tuple[str, torch.Tensor]] = []
         for key, value in obj.items():
-            out.extend(_flatten_outputs(value, f"{path}.{key}" if path else str(key)))
+            out.extend(flatten_outputs(value, f"{path}.{key}" if path else str(key)))
         return out
     if isinstance(obj, (tuple, list)):
         out = []
         for i, value in enumerate(obj):
-            out.extend(_flatten_outputs(value, f"{path}.{i}" if path else f"output_{i}"))
+            out.extend(flatten_outputs(value, f"{path}.{i}" if path else f"output_{i}"))
         return out
     raise ExportError(
-        f"model output {path or '<root>'} is a {_type_name(obj)}; ONNX export supports tensors, "
+        f"model output {path or '<root>'} is a {type_name(obj)}; ONNX export supports tensors, "
         "QuantTensors and (nested) tuples, lists and dicts of them"
     )
 
 
-def _unique_names(names: Sequence[str], taken: Sequence[str]) -> tuple[str, ...]:
+def unique_names(names: Sequence[str], taken: Sequence[str]) -> tuple[str, ...]:
+    """``names`` made unique among themselves and ``taken`` by numbered suffixes (``out``, ``out_1``)."""
     seen = set(taken)
     result = []
     for name in names:
@@ -93,15 +89,15 @@ def _unique_names(names: Sequence[str], taken: Sequence[str]) -> tuple[str, ...]
     return tuple(result)
 
 
-class _FlatOutputs(nn.Module):
-    """Export wrapper returning the model's outputs as a flat tuple (see ``_flatten_outputs``)."""
+class FlatOutputs(nn.Module):
+    """Export wrapper returning the model's outputs as a flat tuple (see ``flatten_outputs``)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(t for _, t in _flatten_outputs(self.model(*args)))
+        return tuple(t for _, t in flatten_outputs(self.model(*args)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,33 +105,47 @@ class _FlatOutputs(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` in eval mode while the context lasts; its training mode is restored afterwards,
+    also on failure (verification must not change the caller's model)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 @dataclass(frozen=True)
-class _Reference:
+class Reference:
+    """The PyTorch outputs on the example input, and what the default tolerance is derived from."""
+
     outputs: tuple[tuple[str, torch.Tensor], ...]
     last_quant_layer: str | None
     output_step: float | None
     output_step_source: str
 
 
-def _float8_top_step(proxy: Any) -> float:
-    """Spacing of the largest binade of the proxy's fp8 format, in units of its scale."""
-    e = _as_int(proxy.exponent_bit_width())
-    m = _as_int(proxy.mantissa_bit_width())
-    dtype = {
-        (4, 3, True): torch.float8_e4m3fn,
-        (5, 2, True): torch.float8_e5m2,
-        (4, 3, False): torch.float8_e4m3fnuz,
-        (5, 2, False): torch.float8_e5m2fnuz,
-    }[(e, m, bool(proxy.is_ocp))]
+def _float8_top_step(proxy: Any) -> float | None:
+    """Spacing of the largest binade of the proxy's fp8 format, in units of its scale (``None`` for a
+    format without a torch float8 dtype; non-OCP formats are read as FNUZ)."""
+    e = as_int(proxy.exponent_bit_width())
+    m = as_int(proxy.mantissa_bit_width())
+    if e is None or m is None:
+        return None
+    dtype = float8_dtype(e, m, fnuz=not proxy.is_ocp)
+    if dtype is None:
+        return None
     max_value = float(torch.finfo(dtype).max)
-    return float(2.0 ** (math.floor(math.log2(max_value)) - (m or 0)))
+    return float(2.0 ** (math.floor(math.log2(max_value)) - m))
 
 
-def _output_quantizer(layer: nn.Module) -> QuantProxyFromInjector | None:
+def _output_quantizer(layer: nn.Module) -> nn.Module | None:
     for attr in ("output_quant", "act_quant"):
         if hasattr(layer, attr):
             proxy = getattr(layer, attr)
-            if isinstance(proxy, ActQuantProxyFromInjectorBase) and proxy.is_quant_enabled:
+            if quantizer_kind(proxy) == "act" and proxy.is_quant_enabled:
                 return proxy
             return None
     return None
@@ -145,14 +155,13 @@ def _output_step(layer_name: str, layer: nn.Module) -> tuple[float | None, str]:
     proxy = _output_quantizer(layer)
     if proxy is None:
         return None, f"last quantized op '{layer_name}' has no output quantizer"
-    scale = _safe_call(proxy, "scale")
+    scale = safe_call(proxy, "scale")
     if not isinstance(scale, torch.Tensor):
         return None, f"output quantizer of '{layer_name}' has no static scale"
     step = float(scale.detach().abs().max())
-    if isinstance(proxy, ActFloatQuantProxyFromInjectorBase):
-        try:
-            factor = _float8_top_step(proxy)
-        except (KeyError, TypeError):
+    if is_float_quantizer(proxy):
+        factor = _float8_top_step(proxy)
+        if factor is None:
             return None, f"output quantizer of '{layer_name}' has an unknown float format"
         return (
             step * factor,
@@ -161,7 +170,7 @@ def _output_step(layer_name: str, layer: nn.Module) -> tuple[float | None, str]:
     return step, f"largest scale of the output quantizer of '{layer_name}'"
 
 
-def _reference(model: nn.Module, args: tuple[torch.Tensor, ...]) -> _Reference:
+def compute_reference(model: nn.Module, args: tuple[torch.Tensor, ...]) -> Reference:
     """Run ``model`` (already in eval mode) on ``args`` and record what the tolerance needs."""
     order: list[str] = []
     layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantLayerMixin)}
@@ -175,7 +184,7 @@ def _reference(model: nn.Module, args: tuple[torch.Tensor, ...]) -> _Reference:
     finally:
         for hook in hooks:
             hook.remove()
-    named = _flatten_outputs(output)
+    named = flatten_outputs(output)
     if not named:
         raise ExportError("the model returned no tensor output; nothing to export")
     last = order[-1] if order else None
@@ -183,7 +192,7 @@ def _reference(model: nn.Module, args: tuple[torch.Tensor, ...]) -> _Reference:
         step, source = None, "the model has no quantized op"
     else:
         step, source = _output_step(last, layers[last])
-    return _Reference(
+    return Reference(
         outputs=tuple((n, t.detach()) for n, t in named),
         last_quant_layer=last,
         output_step=step,
@@ -198,7 +207,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def _default_tolerance(ref: _Reference) -> tuple[float, str]:
+def _default_tolerance(ref: Reference) -> tuple[float, str]:
     arrays = [_to_numpy(t).astype(np.float64).ravel() for _, t in ref.outputs]
     values = np.concatenate(arrays) if arrays else np.zeros(0)
     finite = values[np.isfinite(values)]
@@ -211,9 +220,11 @@ def _default_tolerance(ref: _Reference) -> tuple[float, str]:
     return span / 255.0 + eps, f"one 8-bit step (max - min) / 255 of the reference output ({reason})"
 
 
-def _compare(
-    ref: _Reference, onnx_outputs: Sequence[np.ndarray], path: pathlib.Path, tolerance: float | None
+def compare(
+    ref: Reference, onnx_outputs: Sequence[np.ndarray], path: pathlib.Path, tolerance: float | None
 ) -> VerificationResult:
+    """Check ``onnx_outputs`` against the reference; :class:`ExportMismatchError` beyond the tolerance
+    (``None``: the default rule, one output quantization step)."""
     if tolerance is None:
         tol, source = _default_tolerance(ref)
     else:
@@ -255,11 +266,12 @@ def _compare(
     return VerificationResult(max_diff, tol, source, tuple(per_output))
 
 
-def _validate_tolerance(tolerance: float | None) -> float | None:
+def validate_tolerance(tolerance: float | None) -> float | None:
+    """The caller's tolerance as a float (``None`` kept); argument errors for anything else."""
     if tolerance is None:
         return None
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
-        raise ExportArgumentError(f"tolerance must be a float or None; got {_type_name(tolerance)}")
+        raise ExportArgumentError(f"tolerance must be a float or None; got {type_name(tolerance)}")
     if not math.isfinite(tolerance) or tolerance < 0:
         raise ExportError(f"tolerance must be a finite number >= 0; got {tolerance}")
     return float(tolerance)
@@ -273,15 +285,10 @@ def verify_onnx(
     Raises :class:`ExportMismatchError` when ``|onnxruntime - PyTorch|`` exceeds the tolerance.
     The model's training mode is restored afterwards.
     """
-    if not isinstance(model, nn.Module):
-        raise ExportArgumentError(f"model must be a torch.nn.Module; got {_type_name(model)}")
-    example = _normalize_args(args)
-    tol = _validate_tolerance(tolerance)
-    was_training = model.training
-    model.eval()
-    try:
-        reference = _reference(model, example)
-    finally:
-        model.train(was_training)
+    check_model(model)
+    example = normalize_args(args)
+    tol = validate_tolerance(tolerance)
+    with eval_mode(model):
+        reference = compute_reference(model, example)
     file = pathlib.Path(path)
-    return _compare(reference, run_onnx(file, example), file, tol)
+    return compare(reference, run_onnx(file, example), file, tol)

@@ -1,0 +1,214 @@
+"""The one export procedure that every file format (QCDQ, QONNX) runs through.
+
+Exporting a Brevitas model to a verified ONNX file takes the same steps whatever the format: check the
+arguments, run the model in eval mode (restored afterwards, also on failure), reject the quantizers the
+format cannot hold, record the PyTorch reference outputs, name the graph inputs and outputs, flatten
+nested outputs, let Brevitas write the graph in a private temporary directory, post-process it, save
+one self-contained file, verify it against the reference and report. :func:`export_verified` does these
+steps, in this order, for every format; an :class:`ExportFormat` supplies only what differs (its
+quantizer rules, the Brevitas call and post-processing, the runner used for verification, what to do
+about a mismatch, its report). Keeping one procedure keeps the guarantees of the formats identical.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import pathlib
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from quark_brevitas.brevitas_adapter import require_onnxoptimizer, reset_export_mode
+from quark_brevitas.errors import QuarkBrevitasError
+from quark_brevitas.export.args import PathLike, TensorArgs, check_model, check_path, input_names, normalize_args
+from quark_brevitas.export.errors import ExportError, ExportMismatchError
+from quark_brevitas.export.runtime import forget_session
+from quark_brevitas.export.verify import (
+    FlatOutputs,
+    Reference,
+    VerificationResult,
+    compare,
+    compute_reference,
+    eval_mode,
+    unique_names,
+    validate_tolerance,
+)
+
+logger = logging.getLogger(__name__)
+
+ReportT = TypeVar("ReportT")
+
+
+@dataclass(frozen=True)
+class GraphNames:
+    """The graph's input names (in the order of the example args) and output names (in flattening order)."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+class ExportFormat(abc.ABC, Generic[ReportT]):
+    """What one file format supplies to :func:`export_verified`.
+
+    An instance serves one export call and may keep what its steps learn (chosen opset, applied
+    rewrites, ...) for its report. Hooks run in the order they are listed here.
+    """
+
+    #: Prefix of the private temporary directory Brevitas writes into.
+    temp_prefix: ClassVar[str]
+
+    def check_options(self) -> None:  # noqa: B027 - an optional hook: most formats have no options to check
+        """Check the format's own options (after the argument types, before the output path is examined)."""
+
+    def require_tools(self) -> None:  # noqa: B027 - an optional hook
+        """Raise :class:`ExportError` if a package the format needs is missing."""
+
+    @abc.abstractmethod
+    def inspect(self, model: nn.Module) -> None:
+        """Reject quantizers the format cannot write (model in eval mode, before the reference run)."""
+
+    def prepare(self, model: nn.Module) -> None:  # noqa: B027 - an optional hook
+        """Work that needs the model after its reference run."""
+
+    @abc.abstractmethod
+    def write(self, model: nn.Module, args: tuple[torch.Tensor, ...], names: GraphNames,
+              workdir: pathlib.Path) -> onnx.ModelProto:
+        """Let Brevitas export ``model`` (outputs already flat) inside ``workdir`` and post-process the graph."""
+
+    def check_written(self, proto: onnx.ModelProto, path: pathlib.Path) -> None:  # noqa: B027 - an optional hook
+        """Checks of the final graph before it is saved to ``path``."""
+
+    @abc.abstractmethod
+    def run(self, path: pathlib.Path, args: tuple[torch.Tensor, ...]) -> Sequence[np.ndarray]:
+        """Execute the saved file on ``args`` with the format's runtime; outputs in graph order."""
+
+    def recover(self, proto: onnx.ModelProto, mismatch: ExportMismatchError) -> bool:
+        """After a failed verification: change ``proto`` so that it may pass (``True``: it is saved and
+        verified once more) or give up (``False``)."""
+        return False
+
+    def explain(self, mismatch: ExportMismatchError) -> ExportMismatchError:
+        """The error to raise for a final mismatch (by default ``mismatch`` itself)."""
+        return mismatch
+
+    @abc.abstractmethod
+    def report(self, proto: onnx.ModelProto, path: pathlib.Path, result: VerificationResult,
+               names: GraphNames) -> ReportT:
+        """The report of a verified file."""
+
+
+def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorArgs, path: PathLike,
+                    tolerance: float | None) -> ReportT:
+    """Export ``model`` in ``fmt`` to the self-contained file ``path``, verify it, return ``fmt``'s report.
+
+    Raises :class:`~quark_brevitas.export.errors.ExportArgumentError` for arguments of the wrong type,
+    :class:`ExportError` for what cannot be exported and :class:`ExportMismatchError` when the file
+    disagrees with PyTorch beyond the tolerance (the file is kept for inspection).
+    """
+    check_model(model)
+    example = normalize_args(args)
+    out_path = check_path(path)
+    fmt.check_options()
+    if out_path.is_dir():
+        raise ExportError(f"path {out_path} is a directory; give the .onnx file to write")
+    tol = validate_tolerance(tolerance)
+    fmt.require_tools()
+    _require_brevitas_exporter()
+
+    with eval_mode(model):
+        fmt.inspect(model)
+        reference = compute_reference(model, example)
+        fmt.prepare(model)
+        names = _graph_names(reference, len(example))
+        flat = model if _single_tensor(reference) else FlatOutputs(model)
+
+        out_dir = out_path.parent
+        before = set(os.listdir(out_dir)) if out_dir.is_dir() else set()
+        with tempfile.TemporaryDirectory(prefix=fmt.temp_prefix) as tmp:
+            proto = fmt.write(flat, example, names, pathlib.Path(tmp))
+        fmt.check_written(proto, out_path)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_model(proto, out_path)
+        stray = sorted(set(os.listdir(out_dir)) - before - {out_path.name})
+        if stray:
+            logger.warning("files appeared in %s during export (not written by this export): %s", out_dir, stray)
+        result = _verify(fmt, proto, reference, example, out_path, tol)
+    return fmt.report(proto, out_path, result, names)
+
+
+def _require_brevitas_exporter() -> None:
+    """Brevitas's TorchScript exporters need onnxoptimizer: say so before the export starts."""
+    try:
+        require_onnxoptimizer()
+    except QuarkBrevitasError as exc:
+        raise ExportError(str(exc)) from exc
+
+
+def _single_tensor(reference: Reference) -> bool:
+    return len(reference.outputs) == 1 and reference.outputs[0][0] == "output"
+
+
+def _graph_names(reference: Reference, n_inputs: int) -> GraphNames:
+    inputs = input_names(n_inputs)
+    return GraphNames(inputs, unique_names([name for name, _ in reference.outputs], inputs))
+
+
+def _verify(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference, example: tuple[torch.Tensor, ...],
+            path: pathlib.Path, tolerance: float | None) -> VerificationResult:
+    try:
+        try:
+            return compare(reference, fmt.run(path, example), path, tolerance)
+        except ExportMismatchError as exc:
+            if not fmt.recover(proto, exc):
+                raise
+        save_model(proto, path)  # the format changed the graph: verify the new file once more
+        return compare(reference, fmt.run(path, example), path, tolerance)
+    except ExportMismatchError as exc:
+        explained = fmt.explain(exc)
+        if explained is exc:
+            raise
+        raise explained from exc
+
+
+def save_model(proto: onnx.ModelProto, path: pathlib.Path) -> None:
+    """Write ``proto`` as one self-contained file (no external data) and drop a cached session of ``path``."""
+    try:
+        onnx.save_model(proto, str(path), save_as_external_data=False)
+    except ValueError as exc:
+        raise ExportError(
+            f"the exported model does not fit in a self-contained ONNX file (2 GiB protobuf limit): {exc}"
+        ) from exc
+    forget_session(path)
+
+
+def brevitas_export(export: Callable[..., Any], manager: Any, model: nn.Module, args: tuple[torch.Tensor, ...],
+                    target_path: pathlib.Path, *, opset: int, names: GraphNames, where: str,
+                    **options: Any) -> None:
+    """Run one of Brevitas's TorchScript exporters (``export_onnx_qcdq``, ``export_qonnx``) to ``target_path``.
+
+    The options every format passes are set here; a failure leaves Brevitas's export mode (of ``manager``)
+    and becomes an :class:`ExportError` naming ``where`` it was exporting to.
+    """
+    try:
+        export(
+            model,
+            args=args[0] if len(args) == 1 else args,
+            export_path=str(target_path),
+            dynamo=False,
+            opset_version=opset,
+            input_names=list(names.inputs),
+            output_names=list(names.outputs),
+            keep_initializers_as_inputs=False,
+            **options,
+        )
+    except Exception as exc:
+        reset_export_mode(model, manager)
+        raise ExportError(f"Brevitas could not export the model to {where}: {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,13 @@
+"""ONNX graph passes applied to Brevitas' QCDQ export, one concept per module.
+
+- :mod:`~quark_brevitas.export.passes.graph`: graph index, attributes, cleaning, topological sort, opset;
+- :mod:`~quark_brevitas.export.passes.folding`: constant folding of weight ``QuantizeLinear``/``Clip``
+  into integer (or float8) initializers;
+- :mod:`~quark_brevitas.export.passes.kernels`: the registry of exact rewrites that give onnxruntime
+  complete QDQ groups for its integer kernels, and the loop applying them; the rewrites themselves live in
+  :mod:`~quark_brevitas.export.passes.layout`, :mod:`~quark_brevitas.export.passes.clips`,
+  :mod:`~quark_brevitas.export.passes.bias` and :mod:`~quark_brevitas.export.passes.unsigned`, on the nodes
+  :mod:`~quark_brevitas.export.passes.qparams` recognises;
+- :mod:`~quark_brevitas.export.passes.float_bias`: moving float biases out of quantized layers when
+  onnxruntime's int32 bias rounding breaks the tolerance.
+"""
