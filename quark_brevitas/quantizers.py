@@ -32,13 +32,14 @@ import torch
 from brevitas.core.function_wrapper.ops_ste import CeilSte, FloorSte, RoundSte
 from brevitas.core.restrict_val import RestrictValueType
 from brevitas.core.scaling import IntScaling, ScalingImplType
-from brevitas.core.stats import NegativeMinOrZero, StatsOp
+from brevitas.core.stats import AbsMinMax, NegativeMinOrZero, NegativePercentileOrZero, PercentileInterval, StatsOp
 from brevitas.core.zero_point import ParameterFromStatsFromParameterZeroPoint
 from brevitas.inject.enum import ScalingPerOutputType
 from brevitas.proxy.groupwise_float_parameter_quant import GroupwiseWeightFloatQuantProxyFromInjector
 from brevitas.quant import mx_quant_ocp as bq_mx
 from brevitas.quant import scaled_int as bq_int
 from brevitas.quant import shifted_scaled_int as bq_shifted
+from brevitas.quant.base import MSEAsymmetricScaleSubInjector
 from brevitas.quant.float_quant_ocp import (
     FpOCPActPerTensorFloat,
     FpOCPActPerTensorFloatMSE,
@@ -71,6 +72,54 @@ def _per_token_shape(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 _NARROW = {"narrow_range": True}
 _PER_TOKEN = {"dynamic_scaling_broadcastable_fn": _per_token_shape, "permute_dims": None, "stats_reduce_dim": 1}
 
+
+class _ZeroInclusiveRange(nn.Module):
+    """The asymmetric range ``max(hi, 0) - min(lo, 0)`` as a Brevitas scaling statistic.
+
+    Brevitas's interval statistics (``AbsMinMax``, ``PercentileInterval``) widen ``lo`` to <= 0 but not
+    ``hi`` to >= 0, so an all-negative row or activation gets the range ``hi - lo`` and a grid that stops
+    short of its minimum (the zero point saturates at ``2^b - 1``). Widening ``hi`` to 0 makes the range
+    at least ``-min(lo, 0)``, which is Brevitas's own zero-point statistic (``NegativeMinOrZero``,
+    ``NegativePercentileOrZero``, same rank): the larger of the two is the definition's range, and it is
+    Brevitas's interval itself (bit for bit) whenever ``hi >= 0``.
+    """
+
+    def __init__(self, interval: nn.Module, negative_low: nn.Module) -> None:
+        super().__init__()
+        self.interval = interval
+        self.negative_low = negative_low
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(self.interval(x), -self.negative_low(x))
+
+
+class ZeroInclusiveMinMax(_ZeroInclusiveRange):
+    """``max(max(x), 0) - min(min(x), 0)`` from ``AbsMinMax`` and ``NegativeMinOrZero`` (see the base class);
+    the constructor takes what the injector gives ``AbsMinMax``."""
+
+    def __init__(self, stats_reduce_dim: int | None = None, keepdim: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> None:
+        super().__init__(AbsMinMax(stats_reduce_dim, keepdim, dtype, device),
+                         NegativeMinOrZero(stats_reduce_dim, dtype, device, keepdim))
+
+
+class ZeroInclusivePercentileInterval(_ZeroInclusiveRange):
+    """The percentile interval widened to contain 0 at both ends, from ``PercentileInterval`` and
+    ``NegativePercentileOrZero`` (see the base class); the constructor takes what the injector gives
+    ``PercentileInterval``."""
+
+    def __init__(self, low_percentile_q: float, high_percentile_q: float, stats_reduce_dim: int | None = None,
+                 keepdim: bool = False, dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
+        interval = PercentileInterval(low_percentile_q, high_percentile_q, stats_reduce_dim, keepdim, dtype, device)
+        super().__init__(interval, NegativePercentileOrZero(low_percentile_q, stats_reduce_dim, dtype, device, keepdim))
+
+
+# Asymmetric int rows: the range statistic widened to contain zero (min/max, percentile interval, and the
+# initial range of the MSE scale search, which only looks below it).
+_ZERO_MIN_MAX = {"scaling_stats_impl": ZeroInclusiveMinMax}
+_ZERO_PERCENTILE = {"scaling_stats_impl": ZeroInclusivePercentileInterval}
+_ZERO_MSE = {"mse_scale": MSEAsymmetricScaleSubInjector.let(mse_init_op=ZeroInclusiveMinMax)}
+
 # Schemes (the refined qscheme column of the table).
 PER_TENSOR, PER_CHANNEL, PER_GROUP, MX = "per_tensor", "per_channel", "per_group", "mx"
 DYNAMIC_PER_TENSOR, DYNAMIC_PER_TOKEN = "dynamic_per_tensor", "dynamic_per_token"
@@ -82,20 +131,20 @@ _TABLE: dict[tuple[str, QuantType, ParamType, str, bool], type] = {
     ("weight", INT, P.stats, PER_CHANNEL, True): bq_int.Int8WeightPerChannelFloat,
     ("weight", INT, P.mse, PER_TENSOR, True): bq_int.Int8WeightPerTensorFloatMSE,
     ("weight", INT, P.mse, PER_CHANNEL, True): bq_int.Int8WeightPerChannelFloatMSE,
-    ("weight", INT, P.stats, PER_TENSOR, False): bq_shifted.ShiftedUint8WeightPerTensorFloat,
-    ("weight", INT, P.stats, PER_CHANNEL, False): bq_shifted.ShiftedUint8WeightPerChannelFloat,
-    ("weight", INT, P.mse, PER_TENSOR, False): bq_shifted.ShiftedUint8WeightPerTensorFloatMSE,
-    ("weight", INT, P.mse, PER_CHANNEL, False): bq_shifted.ShiftedUint8WeightPerChannelFloatMSE,
+    ("weight", INT, P.stats, PER_TENSOR, False): bq_shifted.ShiftedUint8WeightPerTensorFloat.let(**_ZERO_MIN_MAX),
+    ("weight", INT, P.stats, PER_CHANNEL, False): bq_shifted.ShiftedUint8WeightPerChannelFloat.let(**_ZERO_MIN_MAX),
+    ("weight", INT, P.mse, PER_TENSOR, False): bq_shifted.ShiftedUint8WeightPerTensorFloatMSE.let(**_ZERO_MSE),
+    ("weight", INT, P.mse, PER_CHANNEL, False): bq_shifted.ShiftedUint8WeightPerChannelFloatMSE.let(**_ZERO_MSE),
     # integer weights per group of input channels (float scale per group)
     ("weight", INT, P.stats, PER_GROUP, True): bq_gen.IntWeightSymmetricGroupQuant,
     ("weight", INT, P.mse, PER_GROUP, True): bq_gen.IntWeightSymmetricGroupQuantMSE,
-    ("weight", INT, P.stats, PER_GROUP, False): bq_shifted.ShiftedUint8WeightGroupQuantFloat,
-    ("weight", INT, P.mse, PER_GROUP, False): bq_gen.ShiftedUint8WeightGroupQuantFloatMSE,
+    ("weight", INT, P.stats, PER_GROUP, False): bq_shifted.ShiftedUint8WeightGroupQuantFloat.let(**_ZERO_MIN_MAX),
+    ("weight", INT, P.mse, PER_GROUP, False): bq_gen.ShiftedUint8WeightGroupQuantFloatMSE.let(**_ZERO_MSE),
     # integer activations (per tensor; percentile statistics or MSE, collected during calibration)
     ("act", INT, P.stats, PER_TENSOR, True): bq_int.Int8ActPerTensorFloat,
     ("act", INT, P.mse, PER_TENSOR, True): bq_int.Int8ActPerTensorFloatMSE,
-    ("act", INT, P.stats, PER_TENSOR, False): bq_shifted.ShiftedUint8ActPerTensorFloat,
-    ("act", INT, P.mse, PER_TENSOR, False): bq_shifted.ShiftedUint8ActPerTensorFloatMSE,
+    ("act", INT, P.stats, PER_TENSOR, False): bq_shifted.ShiftedUint8ActPerTensorFloat.let(**_ZERO_PERCENTILE),
+    ("act", INT, P.mse, PER_TENSOR, False): bq_shifted.ShiftedUint8ActPerTensorFloatMSE.let(**_ZERO_MSE),
     # OCP floating point (saturating; e4m3 / e5m2 carry the OCP NaN/Inf encodings)
     ("weight", FLOAT, P.stats, PER_TENSOR, True): FpOCPWeightPerTensorFloat,
     ("weight", FLOAT, P.stats, PER_CHANNEL, True): FpOCPWeightPerChannelFloat,
@@ -116,10 +165,11 @@ _TABLE: dict[tuple[str, QuantType, ParamType, str, bool], type] = {
     ("act", INT, P.stats, PER_GROUP, True): bq_gen.Int8DynamicActPerGroupFloat.let(**_NARROW),
     ("act", FLOAT, P.stats, PER_GROUP, True): bq_gen.Fp8e4m3OCPDynamicActPerGroupFloat,
     ("act", INT, P.stats, DYNAMIC_PER_TENSOR, True): bq_gen.Int8DynamicActPerTensorFloat.let(**_NARROW),
-    ("act", INT, P.stats, DYNAMIC_PER_TENSOR, False): bq_gen.ShiftedUint8DynamicActPerTensorFloat,
+    ("act", INT, P.stats, DYNAMIC_PER_TENSOR, False): bq_gen.ShiftedUint8DynamicActPerTensorFloat.let(**_ZERO_MIN_MAX),
     ("act", FLOAT, P.stats, DYNAMIC_PER_TENSOR, True): bq_gen.Fp8e4m3OCPDynamicActPerTensorFloat,
     ("act", INT, P.stats, DYNAMIC_PER_TOKEN, True): bq_gen.Int8DynamicActPerRowFloat.let(**_PER_TOKEN, **_NARROW),
-    ("act", INT, P.stats, DYNAMIC_PER_TOKEN, False): bq_gen.ShiftedUint8DynamicActPerRowFloat.let(**_PER_TOKEN),
+    ("act", INT, P.stats, DYNAMIC_PER_TOKEN, False): bq_gen.ShiftedUint8DynamicActPerRowFloat.let(
+        **_PER_TOKEN, **_ZERO_MIN_MAX),
     ("act", FLOAT, P.stats, DYNAMIC_PER_TOKEN, True): bq_gen.FP8e4m3OCPDynamicActPerRowFloat.let(**_PER_TOKEN),
 }
 
@@ -410,7 +460,7 @@ def _percentile_lets(spec: QuantizationSpec) -> dict[str, Any]:
     if spec.symmetric:
         return {"high_percentile_q": percentile}
     if percentile == 100:  # Brevitas's percentile cannot take the 0th: use min/max statistics
-        return {"scaling_stats_op": StatsOp.MIN_MAX, "zero_point_stats_impl": NegativeMinOrZero}
+        return {"scaling_stats_op": StatsOp.MIN_MAX, **_ZERO_MIN_MAX, "zero_point_stats_impl": NegativeMinOrZero}
     return {"high_percentile_q": percentile, "low_percentile_q": 100.0 - percentile}
 
 

@@ -87,11 +87,18 @@ def test_callers_model_is_untouched_and_requantizing_gives_the_same_model(digits
 
 def test_inplace_opt_in_reuses_the_model(digits_model, digits_data) -> None:
     model = copy.deepcopy(digits_model)
+    float_weights = {name: getattr(model, name).weight.detach().clone() for name in ("conv1", "conv2", "fc1", "fc2")}
+    kept = {name: getattr(model, name) for name in ("bn1", "relu1", "bn2", "pool")}
     config = Config(global_quant_config=QLayerConfig(weight=QTensorConfig()), pre_quant_opt_config=[])
     quant = ModelQuantizer(config).quantize_model(model, inplace=True)
     assert quant is model
-    assert type(model.features[0]).__name__ == "QuantConv2d" if hasattr(model, "features") else True
-    assert any(type(m).__name__ == "QuantConv2d" for m in model.modules())
+    # The caller's own attributes now hold the quantized layers, built from its float weights (no BatchNorm
+    # merge without pre-quant steps); the other modules are the caller's objects, untouched.
+    assert {name: type(getattr(model, name)).__name__ for name in float_weights} == {
+        "conv1": "QuantConv2d", "conv2": "QuantConv2d", "fc1": "QuantLinear", "fc2": "QuantLinear"}
+    for name, weight in float_weights.items():
+        assert torch.equal(getattr(model, name).weight.detach(), weight), name
+    assert all(getattr(model, name) is module for name, module in kept.items())
 
 
 def test_weight_only_needs_no_data(digits_model, digits_data) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -61,6 +62,47 @@ def test_fixed_scales_stay_fixed(digits_model, digits_data) -> None:
     assert not torch.equal(weight_before, quant.fc1.weight)
 
 
+def _three_sd(x: torch.Tensor) -> float:
+    """TQT's _3SD threshold: three standard deviations plus the magnitude of the mean."""
+    return 3 * float(x.std()) + abs(float(x.mean()))
+
+
+def _ll_j_brute_force(x: torch.Tensor, bit_width: int, bins: int = 2048, candidates: int = 13) -> float:
+    """The _LL_J threshold written out from its description (README, QAT), in float64 numpy with plain loops:
+    for each power-of-two threshold T from 2^(top-12) to 2^top (top = ceil(log2 max|x|)), compare the
+    histogram of the nonzero |x| over [0, 2^top) in ``bins`` bins cut at T (the clipped mass counted in the last
+    bin) with its quantized version (each of the 2^(b-1) levels' mass below T spread evenly over the bins of
+    that level that hold data), by the symmetric KL (J) divergence with 1e-8 smoothing; the first smallest
+    wins. Levels narrower than one bin are skipped."""
+    mags = np.abs(x.detach().double().numpy().ravel())
+    mags = mags[mags != 0]
+    top = math.ceil(math.log2(mags.max()))
+    hist = np.histogram(mags, bins=bins, range=(0.0, 2.0**top))[0].astype(np.float64)
+    levels = 2 ** (bit_width - 1)
+    best_j, best_t = math.inf, 2.0**top
+    for k in range(top - candidates + 1, top + 1):
+        kept = bins >> (top - k)
+        if kept < levels:
+            continue
+        p = hist[:kept].copy()
+        p[-1] += hist[kept:].sum()
+        q = np.zeros(kept)
+        width = kept // levels
+        for start in range(0, kept, width):
+            level = hist[start:start + width]
+            used = level > 0
+            if used.any():
+                q[start:start + width][used] = level.sum() / used.sum()
+        p, q = (p + 1e-8) / (p + 1e-8).sum(), (q + 1e-8) / (q + 1e-8).sum()
+        j = float(np.sum((p - q) * (np.log(p) - np.log(q))))
+        if j < best_j:
+            best_j, best_t = j, 2.0**k
+    return best_t
+
+
+_THRESHOLDS = {TQTThresholdInitMeth._3SD: lambda x, bits: _three_sd(x), TQTThresholdInitMeth._LL_J: _ll_j_brute_force}
+
+
 def _effective_scales(model: nn.Module) -> list[torch.Tensor]:
     return [m.quant_weight().scale for m in model.modules() if type(m).__name__ in ("QuantConv2d", "QuantLinear")]
 
@@ -70,9 +112,9 @@ def test_tqt_thresholds_initialise_train_and_stay_powers_of_two(digits_model, di
     torch.manual_seed(0)
     quant = prepare_qat(quantize(digits_model, digits_data, W4A8_POF2), QATConfig(threshold_init=method),
                         digits_data.calib)
-    # The initial fc2 weight threshold is the method's, rounded up to a power of two, over 2**(4-1).
+    # The initial fc2 weight threshold is the method's (computed here), rounded up to a power of two, over 2**(4-1).
     rows = quant.fc2.weight.detach()
-    expected = torch.tensor([2.0 ** math.ceil(math.log2(threshold_from_tensor(r, method, 4))) / 8 for r in rows])
+    expected = torch.tensor([2.0 ** math.ceil(math.log2(_THRESHOLDS[method](r, 4))) / 8 for r in rows])
     torch.testing.assert_close(quant.fc2.quant_weight().scale.flatten(), expected)
     log_thresholds = {k: v.detach().clone() for k, v in scale_parameters(quant).items()}
     losses = train_steps(quant, digits_data, 10)
@@ -87,11 +129,39 @@ def test_tqt_thresholds_initialise_train_and_stay_powers_of_two(digits_model, di
     assert report.max_abs_diff <= report.tolerance
 
 
-def test_threshold_methods_on_known_data() -> None:
-    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
-    assert threshold_from_tensor(x, TQTThresholdInitMeth._3SD, 8) == pytest.approx(3.0, rel=0.02)
-    t = threshold_from_tensor(x, TQTThresholdInitMeth._LL_J, 8)
-    assert t == 2.0 ** round(math.log2(t)) and 2.0 <= t <= 8.0  # a power of two covering most of N(0, 1)
+def test_three_sd_threshold_on_known_statistics() -> None:
+    """0.5 + 2 * (+-1, alternating): mean 0.5, standard deviation 2 * sqrt(n / (n - 1)) (sample std)."""
+    n = 1000
+    x = 0.5 + 2.0 * torch.tensor([1.0, -1.0]).repeat(n // 2)
+    expected = 3 * 2.0 * math.sqrt(n / (n - 1)) + 0.5
+    assert threshold_from_tensor(x, TQTThresholdInitMeth._3SD, 8) == pytest.approx(expected, rel=1e-6)
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(100_000, generator=g) * 0.25 - 1.0
+    assert threshold_from_tensor(y, TQTThresholdInitMeth._3SD, 8) == pytest.approx(_three_sd(y), rel=1e-6)
+    assert _three_sd(y) == pytest.approx(3 * 0.25 + 1.0, rel=0.01)
+
+
+def test_ll_j_threshold_known_by_construction() -> None:
+    """4 bits: 8 levels of width 1/8 below the threshold 1. The data sit at the 8 level centres with counts
+    alternating 1000 / 10, plus one outlier at 1.9, so max|x| = 1.9 and the largest candidate is 2. At T = 1
+    every level holds one value (the quantized histogram equals the float one) and only the outlier's clipped
+    count differs; at T = 2 each level merges a 1000 and a 10 (spread evenly: 505 / 505, far from the data);
+    below 1 whole levels are clipped. So the best power-of-two threshold is 1, not max|x| rounded up."""
+    counts = [1000 if j % 2 == 0 else 10 for j in range(8)]
+    x = torch.cat([torch.full((c,), (j + 0.5) / 8) for j, c in enumerate(counts)] + [torch.tensor([1.9])])
+    x = x * torch.where(torch.arange(len(x)) % 2 == 0, 1.0, -1.0)  # magnitudes count, signs do not
+    assert threshold_from_tensor(x, TQTThresholdInitMeth._LL_J, 4) == 1.0
+    assert _ll_j_brute_force(x, 4) == 1.0
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_ll_j_threshold_matches_brute_force(bits: int) -> None:
+    g = torch.Generator().manual_seed(bits)
+    for trial in range(20):
+        x = torch.randn(int(torch.randint(16, 3000, (1,), generator=g)), generator=g) * (0.01 + 3 * trial / 20)
+        if trial % 3 == 0:
+            x = torch.relu(x)  # exact zeros, as after a ReLU
+        assert threshold_from_tensor(x, TQTThresholdInitMeth._LL_J, bits) == _ll_j_brute_force(x, bits), trial
 
 
 def test_tqt_needs_power_of_two_scales(digits_model, digits_data) -> None:

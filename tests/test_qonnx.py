@@ -160,8 +160,23 @@ def test_ir_version_workaround_is_needed_and_scoped(small_quant, tmp_path: Path)
 
 def test_container_provides_the_qonnx_exporter(small_quant, tmp_path: Path) -> None:
     model, x = small_quant
+    assert Container().qonnx_exporter() is export_qonnx  # the default provider
     calls = []
+
+    def recording_exporter(m: nn.Module, args: torch.Tensor, path: Path):
+        calls.append((m, path))
+        return export_qonnx(m, args, path)
+
     container = Container()
-    container.qonnx_exporter.override(lambda m, args, path: calls.append((m, path)) or "report")
-    assert ModelExporter(tmp_path / "c.onnx", container=container).export_qonnx_model(model, x) == "report"
-    assert calls == [(model, tmp_path / "c.onnx")]
+    container.qonnx_exporter.override(recording_exporter)
+    path = tmp_path / "c.onnx"
+    report = ModelExporter(path, container=container).export_qonnx_model(model, x)
+    assert calls == [(model, path)]
+    # The report describes the file the container's exporter wrote, and qonnx runs that file like PyTorch.
+    assert report.file_size == path.stat().st_size and report.input_shapes == ((4, 2, 6, 6),)
+    assert report.quant_nodes == {"Quant": 4}  # weight and input of the Conv2d and of the Linear
+    assert sorted(n.op_type for n in onnx.load(str(path)).graph.node if n.domain == QONNX_DOMAIN) == ["Quant"] * 4
+    with torch.no_grad():
+        expected = model(x).numpy()
+    assert report.max_abs_diff <= report.tolerance
+    assert np.abs(run_qonnx(path, x)[0] - expected).max() <= report.tolerance

@@ -14,8 +14,11 @@ Brevitas rules found while writing these tests (Brevitas 0.13.4):
   (``2^ceil(log2 max|w|) / 2^(b-1)``, ``/ 2^b`` unsigned, ``/ 2^ceil(log2 max_finite)`` for
   minifloats) instead of taking ``2^ceil(log2(max|w| / qmax))``: half the definition's scale when
   ``max|w|`` lies in ``(2^j * qmax / 2^(b-1), 2^j]``, and the largest weights are then clipped;
-- asymmetric min/max statistics clamp the minimum to <= 0 but not the maximum to >= 0, so an
-  all-negative channel (or activation) gets a grid that does not reach its minimum;
+- asymmetric range statistics (min/max, percentile interval, the MSE search's initial range) clamp
+  the minimum to <= 0 but not the maximum to >= 0, so an all-negative channel (or activation) would get
+  a grid that does not reach its minimum. The translation table widens the maximum too
+  (``quantizers.ZeroInclusiveMinMax`` / ``ZeroInclusivePercentileInterval``), so these match the
+  definition and are tested like every other case (``*_all_negative_*``, the ``negative`` shift);
 - int activations use the 99.999th percentile of |x| (per batch, rank rounded to nearest, averaged
   over batches), float (OCP) activations the max |x| (averaged over batches).
 """
@@ -77,12 +80,13 @@ def _flat(t: torch.Tensor | float) -> torch.Tensor:
 
 
 def _weights() -> torch.Tensor:
-    """A fixed [32, 64] weight: N(0, 0.05) with outliers, one wide row, one all-positive row."""
+    """A fixed [32, 64] weight: N(0, 0.05) with outliers, one wide row, one all-positive and one all-negative row."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(OUT, IN, generator=g) * 0.05
     w[3, 5], w[10, 0], w[20, 63] = 0.9, -1.3, 0.6
     w[27] *= 6.0
     w[30] = w[30].abs() + 0.01  # min > 0: the asymmetric range must still include zero
+    w[31] = -(w[31].abs() + 0.01)  # max < 0: likewise
     return w
 
 
@@ -174,17 +178,20 @@ def test_int_weight_stats_matches_definition(bits, per_channel, symmetric):
         # The largest magnitude is reproduced exactly (it sits on +-qmax), per tensor or per row.
         ref.assert_close(ref.absmax(q.value.detach(), per_channel), ref.absmax(w, per_channel), "max |w|")
     else:
-        # Zero is exactly representable (through the layer's own quantizer), and row 30 (all positive:
-        # its minimum is clamped to 0) has zero point 0, unlike most mixed-sign rows.
+        # Zero is exactly representable (through the layer's own quantizer); row 30 (all positive: its
+        # minimum is widened to 0) has zero point 0 and row 31 (all negative: its maximum is widened to 0)
+        # the largest code, unlike most mixed-sign rows.
         layer = _quantize(_linear_with(w), QLayerConfig(weight=_int_spec(bits, per_channel, symmetric)))[0]
         assert torch.all(layer.weight_quant(torch.zeros_like(w)).value == 0)
         if per_channel:
             zps = q.zero_point.reshape(-1)
             assert zps[30].item() == 0 and int((zps > 0).sum()) >= OUT // 2
+            assert zps[31].item() == 2**bits - 1
 
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason="Brevitas pof2 divides by a power-of-two integer range: scale = 2^ceil(log2 max|w|) / 2^(b-1) "
     "(signed) or 2^ceil(log2(max - min)) / 2^b (unsigned), instead of 2^ceil(log2(max|w| / (2^(b-1)-1))); "
     "with power-of-two extremes it is half the definition's scale and max|w| is clipped to qmax * scale",
@@ -235,21 +242,24 @@ def test_int_weight_rounds_half_to_even(per_channel):
     ref.assert_close(q.value, ref.int_qdq(w, torch.ones(()), 0.0, 8, True, True), "ties")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Brevitas AbsMinMax clamps min to <= 0 but not max to >= 0: an all-negative row [-1, -0.5] gets "
-    "scale (max - min) / 255 = 0.5/255 and zero point 255, so its grid is [-0.5, 0] and every weight "
-    "of the row becomes -0.5 (definition: scale 1/255, grid [-1, 0])",
-)
 @pytest.mark.parametrize("param_type", [ParamType.stats, ParamType.mse], ids=["stats", "mse"])
-def test_int_weight_asym_all_negative_channel(param_type):
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_tensor", "per_channel"])
+def test_int_weight_asym_all_negative_channel(per_channel, param_type):
+    """An all-negative row [-1, -0.5] needs the grid [-1, 0]: scale 1/255, zero point 255 (Brevitas's own
+    range statistic, ``max - min(min, 0)``, would give 0.5/255 and collapse the row onto -0.5)."""
     w = torch.tensor([[-1.0, -0.9, -0.8, -0.7, -0.6, -0.55, -0.52, -0.5],
                       [0.3, -0.2, 0.1, 0.05, -0.4, 0.25, 0.0, 0.15]])
-    q = _quant_weight(w, _int_spec(8, True, False, param_type=param_type))
-    scale, _ = ref.asymmetric_scale_zero_point(w, 8, per_channel=True)
+    if not per_channel:
+        w = w[:1]  # the whole tensor is negative
+    q = _quant_weight(w, _int_spec(8, per_channel, False, param_type=param_type))
+    scale, zp = ref.asymmetric_scale_zero_point(w, 8, per_channel=per_channel)
     # Whatever scale search is used, a grid containing [min, 0] reproduces each weight within half a step.
     err = (q.value.detach() - w).abs()
     assert torch.all(err <= scale / 2 + 1e-7), err.max(dim=1).values
+    if param_type is ParamType.stats:
+        ref.assert_close(_flat(q.scale), _flat(scale).expand(_flat(q.scale).shape), "scale")
+        assert torch.equal(_flat(q.zero_point), _flat(zp).expand(_flat(q.zero_point).shape))
+        ref.assert_close(q.value, ref.int_qdq(w, scale, zp, 8, False, False), "values")
 
 
 # ---------------------------------------------------------------------------- MSE weights
@@ -321,6 +331,7 @@ def test_float_weight_ocp_e4m3_rounds_half_to_even_at_scale_one():
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason="Brevitas pof2 minifloat scale = 2^ceil(log2 max|w|) / 2^ceil(log2 max_finite) (e4m3: /512, "
     "e5m2: /65536, e2m1: /8) instead of 2^ceil(log2(max|w| / max_finite)); with power-of-two max|w| it "
     "is half the definition's scale and max|w| saturates at max_finite * scale",
@@ -421,6 +432,7 @@ def test_int_act_sym_calibrated_statistic_grid_and_clipping(bits, calib_batches)
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason="Brevitas signed (non-narrow) activations use threshold 2^(b-1): scale = stat / 128 at 8 bits "
     "(stat / 8 at 4 bits) instead of stat / (2^(b-1) - 1), so +stat itself is clipped to (127/128) * stat",
 )
@@ -431,21 +443,25 @@ def test_int_act_sym_scale_matches_definition(bits, calib_batches):
     ref.assert_close(layer.input_quant.scale().detach(), expected, "scale")
 
 
-@pytest.mark.parametrize("shift", ["mixed", "relu"])
+@pytest.mark.parametrize("shift", ["mixed", "relu", "negative"])
 @pytest.mark.parametrize("bits", [8, 5])
 def test_int_act_asym_matches_definition(bits, shift, calib_batches):
-    """ShiftedUint8ActPerTensorFloat: hi = 99.999th percentile of x, lo = min(0.001th percentile, 0),
-    both averaged over batches; scale = mean(hi - lo) / (2^b - 1), zero point = round(-mean(lo) / scale)."""
-    batches = calib_batches if shift == "mixed" else [torch.relu(x) for x in calib_batches]
+    """Asymmetric static int activations: hi = max(99.999th percentile of x, 0), lo = min(0.001th percentile,
+    0), per batch, the range hi - lo averaged over batches; scale = mean(hi - lo) / (2^b - 1), zero point =
+    round(-mean(lo) / scale). ``negative`` (all inputs <= -0.5) needs hi widened to 0."""
+    batches = {"mixed": calib_batches, "relu": [torch.relu(x) for x in calib_batches],
+               "negative": [-torch.relu(x) - 0.5 for x in calib_batches]}[shift]
     layer = _calibrated_input_quant(_int_spec(bits, False, False), batches)
-    his = [ref.kth_smallest(x, ref.high_percentile_rank(Q_HIGH, x.numel())) for x in batches]
+    his = [torch.clamp(ref.kth_smallest(x, ref.high_percentile_rank(Q_HIGH, x.numel())), min=0.0) for x in batches]
     los = [torch.clamp(ref.kth_smallest(x, ref.low_percentile_rank(Q_LOW, x.numel())), max=0.0) for x in batches]
     scale = torch.stack([h - lo for h, lo in zip(his, los)]).mean() / (2**bits - 1)
     zp = torch.clamp(ref.round_half_even(-torch.stack(los).mean() / scale), 0, 2**bits - 1)
     if shift == "relu":
         assert zp.item() == 0
+    elif shift == "negative":
+        assert zp.item() == 2**bits - 1
     else:
-        assert zp.item() > 0
+        assert 0 < zp.item() < 2**bits - 1
 
     ref.assert_close(layer.input_quant.scale().detach(), scale, "scale")
     assert layer.input_quant.zero_point().item() == zp.item()
@@ -469,19 +485,25 @@ def test_int_act_asym_rounds_half_to_even_at_scale_one():
     assert ref.int_qdq(x, torch.ones(()), 0.0, 8, False, False)[0].tolist() == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Brevitas PercentileInterval clamps the low percentile to <= 0 but not the high one to >= 0: "
-    "inputs in [-2, -1] get scale (hi - lo) / 255 ~ 1/255 and zero point 255, a grid [-1, 0], and all "
-    "inputs collapse to ~ -1 (error up to 1.0; definition: grid [-2, 0], error <= scale / 2)",
-)
-def test_int_act_asym_all_negative_inputs():
+@pytest.mark.parametrize("spec", [_int_spec(8, False, False), QTensorConfig(symmetric=False, percentile=100),
+                                  _int_spec(8, False, False, param_type=ParamType.mse)],
+                         ids=["percentile", "min_max", "mse"])
+def test_int_act_asym_all_negative_inputs(spec):
+    """Inputs in [-2, -1] need the grid [-2, 0] (error <= scale / 2 ~ 1/255); Brevitas's own range statistics
+    (``hi - min(lo, 0)``) would give a grid [-1, 0] and collapse every input onto ~ -1."""
     g = torch.Generator().manual_seed(4)
     batches = [-(torch.rand(64, 16, generator=g) + 1.0) for _ in range(2)]
-    layer = _calibrated_input_quant(_int_spec(8, False, False), batches)
+    layer = _calibrated_input_quant(spec, batches)
     x = batches[0]
     err = (layer.input_quant(x).value - x).abs().max().item()
     assert err <= 2.0 / 255 / 2 + 1e-6, err
+    if spec.param_type is ParamType.stats:
+        # 1024 values per batch: the 0.001th percentile is the minimum; hi is widened to 0.
+        los = torch.stack([ref.kth_smallest(b, ref.low_percentile_rank(Q_LOW, b.numel())) for b in batches])
+        scale = (0.0 - los).mean() / 255
+        ref.assert_close(layer.input_quant.scale().detach(), scale, "scale")
+        assert layer.input_quant.zero_point().item() == 255
+        ref.assert_close(layer.input_quant(x).value, ref.int_qdq(x, scale, 255.0, 8, False, False), "values")
 
 
 FLOAT_ACT_FORMATS = [(4, 3), (5, 2), (2, 1), (3, 2), (2, 3)]
