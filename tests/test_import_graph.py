@@ -106,20 +106,16 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         for target in sorted(graph.get(module, ())):
             if target in on_stack:
                 return [*stack[stack.index(target):], target]
-            if target not in done:
-                cycle = visit(target)
-                if cycle is not None:
-                    return cycle
+            if target not in done and (cycle := visit(target)) is not None:
+                return cycle
         stack.pop()
         on_stack.discard(module)
         done.add(module)
         return None
 
     for module in sorted(graph):
-        if module not in done:
-            cycle = visit(module)
-            if cycle is not None:
-                return cycle
+        if module not in done and (cycle := visit(module)) is not None:
+            return cycle
     return None
 
 
