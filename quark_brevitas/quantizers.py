@@ -26,6 +26,7 @@ the symmetric MXINT8 range).
 
 from __future__ import annotations
 
+from dataclasses import is_dataclass
 from typing import Any
 
 import torch
@@ -51,9 +52,11 @@ from brevitas.quant.float_quant_ocp import (
 from brevitas_examples.common.generative import quantizers as bq_gen
 from torch import nn
 
-from quark_brevitas.config import ParamType, QuantizationSpec, QuantType
+from quark_brevitas.dtypes import Spec as QuantizationSpec
+from quark_brevitas.dtypes import spec_defaults
 from quark_brevitas.errors import ConfigError
-from quark_brevitas.types import Dtype, QSchemeType, RoundType, ScaleType, ZeroPointType
+from quark_brevitas.serialization import check_fields
+from quark_brevitas.types import ParamType, QSchemeType, QuantType, RoundType, ScaleType, ZeroPointType
 
 P = ParamType
 INT = QuantType.int_quant
@@ -224,8 +227,6 @@ INT_BIT_WIDTHS = {"weight": range(2, 9), "act": range(2, 17), "group": range(2, 
 FLOAT_BIT_WIDTHS = range(4, 9)
 DEFAULT_PERCENTILE = 99.999
 _ROLE_KIND = {"weight": "weight", "input_tensors": "act", "output_tensors": "act", "bias": "bias"}
-_OPTIONAL_ENUMS = {"dtype": Dtype, "mx_element_dtype": Dtype, "round_method": RoundType,
-                   "zero_point_type": ZeroPointType}
 
 
 def _allowed(values: Any) -> str:
@@ -233,37 +234,14 @@ def _allowed(values: Any) -> str:
 
 
 def _check_types(spec: QuantizationSpec, path: str) -> None:
-    expected = {
-        "qscheme": QSchemeType,
-        "scale_type": ScaleType,
-        "quant_type": QuantType,
-        "param_type": ParamType,
-    }
-    for name, enum_cls in expected.items():
-        value = getattr(spec, name)
-        if not isinstance(value, enum_cls):
-            raise ConfigError(f"{path}.{name}", f"must be a {enum_cls.__name__}; allowed: {_allowed(enum_cls)}")
-    for name, enum_cls in _OPTIONAL_ENUMS.items():
-        value = getattr(spec, name)
-        if value is not None and not isinstance(value, enum_cls):
-            raise ConfigError(f"{path}.{name}", f"must be a {enum_cls.__name__} or None; allowed: "
-                              f"{_allowed(enum_cls)}")
-    if not isinstance(spec.symmetric, bool):
-        raise ConfigError(f"{path}.symmetric", f"must be True or False, got {spec.symmetric!r}")
-    if spec.is_dynamic is not None and not isinstance(spec.is_dynamic, bool):
-        raise ConfigError(f"{path}.is_dynamic", f"must be True, False or None, got {spec.is_dynamic!r}")
-    for name in ("bit_width", "exponent_bit_width", "mantissa_bit_width", "group_size", "ch_axis"):
-        value = getattr(spec, name)
-        if value is None and name != "bit_width":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}.{name}", f"must be an integer, got {value!r}")
-    percentile = spec.percentile
-    if percentile is not None:
-        if isinstance(percentile, bool) or not isinstance(percentile, int | float):
-            raise ConfigError(f"{path}.percentile", f"must be a number or None, got {percentile!r}")
-        if not 0 < percentile <= 100:
-            raise ConfigError(f"{path}.percentile", f"must be in (0, 100] (e.g. 99.999; 100 = max), got {percentile}")
+    """Field types by the spec's own annotations (the generic check the config parser uses too), then the
+    one value range that does not depend on the role. A spec is recognised by shape: this module sits
+    below :mod:`quark_brevitas.config` and cannot import the class."""
+    if isinstance(spec, type) or not is_dataclass(spec) or not callable(getattr(spec, "resolved", None)):
+        raise ConfigError(path, f"must be a QuantizationSpec (QTensorConfig) or None, got {type(spec).__name__}")
+    check_fields(spec, path)
+    if spec.percentile is not None and not 0 < spec.percentile <= 100:
+        raise ConfigError(f"{path}.percentile", f"must be in (0, 100] (e.g. 99.999; 100 = max), got {spec.percentile}")
 
 
 _BIAS_FIXED = ("qscheme", "symmetric", "scale_type", "quant_type", "param_type", "exponent_bit_width",
@@ -274,13 +252,13 @@ _BIAS_FIXED = ("qscheme", "symmetric", "scale_type", "quant_type", "param_type",
 def _verify_bias(spec: QuantizationSpec, path: str) -> None:
     if spec.bit_width not in _BIAS:
         raise ConfigError(f"{path}.bit_width", f"bias bit width {spec.bit_width} unsupported; allowed: {sorted(_BIAS)}")
-    defaults = QuantizationSpec(bit_width=spec.bit_width)
+    defaults = spec_defaults(spec)
     for name in _BIAS_FIXED:
-        if getattr(spec, name) != getattr(defaults, name):
+        if getattr(spec, name) != defaults[name]:
             raise ConfigError(
                 f"{path}.{name}",
                 "bias is quantized to integers with scale = input scale x weight scale; only bit_width "
-                f"can be set (leave {name} at its default {getattr(defaults, name)!r})",
+                f"can be set (leave {name} at its default {defaults[name]!r})",
             )
 
 
@@ -393,8 +371,6 @@ def verify_spec(spec: QuantizationSpec, role: str, path: str) -> None:
 
     ``role`` is one of ``weight``, ``input_tensors``, ``output_tensors``, ``bias``.
     """
-    if not isinstance(spec, QuantizationSpec):
-        raise ConfigError(path, f"must be a QuantizationSpec (QTensorConfig) or None, got {type(spec).__name__}")
     _check_types(spec, path)
     kind = _ROLE_KIND[role]
     if kind == "bias":

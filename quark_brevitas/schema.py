@@ -1,9 +1,10 @@
 """The JSON Schema of config files, generated from the config dataclasses and enums.
 
 Config files are meant to be written by hand, so editors should validate and complete them. The
-schema is derived from :class:`~quark_brevitas.config.Config` and its parts (field types,
-defaults, enum names, the registered algorithms, and the ``- ``field``: text`` lines of their
-docstrings as descriptions), so it cannot drift from the code: ``quark_brevitas/config.schema.json``
+schema is derived from :class:`~quark_brevitas.config.Config` and its parts by the same walk over their
+annotations that reads and writes config files (:mod:`quark_brevitas.serialization`): field types,
+defaults, enum names, the registered algorithms, and the ``- ``field``: text`` lines of the
+docstrings as descriptions. So it cannot drift from the code: ``quark_brevitas/config.schema.json``
 is written by ``python -m quark_brevitas.schema`` and a test checks it equals
 :func:`config_json_schema`. Point an editor at it, e.g. in a YAML file::
 
@@ -19,22 +20,21 @@ from __future__ import annotations
 import json
 import re
 import sys
-import types
-import typing
-from dataclasses import MISSING, fields
-from enum import Enum
+from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
-from quark_brevitas import algos
-from quark_brevitas.config import Config, QuantizationConfig, QuantizationSpec, type_name
+from quark_brevitas.config import READABLE_FORMAT_VERSIONS, Config, type_name
+from quark_brevitas.serialization import VERSION_KEY, Hint, field_hints, to_plain
 
 __all__ = ["SCHEMA_PATH", "config_json_schema", "write_schema"]
 
 #: The schema file shipped inside the package.
 SCHEMA_PATH = Path(__file__).with_name("config.schema.json")
 
-_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+_JSON_TYPES = {"bool": "boolean", "int": "integer", "float": "number", "str": "string"}
+#: The package whose algorithms the shipped schema lists.
+_PACKAGE = Config.__module__.partition(".")[0]
 _BULLET = re.compile(r"^- (?P<names>(?:``\w+``(?: / )?)+): (?P<text>.*)$")
 
 
@@ -44,9 +44,9 @@ def _plain(text: str) -> str:
 
 
 def _description(cls: type) -> str:
-    """The first paragraph of a class docstring, on one line."""
-    doc = (cls.__doc__ or "").strip().split("\n\n")[0]
-    return _plain(" ".join(doc.split()))
+    """The prose of a class docstring (its paragraphs that are not ``- ``field``: text`` lists), on one line."""
+    paragraphs = [" ".join(p.split()) for p in (cls.__doc__ or "").strip().split("\n\n")]
+    return _plain(" ".join(p for p in paragraphs if p and not p.startswith("- ")))
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -68,71 +68,74 @@ def _field_docs(cls: type) -> dict[str, str]:
     return {name: _plain(text) for name, text in docs.items()}
 
 
-def _type_schema(hint: Any) -> dict[str, Any]:
-    """JSON Schema for a field's type hint (enums by member name, ``X | None`` as nullable)."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        options = [_type_schema(arg) for arg in args if arg is not type(None)]
-        nullable = type(None) in args
-        if len(options) == 1 and "type" in options[0] and nullable:
-            return {**options[0], "type": [options[0]["type"], "null"]}
-        return {"anyOf": options + ([{"type": "null"}] if nullable else [])}
-    if isinstance(hint, type) and issubclass(hint, Enum):
-        return {"enum": [member.name for member in hint]}
-    if hint in _JSON_TYPES:
-        return {"type": _JSON_TYPES[hint]}
-    return {}
+def _type_schema(hint: Hint, defs: dict[str, Any]) -> dict[str, Any]:
+    """JSON Schema for a parsed annotation; dataclasses go to ``defs`` once and are referenced."""
+    kind = hint.kind
+    schema: dict[str, Any]
+    if kind in _JSON_TYPES:
+        schema = {"type": _JSON_TYPES[kind], **({"minLength": 1} if hint.text else {})}
+    elif kind == "enum":
+        schema = {"enum": [member.name for member in hint.cls]}  # type: ignore[union-attr]
+    elif kind == "list":
+        schema = {"type": "array", "items": _type_schema(hint.args[0], defs)}
+    elif kind == "dict":
+        schema = {"type": "object", "propertyNames": _type_schema(hint.args[0], defs),
+                  "additionalProperties": _type_schema(hint.args[1], defs)}
+    elif kind == "dataclass":
+        schema = {"$ref": f"#/$defs/{_define(hint, defs)}"}
+    else:
+        schema = {}
+    if not hint.nullable:
+        return schema
+    if isinstance(schema.get("type"), str) and len(schema) == 1:
+        return {"type": [schema["type"], "null"]}
+    return {"anyOf": [schema, {"type": "null"}]}
 
 
-def _dataclass_properties(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
+def _define(hint: Hint, defs: dict[str, Any]) -> str:
+    """Add the definition of a dataclass (or, for a polymorphic base, of each of the library's subclasses
+    and of the base as their ``oneOf``) to ``defs``; return its name."""
+    cls = hint.cls
+    assert cls is not None
+    if cls.__name__ in defs:
+        return cls.__name__
+    if hint.polymorphic is None:
+        defs[cls.__name__] = {}  # reserved first: a dataclass may refer to itself
+        defs[cls.__name__] = _object_schema(cls, defs)
+        return cls.__name__
+    tag = hint.polymorphic.tag
+    # Only the library's own classes: the shipped file must not depend on what else was imported.
+    library = [c for name, c in hint.polymorphic.classes(cls).items() if c.__module__.partition(".")[0] == _PACKAGE]
+    defs[cls.__name__] = {"oneOf": [{"$ref": f"#/$defs/{c.__name__}"} for c in library]}
+    for sub in library:
+        schema = _object_schema(sub, defs)
+        schema["properties"] = {tag: {"const": sub.__name__}, **schema["properties"]}
+        schema["required"] = [tag, *schema.get("required", [])]
+        defs[sub.__name__] = schema
+    return cls.__name__
+
+
+def _object_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
+    """An object with one property per field: its type, docstring description and default."""
     docs = _field_docs(cls)
     properties: dict[str, Any] = {}
-    for f in fields(cls):
-        prop = _type_schema(hints[f.name])
+    required: list[str] = []
+    for f, hint in field_hints(cls):
+        prop = _type_schema(hint, defs)
         if f.name in docs:
             prop = {"description": docs[f.name], **prop}
         if f.default is not MISSING:
-            prop["default"] = f.default.name if isinstance(f.default, Enum) else f.default
+            prop["default"] = to_plain(f.default, hint)
+        elif f.default_factory is not MISSING:
+            prop["default"] = to_plain(f.default_factory(), hint)
+        else:
+            required.append(f.name)
         properties[f.name] = prop
-    return properties
-
-
-def _spec_schema() -> dict[str, Any]:
-    return {
-        "type": "object",
-        "description": _description(QuantizationSpec),
-        "properties": _dataclass_properties(QuantizationSpec),
-        "additionalProperties": False,
-    }
-
-
-def _layer_schema() -> dict[str, Any]:
-    spec_or_null = {"anyOf": [{"$ref": "#/$defs/QuantizationSpec"}, {"type": "null"}]}
-    roles = [f.name for f in fields(QuantizationConfig)]
-    return {
-        "type": "object",
-        "description": _description(QuantizationConfig) + " In layer_type_quant_config and layer_quant_config "
-        "a null (or absent) tensor defers to the next level up.",
-        "properties": {role: {**spec_or_null, "default": None} for role in roles},
-        "additionalProperties": False,
-    }
-
-
-def _algorithm_schema(cls: type) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "description": _description(cls),
-        "properties": {"name": {"const": cls.__name__}, **_dataclass_properties(cls)},
-        "required": ["name"],
-        "additionalProperties": False,
-    }
-
-
-def _library_algorithms(base: type) -> list[type]:
-    # Only the library's own algorithms: the shipped file must not depend on what else was imported.
-    return sorted((cls for cls in algos.registered(base) if cls.__module__ == algos.__name__),
-                  key=lambda cls: cls.__name__)
+    schema: dict[str, Any] = {"type": "object", "description": _description(cls), "properties": properties}
+    if required:
+        schema["required"] = required
+    schema["additionalProperties"] = False
+    return schema
 
 
 def config_json_schema() -> dict[str, Any]:
@@ -143,40 +146,24 @@ def config_json_schema() -> dict[str, Any]:
     """
     from quark_brevitas.backend import DEFAULT_LAYER_MAP
 
-    pre, post = _library_algorithms(algos.PreQuantOptConfig), _library_algorithms(algos.AlgoConfig)
-    layer_ref = {"$ref": "#/$defs/QuantizationConfig"}
-    config_docs = _field_docs(Config)
-    layer_types = sorted(type_name(cls) for cls in DEFAULT_LAYER_MAP)
-    properties: dict[str, Any] = {
-        "global_quant_config": layer_ref,
-        "pre_quant_opt_config": {"type": "array", "items": {"$ref": "#/$defs/PreQuantOptConfig"},
-                                 "default": [{"name": "Preprocess"}]},
-        "algo_config": {"type": "array", "items": {"$ref": "#/$defs/AlgoConfig"}, "default": []},
-        "backend": {**_type_schema(typing.get_type_hints(Config)["backend"]), "default": "layerwise"},
-        "layer_type_quant_config": {"type": "object", "propertyNames": {"minLength": 1, "examples": layer_types},
-                                    "additionalProperties": layer_ref, "default": {}},
-        "layer_quant_config": {"type": "object", "propertyNames": {"minLength": 1},
-                               "additionalProperties": layer_ref, "default": {}},
-        "exclude": {"type": "array", "items": {"type": "string", "minLength": 1}, "default": []},
+    defs: dict[str, Any] = {}
+    root = _object_schema(Config, defs)
+    versions = list(READABLE_FORMAT_VERSIONS)
+    root["properties"] = {
+        VERSION_KEY: {"description": f"the format of this file: {versions[-1]} is written; files without it are "
+                                     "format 1. A newer format than this release knows is an error.",
+                      "enum": versions, "default": versions[-1]},
+        **root["properties"],
     }
-    for name, prop in properties.items():
-        if name in config_docs:
-            properties[name] = {"description": config_docs[name], **prop}
+    # Editors complete layer types from the layers the library knows how to quantize.
+    type_keys = root["properties"]["layer_type_quant_config"]["propertyNames"]
+    type_keys["examples"] = sorted(type_name(cls) for cls in DEFAULT_LAYER_MAP)
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "quark_brevitas Config",
-        "description": _description(Config) + " Generated by `python -m quark_brevitas.schema`.",
-        "type": "object",
-        "properties": properties,
-        "required": ["global_quant_config"],
-        "additionalProperties": False,
-        "$defs": {
-            "QuantizationSpec": _spec_schema(),
-            "QuantizationConfig": _layer_schema(),
-            "PreQuantOptConfig": {"oneOf": [{"$ref": f"#/$defs/{cls.__name__}"} for cls in pre]},
-            "AlgoConfig": {"oneOf": [{"$ref": f"#/$defs/{cls.__name__}"} for cls in post]},
-            **{cls.__name__: _algorithm_schema(cls) for cls in [*pre, *post]},
-        },
+        **root,
+        "description": root["description"] + " Generated by `python -m quark_brevitas.schema`.",
+        "$defs": defs,
     }
 
 

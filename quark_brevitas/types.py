@@ -1,7 +1,11 @@
-"""Quark's quantization enums (reference 000: ``quark.torch.quantization.config.type``).
+"""Quark's quantization enums (reference 000: ``quark.torch.quantization.config.type``), and the three
+enums of Quark's Brevitas extension config (reference 003: ``QuantType``, ``ParamType``, ``Backend``).
 
-Every enum and member of the reference exists here under the same name, so code written for
-Quark runs after changing only its imports. Members carry string values so that configs
+Every enum and member of the references exists here under the same name, so code written for
+Quark runs after changing only its imports; :mod:`quark_brevitas.config` re-exports the reference 003
+enums, as ``quark.torch.extensions.brevitas.config`` does. They live here, with no dependencies, so that
+the modules below the config dataclasses (the dtype tables, the translation table) can use them without
+importing :mod:`quark_brevitas.config`. Members carry string values so that configs
 serialise to readable JSON/YAML. Whether a member is *supported* by the Brevitas translation is
 decided in one place, :mod:`quark_brevitas.quantizers`; unsupported members are rejected at
 config-verification time with a message, never silently mapped to something else.
@@ -85,10 +89,37 @@ class TQTThresholdInitMeth(Enum):
     _LL_J = "_ll_j"
 
 
+class QuantType(Enum):
+    """The fundamental data type of the quantized values: integers or (OCP) floating point."""
+
+    int_quant = "int_quant"
+    float_quant = "float_quant"
+
+
+class ParamType(Enum):
+    """How scale and zero point are determined: statistics (max / percentile) or MSE search."""
+
+    stats = "stats"
+    mse = "mse"
+
+
+class Backend(Enum):
+    """The backend target for quantization.
+
+    - ``layerwise``: only quantizes inputs, weights, biases (and optionally outputs) of compute-heavy
+      layers, which are replaced one by one by their Brevitas counterparts.
+    """
+
+    layerwise = "layerwise"
+
+
 __all__ = [
+    "Backend",
     "DeviceType",
     "Dtype",
+    "ParamType",
     "QSchemeType",
+    "QuantType",
     "QuantizationMode",
     "RoundType",
     "ScaleType",

@@ -1,8 +1,14 @@
-"""The schema: reference names and defaults, verification before the model is touched, files."""
+"""The schema: reference names and defaults, verification before the model is touched, files and their
+format versions, and the generic serialiser they are read and written with."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
 
 import pytest
 import torch
@@ -11,6 +17,7 @@ from torch import nn
 from quark_brevitas import algos
 from quark_brevitas.api import ModelQuantizer
 from quark_brevitas.config import (
+    FORMAT_VERSION,
     Backend,
     Config,
     ParamType,
@@ -22,6 +29,7 @@ from quark_brevitas.config import (
     verify_config,
 )
 from quark_brevitas.errors import ConfigError
+from quark_brevitas.serialization import Polymorphic, Text, check_fields, from_plain, to_plain
 from quark_brevitas.types import QSchemeType, ScaleType
 
 W8A8 = QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig(), bias=QTensorConfig(bit_width=32))
@@ -195,3 +203,139 @@ def test_short_form() -> None:
     assert QTensorConfig(bit_width=4, qscheme=QSchemeType.per_channel, param_type=ParamType.mse).short() == (
         "int4 per_channel sym mse")
     assert FP8.short() == "fp8_e4m3 per_tensor sym stats"
+
+
+# ===================================================================== format versions
+EXAMPLE_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
+
+
+def test_to_dict_starts_with_the_format_version() -> None:
+    data = FULL.to_dict()
+    assert next(iter(data)) == "format_version" and data["format_version"] == FORMAT_VERSION == 2
+    assert FULL.to_yaml().startswith("format_version: 2\n")
+
+
+@pytest.mark.parametrize("version", [None, 1, FORMAT_VERSION], ids=["absent (format 1)", "1", "current"])
+def test_readable_format_versions(version: int | None) -> None:
+    data = FULL.to_dict()
+    del data["format_version"]
+    if version is not None:
+        data = {"format_version": version, **data}
+    assert Config.from_dict(data) == FULL
+
+
+@pytest.mark.parametrize(("version", "fragment"), [
+    (3, "format version 3 is not supported (written by a newer quark_brevitas"),
+    (0, "format version 0 is not supported; this release reads format versions 1, 2"),
+    ("2", "must be an integer format version (1, 2), got '2'"),
+    (2.0, "got 2.0"),
+    (True, "got True"),
+    (None, "got None"),
+])
+def test_unreadable_format_version_is_config_error(version: object, fragment: str) -> None:
+    data = {**FULL.to_dict(), "format_version": version}
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict(data)
+    assert info.value.path == "format_version"
+    assert fragment in str(info.value)
+    assert "1, 2" in str(info.value)
+
+
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda p: p.name)
+def test_example_files_of_format_1_load(path: Path) -> None:
+    assert "format_version" not in path.read_text()
+    config = Config.from_file(path)
+    assert Config.from_dict(config.to_dict()) == config
+
+
+def test_a_checkpoint_config_json_of_format_1_loads(tmp_path: Path) -> None:
+    """config.json as checkpoints wrote it before versions were recorded."""
+    legacy = {key: value for key, value in FULL.to_dict().items() if key != "format_version"}
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    assert Config.from_file(tmp_path / "config.json") == FULL
+
+
+# ===================================================================== the generic serialiser
+class _Colour(Enum):
+    red = "r"
+    green = "g"
+
+
+@dataclass
+class _Base:
+    pass
+
+
+@dataclass
+class _Circle(_Base):
+    radius: float = 1.0
+
+
+@dataclass
+class _Square(_Base):
+    side: int = 1
+    filled: bool = False
+
+
+def _shapes(base: type) -> list[type]:
+    return list(base.__subclasses__())
+
+
+@dataclass
+class _Part:
+    colour: _Colour
+    label: str | None = None
+
+
+@dataclass
+class _Drawing:
+    """A dataclass unrelated to Config: the serialiser only reads annotations."""
+
+    parts: dict[Annotated[str, Text("part name")], _Part]
+    shapes: list[Annotated[_Base, Polymorphic(_shapes, tag="kind")]] = dataclasses.field(default_factory=list)
+    scale: int | None = None
+
+
+def test_serialiser_round_trips_any_annotated_dataclass() -> None:
+    drawing = _Drawing({"a": _Part(_Colour.red)}, [_Square(2, True), _Circle(0.5)], 3)
+    plain = to_plain(drawing)
+    assert plain == {"parts": {"a": {"colour": "red", "label": None}},
+                     "shapes": [{"kind": "_Square", "side": 2, "filled": True}, {"kind": "_Circle", "radius": 0.5}],
+                     "scale": 3}
+    assert from_plain(_Drawing, plain) == drawing
+    assert from_plain(_Drawing, {"parts": {"a": {"colour": "g"}}}) == _Drawing({"a": _Part(_Colour.green)})
+    check_fields(drawing)
+
+
+@pytest.mark.parametrize(("data", "path", "fragment"), [
+    ({"parts": {"a": {"colour": "blue"}}}, 'parts["a"].colour', "'blue' is not a _Colour; allowed: ['red', 'green']"),
+    ({"parts": {"a": {"colour": "gren"}}}, 'parts["a"].colour', "did you mean 'green'?"),
+    ({"parts": {"": {"colour": "red"}}}, 'parts[""]', "each key must be a non-empty part name"),
+    ({"parts": {"a": {"colour": "red", "lable": "x"}}}, 'parts["a"].lable', "unknown key; did you mean 'label'?"),
+    ({"parts": {}, "shapes": [{"kind": "_Triangle"}]}, "shapes[0].kind", "allowed: ['_Circle', '_Square']"),
+    ({"parts": {}, "shapes": [{"side": 1}]}, "shapes[0].kind", "is required"),
+    ({"parts": {}, "shapes": [{"kind": "_Square", "side": True}]}, "shapes[0].side", "must be an integer, got True"),
+    ({"parts": {}, "shapes": [{"kind": "_Square", "filled": 1}]}, "shapes[0].filled", "must be true or false, got 1"),
+    ({"parts": {}, "scale": 1.5}, "scale", "must be an integer or null, got 1.5"),
+    ({"parts": []}, "parts", "must be a mapping from a non-empty part name to a mapping describing a _Part"),
+    ({}, "parts", "is required"),
+])
+def test_serialiser_errors_name_the_path(data: dict, path: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_plain(_Drawing, data)
+    assert info.value.path == path
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(("drawing", "path", "fragment"), [
+    (_Drawing({"a": _Part("red")}), 'parts["a"].colour', "'red' is not a _Colour; use _Colour.red"),
+    (_Drawing({"a": _Part(_Colour.red, label=3)}), 'parts["a"].label', "must be a string or None, got 3"),
+    (_Drawing({}, [_Square(filled="yes")]), "shapes[0].filled", "must be True or False, got 'yes'"),
+    (_Drawing({}, [_Part(_Colour.red)]), "shapes[0]", "must be a _Base (_Circle, _Square), got _Part"),
+    (_Drawing({}, scale=2.0), "scale", "must be an integer or None, got 2.0"),
+])
+def test_type_check_of_objects_built_in_code(drawing: _Drawing, path: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_fields(drawing)
+    assert info.value.path == path
+    assert fragment in str(info.value)

@@ -7,7 +7,10 @@ import dataclasses
 import json
 
 import pytest
+import torch
+from brevitas import nn as qnn
 
+from quark_brevitas.brevitas_adapter import calibration_mode
 from quark_brevitas.config import (
     DTYPE_FIELDS,
     MX_ELEMENT_DTYPES,
@@ -38,21 +41,23 @@ def test_field_order_keeps_quarks_positional_order():
     assert QTensorConfig(PC, False, ScaleType.pof2, INT_Q, ParamType.mse, 4).bit_width == 4
 
 
-@pytest.mark.parametrize(
-    ("dtype", "expected"),
-    [
-        (Dtype.int8, {"quant_type": INT_Q, "bit_width": 8, "symmetric": True}),
-        (Dtype.int4, {"quant_type": INT_Q, "bit_width": 4, "symmetric": True}),
-        (Dtype.uint8, {"quant_type": INT_Q, "bit_width": 8, "symmetric": False}),
-        (Dtype.uint4, {"quant_type": INT_Q, "bit_width": 4, "symmetric": False}),
-        (Dtype.fp8_e4m3, {"quant_type": FLOAT_Q, "bit_width": 8, "exponent_bit_width": 4, "mantissa_bit_width": 3}),
-        (Dtype.fp8_e5m2, {"quant_type": FLOAT_Q, "bit_width": 8, "exponent_bit_width": 5, "mantissa_bit_width": 2}),
-        (Dtype.fp6_e3m2, {"quant_type": FLOAT_Q, "bit_width": 6, "exponent_bit_width": 3, "mantissa_bit_width": 2}),
-        (Dtype.fp6_e2m3, {"quant_type": FLOAT_Q, "bit_width": 6, "exponent_bit_width": 2, "mantissa_bit_width": 3}),
-        (Dtype.fp4, {"quant_type": FLOAT_Q, "bit_width": 4, "exponent_bit_width": 2, "mantissa_bit_width": 1}),
-    ],
-    ids=lambda v: getattr(v, "name", None),
-)
+# What each element dtype means, written out (not taken from the table under test).
+SHORT_FORMS = {
+    Dtype.int8: {"quant_type": INT_Q, "bit_width": 8, "symmetric": True},
+    Dtype.int4: {"quant_type": INT_Q, "bit_width": 4, "symmetric": True},
+    Dtype.uint8: {"quant_type": INT_Q, "bit_width": 8, "symmetric": False},
+    Dtype.uint4: {"quant_type": INT_Q, "bit_width": 4, "symmetric": False},
+    Dtype.fp8_e4m3: {"quant_type": FLOAT_Q, "bit_width": 8, "exponent_bit_width": 4, "mantissa_bit_width": 3},
+    Dtype.fp8_e5m2: {"quant_type": FLOAT_Q, "bit_width": 8, "exponent_bit_width": 5, "mantissa_bit_width": 2},
+    Dtype.fp6_e3m2: {"quant_type": FLOAT_Q, "bit_width": 6, "exponent_bit_width": 3, "mantissa_bit_width": 2},
+    Dtype.fp6_e2m3: {"quant_type": FLOAT_Q, "bit_width": 6, "exponent_bit_width": 2, "mantissa_bit_width": 3},
+    Dtype.fp4: {"quant_type": FLOAT_Q, "bit_width": 4, "exponent_bit_width": 2, "mantissa_bit_width": 1},
+}
+#: The element formats of OCP MX, in the order the library lists them.
+MX_ELEMENTS = (Dtype.int8, Dtype.fp8_e4m3, Dtype.fp8_e5m2, Dtype.fp6_e3m2, Dtype.fp6_e2m3, Dtype.fp4)
+
+
+@pytest.mark.parametrize(("dtype", "expected"), SHORT_FORMS.items(), ids=lambda v: getattr(v, "name", None))
 def test_dtype_short_form_sets_the_fields(dtype, expected):
     spec = QTensorConfig(dtype=dtype)
     resolved = spec.resolved()
@@ -62,24 +67,58 @@ def test_dtype_short_form_sets_the_fields(dtype, expected):
     for role in ("weight", "input_tensors"):
         verify_spec(spec, role, role)
         # The short form builds exactly the long form's quantizer.
-        assert build_quantizer(spec, role).bit_width == build_quantizer(long_form, role).bit_width
+        _assert_same_quantizer(spec, long_form, role)
     # Agreeing explicit fields are fine; the other granularities combine freely.
     verify_spec(QTensorConfig(dtype=dtype, qscheme=PC, **expected), "weight", "w")
     verify_spec(QTensorConfig(dtype=dtype, qscheme=PG, group_size=32), "weight", "w")
 
 
-@pytest.mark.parametrize("element", MX_ELEMENT_DTYPES, ids=lambda d: d.name)
+def _quantized(spec: QTensorConfig, role: str) -> tuple:
+    """What a layer built with ``spec`` makes of fixed data: the quantized tensor's type, values, scale and
+    zero point (a QuantLinear's weight, or its input after calibration on the same data)."""
+    torch.manual_seed(0)
+    data = torch.randn(8, 64) * 3
+    if role == "weight":
+        layer = qnn.QuantLinear(64, 16, bias=False, weight_quant=build_quantizer(spec, role))
+        quant = layer.quant_weight()
+    else:
+        layer = qnn.QuantLinear(64, 16, bias=False, input_quant=build_quantizer(spec, role))
+        with torch.no_grad(), calibration_mode(layer):
+            layer(data)
+        layer.eval()
+        with torch.no_grad():
+            quant = layer.input_quant(data)
+    return type(quant), quant.value, quant.scale, quant.zero_point
+
+
+def _assert_same_quantizer(short: QTensorConfig, long: QTensorConfig, role: str) -> None:
+    """Same Brevitas quantizer class (the table row) and bit-identical results on the same data."""
+    assert build_quantizer(short, role).__bases__ == build_quantizer(long, role).__bases__, role
+    short_type, *short_tensors = _quantized(short, role)
+    long_type, *long_tensors = _quantized(long, role)
+    assert short_type is long_type, role
+    for a, b in zip(short_tensors, long_tensors, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), role
+
+
+def test_mx_element_formats_are_ocp_mx():
+    assert MX_ELEMENT_DTYPES == MX_ELEMENTS
+
+
+@pytest.mark.parametrize("element", MX_ELEMENTS, ids=lambda d: d.name)
 def test_mx_short_form(element):
+    expected = SHORT_FORMS[element]
     spec = QTensorConfig(dtype=Dtype.mx, mx_element_dtype=element)
     resolved = spec.resolved()
     assert (resolved.qscheme, resolved.group_size, resolved.scale_type, resolved.symmetric) == (
         PG, 32, ScaleType.pof2, True)
-    for name, value in DTYPE_FIELDS[element].items():
-        assert getattr(resolved, name) == value
-    long_form = QTensorConfig(qscheme=PG, group_size=32, scale_type=ScaleType.pof2, **DTYPE_FIELDS[element])
+    assert {name: getattr(resolved, name) for name in expected} == expected
+    long_form = QTensorConfig(qscheme=PG, group_size=32, scale_type=ScaleType.pof2, **expected)
     for role in ("weight", "input_tensors", "output_tensors"):
         verify_spec(spec, role, role)
         verify_spec(long_form, role, role)
+    for role in ("weight", "input_tensors"):
+        _assert_same_quantizer(spec, long_form, role)
     assert spec.short().startswith("mx") and "g32" in spec.short()
 
 

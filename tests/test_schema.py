@@ -48,6 +48,7 @@ def test_every_field_and_algorithm_validates(validator) -> None:
     )
     validator.validate(config.to_dict())
     validator.validate({"global_quant_config": {}})  # everything else defaults
+    validator.validate({"format_version": 1, "global_quant_config": {}})
     for path in EXAMPLE_CONFIGS.glob("*.yaml"):
         validator.validate(yaml.safe_load(path.read_text()))
 
@@ -66,6 +67,8 @@ def test_every_field_and_algorithm_validates(validator) -> None:
         lambda d: d["algo_config"].append({"name": "GPTQ", "order": True}),
         lambda d: d["pre_quant_opt_config"].append({"name": "GPTQ"}),
         lambda d: d.pop("global_quant_config"),
+        lambda d: d.update(format_version=99),  # a newer format than this release reads
+        lambda d: d.update(format_version="2"),
     ],
 )
 def test_schema_rejects_what_from_dict_rejects(validator, mutate) -> None:

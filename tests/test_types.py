@@ -25,3 +25,14 @@ def test_enum_members_match_reference(enum_name: str) -> None:
     assert [m.name for m in enum_cls] == REFERENCE_000[enum_name]
     assert all(isinstance(m.value, str) for m in enum_cls)
     assert len({m.value for m in enum_cls}) == len(enum_cls)
+
+
+def test_brevitas_extension_enums_are_one_object_under_both_modules() -> None:
+    """Reference 003's enums live in types (no dependencies) and config re-exports the same classes."""
+    import quark_brevitas.config as config
+
+    assert config.QuantType is types.QuantType and config.ParamType is types.ParamType
+    assert config.Backend is types.Backend
+    assert [m.name for m in types.QuantType] == ["int_quant", "float_quant"]
+    assert [m.name for m in types.ParamType] == ["stats", "mse"]
+    assert [m.name for m in types.Backend] == ["layerwise"]
