@@ -39,8 +39,7 @@ from quark_brevitas.errors import (
 )
 from quark_brevitas.intweights import IntegerWeight, integer_weights, save_integer_weights
 from quark_brevitas.qat import QATConfig, prepare_qat
-
-__version__ = "0.1.0"
+from quark_brevitas.version import __version__ as __version__
 
 __all__ = [
     "DEFAULT_LAYER_MAP",

@@ -9,7 +9,7 @@ through a registry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from quark_brevitas.errors import ConfigError
@@ -17,7 +17,7 @@ from quark_brevitas.errors import ConfigError
 
 @dataclass
 class AlgorithmConfig:
-    """Common base: parameter type checks and the registry of subclasses.
+    """Common base: the parameter checks and the registry of subclasses.
 
     ``config`` in :meth:`verify` is the :class:`~quark_brevitas.config.Config` being verified (typed
     ``Any`` here: this module sits below the config in the import graph).
@@ -28,23 +28,8 @@ class AlgorithmConfig:
     needs_data: ClassVar[bool] = True
 
     def verify(self, config: Any, path: str) -> None:
-        """Check parameter types against the dataclass defaults; subclasses add semantic checks."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            default = f.default
-            if isinstance(default, bool):
-                ok = isinstance(value, bool)
-                allowed = "True or False"
-            elif isinstance(default, int):
-                ok = isinstance(value, int) and not isinstance(value, bool)
-                allowed = "an integer"
-            elif isinstance(default, float):
-                ok = isinstance(value, int | float) and not isinstance(value, bool)
-                allowed = "a number"
-            else:
-                ok, allowed = True, ""
-            if not ok:
-                raise ConfigError(f"{path}.{f.name}", f"must be {allowed}, got {value!r}")
+        """Semantic checks of the parameters (their types are checked generically before this runs, by
+        :mod:`quark_brevitas.verification`); subclasses add theirs."""
 
 
 @dataclass
@@ -193,23 +178,6 @@ def registered(base: type) -> list[type]:
     return found
 
 
-def algorithm_from_dict(data: Any, path: str, base: type) -> AlgorithmConfig:
-    """Build an algorithm config from ``{"name": ClassName, **params}``."""
-    classes = {cls.__name__: cls for cls in registered(base)}
-    if not isinstance(data, dict) or "name" not in data:
-        raise ConfigError(path, f"must be a mapping with a 'name' key; allowed names: {sorted(classes)}")
-    name = data["name"]
-    if name not in classes:
-        raise ConfigError(f"{path}.name", f"{name!r} is not a {base.__name__}; allowed: {sorted(classes)}")
-    cls = classes[name]
-    params = {k: v for k, v in data.items() if k != "name"}
-    allowed = [f.name for f in fields(cls)]
-    for key in params:
-        if key not in allowed:
-            raise ConfigError(f"{path}.{key}", f"unknown parameter of {name}; allowed: {allowed}")
-    return cls(**params)
-
-
 __all__ = [
     "ActivationEqualization",
     "AlgoConfig",
@@ -220,6 +188,5 @@ __all__ = [
     "GPTQ",
     "PreQuantOptConfig",
     "Preprocess",
-    "algorithm_from_dict",
     "registered",
 ]

@@ -58,6 +58,7 @@ from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
 from quark_brevitas.pipeline import CONFIG_ATTRIBUTE, Pipeline, SavedStructure
+from quark_brevitas.version import __version__
 
 __all__ = [
     "CONFIG_ATTRIBUTE",
@@ -169,8 +170,6 @@ def _write_atomic(target: Path, write: Any) -> None:
 
 
 def _versions() -> dict[str, str]:
-    from quark_brevitas import __version__
-
     return {"quark_brevitas": __version__, "brevitas": brevitas_version(), "torch": torch.__version__}
 
 

@@ -49,9 +49,9 @@ from brevitas.quant.float_quant_ocp import (
     FpOCPWeightPerTensorFloat,
     FpOCPWeightPerTensorFloatMSE,
 )
-from brevitas_examples.common.generative import quantizers as bq_gen
 from torch import nn
 
+from quark_brevitas.brevitas_adapter import generative_quantizers as bq_gen
 from quark_brevitas.dtypes import Spec as QuantizationSpec
 from quark_brevitas.dtypes import spec_defaults
 from quark_brevitas.errors import ConfigError

@@ -21,13 +21,6 @@ from pathlib import Path
 PACKAGE = "quark_brevitas"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 
-#: Edges that close a cycle in files owned by other engineers (issue 9 is restructuring them). They are
-#: ignored by the cycle check; remove each one when its file stops importing the other module.
-KNOWN_CYCLE_EDGES_OWNED_ELSEWHERE: frozenset[tuple[str, str]] = frozenset({
-    # checkpoint.py imports __version__ from the package __init__ (inside _versions), which imports checkpoint.
-    ("quark_brevitas.checkpoint", "quark_brevitas"),
-})
-
 
 def module_names(package_dir: Path, package: str) -> dict[str, Path]:
     """Every module of the package by dotted name (a package's ``__init__`` by the package's name)."""
@@ -126,22 +119,11 @@ def all_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def without(graph: dict[str, set[str]], edges: frozenset[tuple[str, str]]) -> dict[str, set[str]]:
-    return {module: {t for t in targets if (module, t) not in edges} for module, targets in graph.items()}
-
-
 def test_package_has_no_import_cycle() -> None:
     graph = import_graph()
     assert f"{PACKAGE}.config" in graph and len(graph) > 10, f"scanned only {sorted(graph)}"
-    cycles = all_cycles(without(graph, KNOWN_CYCLE_EDGES_OWNED_ELSEWHERE))
+    cycles = all_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
-
-
-def test_known_cycle_edges_still_exist() -> None:
-    """A listed edge that no longer exists is stale: delete it so it cannot hide a new cycle."""
-    graph = import_graph()
-    stale = sorted(edge for edge in KNOWN_CYCLE_EDGES_OWNED_ELSEWHERE if edge[1] not in graph.get(edge[0], set()))
-    assert not stale, f"remove these from KNOWN_CYCLE_EDGES_OWNED_ELSEWHERE: {stale}"
 
 
 def test_config_layers_import_downwards_only() -> None:
@@ -150,7 +132,7 @@ def test_config_layers_import_downwards_only() -> None:
     below_config = ["types", "errors", "dtypes", "serialization", "quantizers", "verification", "algos"]
     for name in below_config:
         module = f"{PACKAGE}.{name}"
-        reachable = _reachable(without(graph, KNOWN_CYCLE_EDGES_OWNED_ELSEWHERE), module)
+        reachable = _reachable(graph, module)
         assert f"{PACKAGE}.config" not in reachable, f"{module} reaches config: {sorted(reachable)}"
     assert _reachable(graph, f"{PACKAGE}.serialization") <= {f"{PACKAGE}.errors"}, "serialization must stay generic"
 
@@ -181,4 +163,5 @@ def test_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
     assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.sub.b"}, "pkg.sub": set(), "pkg.sub.b": {"pkg.c"},
                      "pkg.c": {"pkg.a"}, "pkg.d": {"pkg.sub", "pkg"}}
     assert find_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
-    assert find_cycle(without(graph, frozenset({("pkg.c", "pkg.a")}))) is None
+    graph["pkg.c"].discard("pkg.a")
+    assert find_cycle(graph) is None
