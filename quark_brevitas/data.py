@@ -186,6 +186,18 @@ class CalibrationData:
         for index, batch in enumerate(self.loader):
             yield prepare_batch(batch, index, device, dtype, self.batch_to_inputs)
 
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Combine a statistic an algorithm collected on these batches with the same statistic collected by
+        the other processes on theirs, in place (``op``: ``"sum"`` or ``"max"``), and return it.
+
+        A no-op here: this object holds all the data. Data sharded over ``torch.distributed`` processes
+        override it, so that every algorithm that reduces its statistics through it (activation ranges,
+        Hessians, ...) ends with the same result on every process.
+        """
+        if op not in ("sum", "max"):
+            raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
+        return tensor
+
     def accepted_by(self, model: nn.Module, index: int) -> bool:
         """Whether ``model`` runs batch ``index`` without an error (used to tell whether a batch that a
         quantized model rejected is at fault, or the quantization)."""
