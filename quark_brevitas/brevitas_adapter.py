@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import brevitas
@@ -66,6 +66,7 @@ __all__ = [
     "groupwise_parts",
     "ignore_missing_keys",
     "init_weight_scales",
+    "input_quantizer",
     "is_dynamic_activation",
     "is_float_quantizer",
     "is_groupwise",
@@ -73,8 +74,10 @@ __all__ = [
     "load_quant_model_mode",
     "mark_scale_initialised",
     "norm_correction_mode",
+    "plain_tensor",
     "quantization_disabled",
     "quantizer_kind",
+    "quantized_units",
     "quantizer_names",
     "require_onnxoptimizer",
     "reset_export_mode",
@@ -82,6 +85,7 @@ __all__ = [
     "scale_parameters",
     "symbolic_trace",
     "weight_quant_disabled",
+    "weight_quantization_pairs",
     "wrap_equalized",
 ]
 
@@ -469,3 +473,62 @@ def require_onnxoptimizer() -> None:
             f"ONNX export needs the onnxoptimizer package, which Brevitas's exporter requires ({exc}); "
             "install it with pip install onnxoptimizer"
         ) from exc
+
+
+# ===================================================================== analysis (quark_brevitas.analysis)
+def quantized_units(model: nn.Module, quant_classes: Iterable[type]) -> dict[str, nn.Module]:
+    """The layers the backend replaced, by the name the config hierarchy gives them: the outermost modules of
+    one of ``quant_classes`` (the layer map's quantized classes), so the q/k/v projections of a quantized
+    attention belong to the attention. A layer inside an ``EqualizedModule`` (activation equalization puts
+    ``fc1`` behind a scale as ``fc1.layer``) is reported as the wrapper, under the wrapper's name: the name
+    ``layer_quant_config``/``exclude`` use, and the module whose input is the model's own tensor.
+
+    The analysis tools hook, toggle and re-run these units; the wrapper's ``layer`` attribute is Brevitas's.
+    """
+    classes = tuple(quant_classes)
+    modules = dict(model.named_modules())
+    units: dict[str, nn.Module] = {}
+    for name, module in modules.items():
+        if type(module) not in classes:
+            continue
+        if "" in units or any(name.startswith(unit + ".") for unit in units):
+            continue
+        parent_name, _, attribute = name.rpartition(".")
+        parent = modules.get(parent_name) if name else None
+        if isinstance(parent, EqualizedModule) and attribute == "layer":
+            name, module = parent_name, parent
+        units[name] = module
+    return units
+
+
+def weight_quantization_pairs(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(float weight, quantized weight)`` of every enabled weight quantizer in ``module`` (one pair for a
+    Linear or a convolution, one per projection for an attention), both in the weight's own layout.
+
+    The quantized value is the dequantized quant tensor that the layer computes with (``quant_weight()``'s
+    ``value``; group-wise quant tensors give it back in the weight's layout).
+    """
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():
+        for layer in module.modules():
+            if isinstance(layer, QuantLayer) and layer.weight_quant.is_quant_enabled:
+                pairs.append((layer.weight.detach(), plain_tensor(layer.quant_weight()).detach()))
+    return pairs
+
+
+def input_quantizer(module: nn.Module) -> nn.Module | None:
+    """The quantizer of the input a quantized layer computes with: the ``input_quant`` proxy of the first
+    weight layer inside ``module`` (the layer itself, or an attention's query projection). It is called
+    whether enabled or not (disabled, it passes the tensor through), so a forward hook on it sees the input
+    as the layer consumes it. ``None`` if ``module`` holds no such layer."""
+    for layer in module.modules():
+        if isinstance(layer, QuantLayer):
+            return layer.input_quant
+    return None
+
+
+def plain_tensor(value: Any) -> Any:
+    """The dequantized ``torch.Tensor`` of a Brevitas quant tensor; anything else unchanged."""
+    from brevitas.quant_tensor import QuantTensor
+
+    return value.value if isinstance(value, QuantTensor) else value
