@@ -40,36 +40,44 @@ def _finite_cap(values: Sequence[float | None]) -> float:
 
 
 def plot_layer_sqnr(rows: Sequence[Any], path: str | Path, title: str | None = None) -> Path:
-    """Line chart of each layer's SQNR (weight; input and output in the model's execution; output alone) in the
-    order the layers run; the layer that hurts most (lowest SQNR alone) is marked in red."""
+    """Each layer's SQNR in the order the layers run: the weight (top panel) and the input and output in the
+    model's execution and the output of the layer alone (bottom panel); the layer that hurts most (lowest SQNR
+    alone) is marked in red."""
     plt = _pyplot()
     data = rows_as_dicts(rows)
-    series = [("weight_sqnr_db", "weight", "s"), ("input_sqnr_db", "input (model)", "^"),
-              ("output_sqnr_db", "output (model)", "o"), ("output_sqnr_isolated_db", "output (layer alone)", "D")]
-    cap = _finite_cap([row.get(key) for row in data for key, _, _ in series])
-    width = max(6.0, 0.55 * len(data) + 2.5)
-    fig, ax = plt.subplots(figsize=(width, 4.8), dpi=110)
+    panels = [[("weight_sqnr_db", "weight", "s")],
+              [("input_sqnr_db", "input (model)", "^"), ("output_sqnr_db", "output (model)", "o"),
+               ("output_sqnr_isolated_db", "output (layer alone)", "D")]]
+    width = max(6.5, 0.55 * len(data) + 2.5)
+    fig, axes = plt.subplots(2, 1, figsize=(width, 6.4), dpi=110, sharex=True, height_ratios=[1, 2])
     xs = list(range(len(data)))
-    for key, label, marker in series:
-        ys = [row.get(key) for row in data]
-        ax.plot(xs, [cap if y is not None and math.isinf(y) else (math.nan if y is None else y) for y in ys],
-                marker=marker, label=label)
-    ax.axhline(cap, color="grey", linewidth=0.6, linestyle=":")
-    ax.text(len(data) - 0.5, cap, "exact", va="bottom", ha="right", fontsize=8, color="grey")
-    ax.set_xticks(xs)
-    ax.set_xticklabels([row["name"] for row in data], rotation=45 if len(data) > 4 else 0, ha="right"
-                       if len(data) > 4 else "center", fontsize=8)
     worst = most_harmful_layer(data)
-    if worst is not None:
-        index = next(i for i, row in enumerate(data) if row["name"] == worst["name"])
-        ax.get_xticklabels()[index].set_color(_HIGHLIGHT)
-        ax.get_xticklabels()[index].set_fontweight("bold")
-        ax.axvline(index, color=_HIGHLIGHT, alpha=0.25, linewidth=6)
-    ax.set_xlabel("layer (in execution order)")
-    ax.set_ylabel("SQNR (dB), higher is better")
-    ax.set_title(title or "Quantization error per layer (red: hurts most)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    worst_index = next((i for i, row in enumerate(data) if worst and row["name"] == worst["name"]), None)
+    for ax, series in zip(axes, panels):
+        cap = _finite_cap([row.get(key) for row in data for key, _, _ in series])
+        exact = False
+        for key, label, marker in series:
+            ys = [row.get(key) for row in data]
+            exact = exact or any(y is not None and math.isinf(y) for y in ys)
+            ax.plot(xs, [cap if y is not None and math.isinf(y) else (math.nan if y is None else y) for y in ys],
+                    marker=marker, label=label)
+        if exact:
+            ax.axhline(cap, color="grey", linewidth=0.6, linestyle=":")
+            ax.text(xs[-1], cap, "exact ", va="bottom", ha="right", fontsize=8, color="grey")
+        if worst_index is not None:
+            ax.axvline(worst_index, color=_HIGHLIGHT, alpha=0.25, linewidth=6)
+        ax.set_ylabel("SQNR (dB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    axes[0].set_title(title or "Quantization error per layer, higher is better (red: hurts most)")
+    axes[1].set_xticks(xs)
+    rotate = len(data) > 4
+    axes[1].set_xticklabels([row["name"] for row in data], rotation=45 if rotate else 0,
+                            ha="right" if rotate else "center", fontsize=8)
+    if worst_index is not None:
+        axes[1].get_xticklabels()[worst_index].set_color(_HIGHLIGHT)
+        axes[1].get_xticklabels()[worst_index].set_fontweight("bold")
+    axes[1].set_xlabel("layer (in execution order)")
     fig.tight_layout()
     return _save(fig, plt, path)
 

@@ -67,7 +67,8 @@ def most_harmful_layer(rows: Iterable[Any]) -> dict[str, Any] | None:
 def layer_table(rows: Sequence[Any]) -> str:
     """The layer-by-layer comparison (:func:`~quark_brevitas.analysis.compare_layers`) as text: SQNR in dB, the
     whole-model line, and the layer that hurts most."""
-    lines = ["SQNR in dB (higher is better; 'alone': the layer fed the float input)", format_table(rows, _LAYER_COLUMNS)]
+    lines = ["SQNR in dB (higher is better; 'alone': the layer fed the float input)",
+             format_table(rows, _LAYER_COLUMNS)]
     summary = getattr(rows, "summary", {})
     if summary:
         agreement = summary.get("top1_agreement")
@@ -76,8 +77,8 @@ def layer_table(rows: Sequence[Any]) -> str:
                      + f" ({summary.get('batches')} batches)")
     worst = most_harmful_layer(rows)
     if worst is not None:
-        lines.append(f"hurts most: {worst['name']} (its own error: output SQNR {_cell(worst['output_sqnr_isolated_db'])}"
-                     " dB alone, the lowest)")
+        alone = _cell(worst["output_sqnr_isolated_db"])
+        lines.append(f"hurts most: {worst['name']} (its own error: output SQNR {alone} dB alone, the lowest)")
     return "\n".join(lines)
 
 
