@@ -181,3 +181,61 @@ def test_float8_table_matches_torch() -> None:
     assert adapter.float8_dtype(4, 3) is torch.float8_e4m3fn
     assert adapter.float8_dtype(5, 2, fnuz=True) is torch.float8_e5m2fnuz
     assert adapter.float8_dtype(3, 2) is None
+
+
+# ===================================================================== analysis (quark_brevitas.analysis)
+def test_quantized_units_are_outermost_layers_and_equalized_wrappers() -> None:
+    from quark_brevitas.layers import QuantMultiheadAttention
+
+    attention = QuantMultiheadAttention(8, 2, batch_first=True, packed_in_proj=False)
+    model = nn.Sequential(adapter.wrap_equalized(_layer(), 8, [1, -1]), attention)
+    units = adapter.quantized_units(model, {qnn.QuantLinear, QuantMultiheadAttention})
+    assert list(units) == ["0", "1"], "EqualizedModule no longer keeps its layer as .layer, or the walk changed"
+    assert isinstance(units["0"], adapter.EqualizedModule) and units["1"] is attention
+
+
+def test_weight_pairs_are_the_float_and_quantized_weights_in_layout() -> None:
+    from quark_brevitas.config import QTensorConfig
+    from quark_brevitas.types import QSchemeType
+
+    grouped = _layer(QTensorConfig(bit_width=4, qscheme=QSchemeType.per_group, group_size=4))
+    ((float_weight, quant_weight),) = adapter.weight_quantization_pairs(grouped)
+    assert float_weight is not None and quant_weight.shape == grouped.weight.shape, \
+        "group-wise quant tensors' .value is no longer in the weight's layout"
+    assert torch.equal(float_weight, grouped.weight.detach())
+    import reference as ref
+
+    w = grouped.weight.detach()
+    expected = ref.int_qdq(w, ref.group_symmetric_scale(w, 4, 4), 0.0, 4, True, True)
+    assert torch.allclose(quant_weight, expected, atol=1e-6), "the quantized weight is not the group-wise qdq"
+    with adapter.weight_quant_disabled(grouped.weight_quant):
+        assert adapter.weight_quantization_pairs(grouped) == []
+
+
+def test_input_quantizer_hook_sees_the_quantized_input_and_runs_when_disabled() -> None:
+    from quark_brevitas.config import QTensorConfig
+
+    layer = _layer(act=QTensorConfig())
+    seen = []
+    adapter.input_quantizer(layer).register_forward_hook(lambda m, a, out: seen.append(adapter.plain_tensor(out)))
+    x = torch.randn(4, 8)
+    with adapter.calibration_mode(layer):
+        layer(x)
+    layer.eval()
+    layer(x)
+    step = (seen[-1] - x).abs().max()
+    assert isinstance(seen[-1], torch.Tensor) and 0 < step < x.abs().max() / 100, "input_quant output changed"
+    with adapter.quantization_disabled(layer):
+        layer(x)
+    assert torch.equal(seen[-1], x), "a disabled input quantizer no longer passes its input through (or is skipped)"
+
+
+def test_quantization_disabled_on_a_layer_restores_each_quantizer_state() -> None:
+    from quark_brevitas.config import QTensorConfig
+
+    model = nn.Sequential(_layer(act=QTensorConfig()), _layer(act=QTensorConfig())).eval()
+    model[0].input_quant.disable_quant = True  # a quantizer already off stays off afterwards
+    with adapter.quantization_disabled(model[0]):
+        assert not model[0].weight_quant.is_quant_enabled
+        assert model[1].weight_quant.is_quant_enabled, "disabling one layer reached another"
+    assert model[0].weight_quant.is_quant_enabled and model[0].input_quant.disable_quant is True

@@ -121,7 +121,7 @@ def plot_sensitivity(rows: Sequence[Any], path: str | Path, title: str | None = 
         ax.set_xlabel(summary.get("metric", "metric"))
         ax.grid(axis="x", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="lower right")
+            ax.legend(fontsize=7, loc="best")
     fig.suptitle(title or "Sensitivity per layer (red: most sensitive)", fontsize=11)
     fig.tight_layout()
     return _save(fig, plt, path)
