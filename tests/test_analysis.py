@@ -128,6 +128,25 @@ def test_compare_layers_on_a_transformer_with_preprocess_and_attention() -> None
     assert rows.summary["reference_sqnr_db"] > 60
 
 
+def test_compare_layers_after_gptq_keeps_the_float_reference(digits_model, digits_data) -> None:
+    import dataclasses
+
+    from quark_brevitas import integer_weights
+    from quark_brevitas.presets import get_preset
+
+    config = get_preset("w4a8_gptq")
+    quant = ModelQuantizer(config).quantize_model(digits_model, digits_data.calib)
+    rows = compare_layers(digits_model, quant, digits_data.calib, max_batches=2)
+    # The switched-off model borrows the weights from before GPTQ: it computes the float function again.
+    assert rows.summary["reference_sqnr_db"] > 60
+    plain = ModelQuantizer(dataclasses.replace(config, algo_config=[])).quantize_model(digits_model, digits_data.calib)
+    final = integer_weights(quant)
+    for row in rows:  # the GPTQ weights against the (pre-processed) float weights
+        before = dict(plain.named_modules())[row.name].weight.detach()
+        after = (final[row.name].int_weight.float() - final[row.name].zero_point.float()) * final[row.name].scale
+        assert row.weight_sqnr_db == pytest.approx(_sqnr(before, after), abs=1e-3), row.name
+
+
 def test_compare_layers_rejects_a_float_model(mlp: MLP, batches: list[torch.Tensor]) -> None:
     with pytest.raises(ModelError, match="no quantized layer"):
         compare_layers(mlp, mlp, batches)

@@ -16,8 +16,10 @@ rescales channels between layers (equalization), so its intermediate tensors dif
 model's by design, while the switched-off model computes exactly the float function with the quantized
 model's structure. The caller's float model is the reference of the whole-model output
 (:attr:`Rows.summary`: ``output_sqnr_db``, ``top1_agreement``), and ``reference_sqnr_db`` says how closely the
-switched-off model matches it (float rounding: > 60 dB). Algorithms that move float weights (GPTQ, GPFQ,
-bias correction) make it lower, and their layers' weight SQNR measures the rounding of the moved weights.
+switched-off model matches it (float rounding: > 60 dB). Post-quantization algorithms (GPTQ, GPFQ, bias
+correction) move the float weights and biases: when the quantized model's config (which it carries) ran any, the
+float model is quantized once more without them, and the switched-off layers borrow those parameters, so the
+reference stays the float function and the weight SQNR compares the final weights with the original ones.
 
 Every forward pass goes through the pipeline's :meth:`~quark_brevitas.data.CalibrationData.forward` loop:
 for each batch, one module runs the float model, the switched-off model, the quantized model and each
@@ -26,6 +28,7 @@ layer alone, then drops the batch's tensors (memory: one batch's activations).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -33,17 +36,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas.analysis.measure import evaluation_data, quantized_layers
+from quark_brevitas.analysis.measure import disabled, evaluation_data, quantized_layers
 from quark_brevitas.analysis.metrics import SQNR, OutputAgreement, Rows, output_tensor
+from quark_brevitas.api import ModelQuantizer
 from quark_brevitas.brevitas_adapter import (
     input_quantizer,
     plain_tensor,
     quantization_disabled,
     weight_quantization_pairs,
 )
+from quark_brevitas.config import Config
 from quark_brevitas.container import Container
 from quark_brevitas.data import BatchToInputs
 from quark_brevitas.errors import ModelError
+from quark_brevitas.pipeline import CONFIG_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
 
@@ -158,9 +164,11 @@ def _first_tensor_or_none(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torc
 class _Session(nn.Module):
     """Runs one batch through every execution the comparison needs; fed by ``CalibrationData.forward``."""
 
-    def __init__(self, float_model: nn.Module, quant_model: nn.Module, layers: dict[str, nn.Module]) -> None:
+    def __init__(self, float_model: nn.Module, quant_model: nn.Module, layers: dict[str, nn.Module],
+                 float_layers: dict[str, nn.Module] | None) -> None:
         super().__init__()
         self.float_model, self.quant_model = float_model, quant_model
+        self.layers, self.float_layers = layers, float_layers
         self.phase: str | None = None
         self.order: dict[str, int] = {}
         self.probes = [_LayerProbe(name, layer, self) for name, layer in layers.items()]
@@ -168,7 +176,7 @@ class _Session(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         reference = output_tensor(self.float_model(*args, **kwargs))
-        with quantization_disabled(self.quant_model):
+        with quantization_disabled(self.quant_model), disabled(self.layers, self.layers, self.float_layers):
             self.phase = _FLOAT
             switched_off = output_tensor(self.quant_model(*args, **kwargs))
         self.phase = _QUANT
@@ -189,6 +197,22 @@ class _Session(nn.Module):
             probe.remove()
 
 
+def _float_layers(float_model: nn.Module, quant_model: nn.Module, batches: Any, container: Container | None,
+                  batch_to_inputs: BatchToInputs | None) -> dict[str, nn.Module] | None:
+    """If the quantized model's config ran post-quantization algorithms (which move float weights and biases),
+    the layers of the float model quantized without them: the float reference borrows their parameters."""
+    config = getattr(quant_model, CONFIG_ATTRIBUTE, None)
+    if not isinstance(config, Config) or not config.algo_config:
+        return None
+    plain = dataclasses.replace(config, algo_config=[])
+    logger.info("quant_model ran %s: quantizing without them for the float reference",
+                ", ".join(type(a).__name__ for a in config.algo_config))
+    layers = quantized_layers(ModelQuantizer(plain, container).quantize_model(float_model, batches,
+                                                                             batch_to_inputs=batch_to_inputs),
+                              container)
+    return layers if set(layers) == set(quantized_layers(quant_model, container)) else None
+
+
 def compare_layers(float_model: nn.Module, quant_model: nn.Module, batches: Any, *, max_batches: int | None = None,
                    batch_to_inputs: BatchToInputs | None = None, container: Container | None = None) -> Rows:
     """Compare ``quant_model`` with ``float_model`` layer by layer on ``batches`` (see the module docstring).
@@ -207,9 +231,10 @@ def compare_layers(float_model: nn.Module, quant_model: nn.Module, batches: Any,
         raise ModelError(f"quant_model ({type(quant_model).__name__}) has no quantized layer; pass the model "
                          "ModelQuantizer.quantize_model returned")
     data = evaluation_data(batches, max_batches, batch_to_inputs)
+    float_layers = _float_layers(float_model, quant_model, batches, container, batch_to_inputs)
     float_model.eval()
     quant_model.eval()
-    session = _Session(float_model, quant_model, layers)
+    session = _Session(float_model, quant_model, layers, float_layers)
     try:
         count = data.forward(session, "Comparing layers")
     finally:
@@ -217,7 +242,11 @@ def compare_layers(float_model: nn.Module, quant_model: nn.Module, batches: Any,
     rows = []
     for probe in session.probes:
         weights = SQNR()
-        for float_weight, quant_weight in weight_quantization_pairs(probe.layer):
+        pairs = weight_quantization_pairs(probe.layer)
+        if float_layers is not None:  # the weights before the algorithms moved them
+            pairs = [(before, after) for (before, _), (_, after) in
+                     zip(weight_quantization_pairs(float_layers[probe.name]), pairs)]
+        for float_weight, quant_weight in pairs:
             weights.add(float_weight, quant_weight, f"weight of {probe.name!r}")
         rows.append(LayerComparison(
             name=probe.name, module_type=type(probe.layer).__name__,

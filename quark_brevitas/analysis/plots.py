@@ -9,6 +9,7 @@ top of the axis, marked "exact".
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,7 @@ def plot_pareto(series: Mapping[str, Sequence[tuple[float, float]]], path: str |
                 linestyle="-" if name in lines else "none")
     ax.set_xlabel("average weight bits (scales included)")
     ax.set_ylabel(metric)
-    ax.set_title(title or f"{metric} against size")
+    ax.set_title("\n".join(textwrap.wrap(title or f"{metric} against size", 80)), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
