@@ -69,3 +69,23 @@ def test_autoconfig_yaml_runs_in_plan_and_quantize(tmp_path: Path, capsys: pytes
 def test_autoconfig_errors(args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["autoconfig", *args, *FAST, "-q", "--output", str(tmp_path / "x.yaml")]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_analysis_example_runs(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("matplotlib")
+    example = Path(__file__).resolve().parents[1] / "examples" / "analysis_digits.py"
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(example), str(out)], capture_output=True, text=True, timeout=300,
+                            env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "most sensitive:" in result.stdout and "hurts most:" in result.stdout
+    for name in ("layers.json", "layers.csv", "layers.png", "sensitivity.json", "sensitivity.png"):
+        assert (out / name).is_file(), name
+    config = Config.from_file(out / "mixed_precision.yaml")
+    assert model_size(DigitsCNN(), config).average_weight_bits <= 4.103
