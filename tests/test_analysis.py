@@ -147,6 +147,20 @@ def test_compare_layers_after_gptq_keeps_the_float_reference(digits_model, digit
         assert row.weight_sqnr_db == pytest.approx(_sqnr(before, after), abs=1e-3), row.name
 
 
+def test_the_callers_models_keep_their_mode_and_weights(mlp: MLP, batches: list[torch.Tensor]) -> None:
+    quant = ModelQuantizer(W4_PER_TENSOR_A8).quantize_model(mlp, batches)
+    before = {k: v.clone() for k, v in mlp.state_dict().items()}
+    mlp.train()
+    quant.train()
+    try:
+        compare_layers(mlp, quant, batches)
+        sensitivity(mlp, W4_PER_TENSOR_A8, batches, modes=("only",), eval_fn=lambda m: float(m(batches[0]).sum()))
+        assert mlp.training and quant.training
+    finally:
+        mlp.eval()
+    assert all(torch.equal(before[k], v) for k, v in mlp.state_dict().items())
+
+
 def test_compare_layers_rejects_a_float_model(mlp: MLP, batches: list[torch.Tensor]) -> None:
     with pytest.raises(ModelError, match="no quantized layer"):
         compare_layers(mlp, mlp, batches)

@@ -28,7 +28,6 @@ layer alone, then drops the batch's tensors (memory: one batch's activations).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -36,9 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas.analysis.measure import disabled, evaluation_data, quantized_layers
+from quark_brevitas.analysis.measure import disabled, eval_mode, evaluation_data, pre_algorithm_layers, quantized_layers
 from quark_brevitas.analysis.metrics import SQNR, OutputAgreement, Rows, output_tensor
-from quark_brevitas.api import ModelQuantizer
 from quark_brevitas.brevitas_adapter import (
     input_quantizer,
     plain_tensor,
@@ -199,18 +197,13 @@ class _Session(nn.Module):
 
 def _float_layers(float_model: nn.Module, quant_model: nn.Module, batches: Any, container: Container | None,
                   batch_to_inputs: BatchToInputs | None) -> dict[str, nn.Module] | None:
-    """If the quantized model's config ran post-quantization algorithms (which move float weights and biases),
-    the layers of the float model quantized without them: the float reference borrows their parameters."""
+    """The layers whose parameters the float reference borrows, if the config the quantized model carries ran
+    post-quantization algorithms (see :func:`~quark_brevitas.analysis.measure.pre_algorithm_layers`)."""
     config = getattr(quant_model, CONFIG_ATTRIBUTE, None)
-    if not isinstance(config, Config) or not config.algo_config:
+    if not isinstance(config, Config):
         return None
-    plain = dataclasses.replace(config, algo_config=[])
-    logger.info("quant_model ran %s: quantizing without them for the float reference",
-                ", ".join(type(a).__name__ for a in config.algo_config))
-    layers = quantized_layers(ModelQuantizer(plain, container).quantize_model(float_model, batches,
-                                                                             batch_to_inputs=batch_to_inputs),
-                              container)
-    return layers if set(layers) == set(quantized_layers(quant_model, container)) else None
+    layers = pre_algorithm_layers(float_model, config, batches, container, batch_to_inputs)
+    return layers if layers is not None and set(layers) == set(quantized_layers(quant_model, container)) else None
 
 
 def compare_layers(float_model: nn.Module, quant_model: nn.Module, batches: Any, *, max_batches: int | None = None,
@@ -221,7 +214,7 @@ def compare_layers(float_model: nn.Module, quant_model: nn.Module, batches: Any,
     layers run; ``rows.summary`` holds ``output_sqnr_db``, ``top1_agreement`` (percent of rows/tokens with the
     same arg-max, ``None`` for outputs without a class axis), ``reference_sqnr_db`` and ``batches``.
     ``max_batches`` limits the batches used; ``container`` must be the one the model was quantized with if it
-    registered other layer types. Neither model is modified (both are put in eval mode).
+    registered other layer types. Neither model is modified (they run in eval mode; their mode is restored).
     """
     for label, model in (("float_model", float_model), ("quant_model", quant_model)):
         if not isinstance(model, nn.Module):
@@ -232,11 +225,10 @@ def compare_layers(float_model: nn.Module, quant_model: nn.Module, batches: Any,
                          "ModelQuantizer.quantize_model returned")
     data = evaluation_data(batches, max_batches, batch_to_inputs)
     float_layers = _float_layers(float_model, quant_model, batches, container, batch_to_inputs)
-    float_model.eval()
-    quant_model.eval()
     session = _Session(float_model, quant_model, layers, float_layers)
     try:
-        count = data.forward(session, "Comparing layers")
+        with eval_mode(float_model, quant_model):
+            count = data.forward(session, "Comparing layers")
     finally:
         session.remove_hooks()
     rows = []

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -25,14 +26,16 @@ import torch
 from torch import nn
 
 from quark_brevitas.analysis.metrics import SQNR, output_tensor
+from quark_brevitas.api import ModelQuantizer
 from quark_brevitas.brevitas_adapter import quantization_disabled, quantized_units, quantizer_names
+from quark_brevitas.config import Config
 from quark_brevitas.container import Container
 from quark_brevitas.data import BatchToInputs, CalibrationData
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MAX_BATCHES", "EvalFn", "Metric", "disabled", "evaluation_data", "only_enabled",
-           "quantized_layers"]
+__all__ = ["DEFAULT_MAX_BATCHES", "EvalFn", "Metric", "disabled", "eval_mode", "evaluation_data", "only_enabled",
+           "pre_algorithm_layers", "quantized_layers"]
 
 #: Batches the cheap modes measure on unless told otherwise.
 DEFAULT_MAX_BATCHES = 4
@@ -69,15 +72,19 @@ class Metric:
         self.name = "output SQNR (dB)" if eval_fn is None else getattr(eval_fn, "__name__", "eval_fn")
         self._reference: list[torch.Tensor] = []
         if eval_fn is None:
-            data.forward(float_model, "Float reference outputs",
-                         on_output=lambda _, out: self._reference.append(output_tensor(out).detach().clone()))
+            with eval_mode(float_model):
+                data.forward(float_model, "Float reference outputs",
+                             on_output=lambda _, out: self._reference.append(output_tensor(out).detach().clone()))
             self.float_value = math.inf
         else:
             self.float_value = self(float_model)
 
     def __call__(self, model: nn.Module, desc: str = "Measuring") -> float:
-        """The metric of ``model`` (put in eval mode)."""
-        model.eval()
+        """The metric of ``model``, in eval mode (its mode is restored afterwards)."""
+        with eval_mode(model):
+            return self._measure(model, desc)
+
+    def _measure(self, model: nn.Module, desc: str) -> float:
         if self.eval_fn is not None:
             value = self.eval_fn(model)
             if isinstance(value, torch.Tensor):
@@ -97,6 +104,34 @@ class Metric:
     def sort_key(self, value: float) -> float:
         """A key that sorts values from the best to the worst."""
         return -value if self.higher_is_better else value
+
+
+def pre_algorithm_layers(model: nn.Module, config: Config, calib_loader: Any, container: Container | None = None,
+                         batch_to_inputs: BatchToInputs | None = None) -> dict[str, nn.Module] | None:
+    """For a config with post-quantization algorithms (GPTQ, GPFQ, bias correction, ...: they move float weights
+    and biases), the layers of ``model`` quantized by the pipeline without them: switched-off layers borrow their
+    float parameters (see :func:`disabled`). ``None`` for a config without such algorithms."""
+    if not config.algo_config:
+        return None
+    logger.info("The config runs %s: quantizing once more without them for the float parameters",
+                ", ".join(type(a).__name__ for a in config.algo_config))
+    plain = dataclasses.replace(config, algo_config=[])
+    quant = ModelQuantizer(plain, container).quantize_model(model, calib_loader, batch_to_inputs=batch_to_inputs)
+    return quantized_layers(quant, container)
+
+
+@contextlib.contextmanager
+def eval_mode(*models: nn.Module) -> Iterator[None]:
+    """The models in eval mode while the context lasts, then back in the mode they were in (the caller's model is
+    not changed, not even its mode)."""
+    modes = [model.training for model in models]
+    for model in models:
+        model.eval()
+    try:
+        yield
+    finally:
+        for model, mode in zip(models, modes):
+            model.train(mode)
 
 
 def quantized_layers(model: nn.Module, container: Container | None = None) -> dict[str, nn.Module]:

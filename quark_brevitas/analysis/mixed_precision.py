@@ -45,6 +45,7 @@ from quark_brevitas.analysis.measure import (
     Metric,
     evaluation_data,
     only_enabled,
+    pre_algorithm_layers,
     quantized_layers,
 )
 from quark_brevitas.analysis.sensitivity import literal_name
@@ -209,11 +210,8 @@ def measure_candidates(model: nn.Module, candidates: Sequence[QuantizationConfig
     if max_batches is None and not exact:
         max_batches = DEFAULT_MAX_BATCHES
     metric = Metric(model, evaluation_data(calib_loader, max_batches, batch_to_inputs))
-    float_units = None
-    if base.algo_config and not exact:  # algorithms move float weights: switched-off layers borrow the plain ones
-        plain = dataclasses.replace(_with_global(base, probe), algo_config=[])
-        float_units = quantized_layers(ModelQuantizer(plain, container).quantize_model(
-            model, calib_loader, batch_to_inputs=batch_to_inputs), container)
+    float_units = None if exact else pre_algorithm_layers(model, _with_global(base, probe), calib_loader, container,
+                                                          batch_to_inputs)
     progress = tqdm(total=len(names) * sum(c is not None for c in candidates), desc="Candidates per layer",
                     leave=False, disable=None)
     with progress:

@@ -44,6 +44,7 @@ from quark_brevitas.analysis.measure import (
     disabled,
     evaluation_data,
     only_enabled,
+    pre_algorithm_layers,
     quantized_layers,
 )
 from quark_brevitas.analysis.metrics import Rows
@@ -124,7 +125,7 @@ def sensitivity(model: nn.Module, config: Config, calib_loader: Any, eval_fn: Ev
         _measure_exact(model, config, calib_loader, names, modes, metric, container, batch_to_inputs, results)
     else:
         units = quantized_layers(full, container)
-        float_units = _float_parameter_source(model, config, calib_loader, container, batch_to_inputs)
+        float_units = pre_algorithm_layers(model, config, calib_loader, container, batch_to_inputs)
         missing = [name for name in names if name not in units]
         if missing:
             raise ModelError(f"planned layers {missing} are not quantized layers of the quantized model (found: "
@@ -150,19 +151,6 @@ def _sensitivity_key(row: SensitivityRow, metric: Metric) -> tuple[float, float]
     all_but = metric.sort_key(row.all_but) if row.all_but is not None else 0.0
     only = -metric.sort_key(row.only) if row.only is not None else 0.0
     return (all_but if not math.isnan(all_but) else math.inf, only if not math.isnan(only) else math.inf)
-
-
-def _float_parameter_source(model: nn.Module, config: Config, calib_loader: Any, container: Container | None,
-                            batch_to_inputs: BatchToInputs | None) -> dict[str, nn.Module] | None:
-    """For configs with post-quantization algorithms (which move float weights and biases): the layers of the
-    model quantized without them, whose parameters switched-off layers borrow (see
-    :func:`~quark_brevitas.analysis.measure.disabled`); ``None`` when there are none."""
-    if not config.algo_config:
-        return None
-    plain = dataclasses.replace(config, algo_config=[])
-    return quantized_layers(ModelQuantizer(plain, container).quantize_model(model, calib_loader,
-                                                                            batch_to_inputs=batch_to_inputs),
-                            container)
 
 
 def _measure_exact(model: nn.Module, config: Config, calib_loader: Any, names: list[str], modes: tuple[str, ...],
