@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -36,6 +37,7 @@ from brevitas.proxy.runtime_quant import (
     DynamicActQuantProxyFromInjector,
     TruncQuantProxyFromInjector,
 )
+from brevitas.quant_tensor import QuantTensor
 from brevitas.utils.torch_utils import StopFwdException
 from brevitas_examples.common.generative import quantizers as generative_quantizers
 from packaging.version import Version
@@ -151,7 +153,9 @@ def symbolic_trace(model: nn.Module, is_leaf: Callable[[nn.Module, str], bool] |
 
     ``is_leaf(module, qualified_name)`` keeps more modules whole than the default tracer does (which
     keeps only ``torch.nn`` modules); Brevitas offers a custom tracer only through its private
-    ``_symbolic_trace``.
+    ``_symbolic_trace``. Brevitas's FX backport reads ``treespec.children_specs``, which torch 2.13
+    deprecates with a FutureWarning on every trace; that one warning is silenced here (nothing the user
+    can act on), all others pass.
     """
     from brevitas.fx import Tracer
     from brevitas.fx.brevitas_tracer import _symbolic_trace
@@ -161,7 +165,9 @@ def symbolic_trace(model: nn.Module, is_leaf: Callable[[nn.Module, str], bool] |
             leaf = super().is_leaf_module(m, module_qualified_name)
             return leaf or (is_leaf is not None and is_leaf(m, module_qualified_name))
 
-    return _symbolic_trace(_Tracer(), model, None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`treespec\.children_specs` is deprecated", category=FutureWarning)
+        return _symbolic_trace(_Tracer(), model, None)
 
 
 def is_graph_module(model: nn.Module) -> bool:
@@ -532,3 +538,96 @@ def plain_tensor(value: Any) -> Any:
     from brevitas.quant_tensor import QuantTensor
 
     return value.value if isinstance(value, QuantTensor) else value
+
+
+# ===================================================================== half-precision models
+#: Floating dtypes whose models get float32 quantizers (see :func:`keep_quantizers_float32`).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+_IO_DTYPE = "_quark_brevitas_io_dtype"
+
+
+def _quantizer_inputs_float32(proxy: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Forward pre-hook: half-precision tensor arguments go into the quantizer as float32; the dtype
+    of the first one is remembered for :func:`_quantizer_output_in_model_dtype`."""
+    dtype = None
+    cast = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dtype in HALF_DTYPES:
+            dtype = dtype or arg.dtype
+            arg = arg.float()
+        cast.append(arg)
+    object.__setattr__(proxy, _IO_DTYPE, dtype)
+    return tuple(cast) if dtype is not None else args
+
+
+def _quantizer_output_in_model_dtype(proxy: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    """Forward hook: the quantizer's result goes back to the dtype its input had. Of a quant tensor
+    only the values are cast (its first field: ``value`` or a group-wise ``value_``); scales and zero
+    points stay float32, as computed."""
+    dtype = proxy.__dict__.get(_IO_DTYPE)
+    if dtype is None:
+        return output
+    if isinstance(output, torch.Tensor):
+        return output.to(dtype)
+    if isinstance(output, QuantTensor):
+        return output._replace(**{output._fields[0]: output[0].to(dtype)})
+    return output
+
+
+def float32_quantizer_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A quantized layer's keyword arguments with every quantizer injector creating float32 state.
+
+    Brevitas derives a weight or bias quantizer's dtype from the tracked parameter (a float16 weight
+    gives a float16 scale) and re-creates the quantizer with it whenever a state dict is loaded; an
+    explicit ``dtype`` in the injector keeps the quantizers of a half-precision model in float32 for
+    good (see :func:`keep_quantizers_float32`).
+    """
+    return {key: value.let(dtype=torch.float32) if key.endswith("_quant") and hasattr(value, "let") else value
+            for key, value in kwargs.items()}
+
+
+def keep_quantizers_float32(model: nn.Module) -> None:
+    """Make the quantizers of a float16/bfloat16 model compute in float32, and keep their state there.
+
+    Brevitas creates activation scales, zero points and bias quantizers in float32 but weight scales
+    in the weight's dtype, and multiplies half-precision tensors with float32 scales, so a quantized
+    half model mixes dtypes and fails on its first forward pass (``Float and Half``). Here every
+    quantizer's parameters and buffers are float32, and each quantizer proxy gets a pair of hooks:
+    half-precision inputs are quantized in float32 (no int32-bias overflow, no bfloat16 division
+    error in the scale search) and the quantized values are returned in the input's dtype, so the
+    layers compute in the model's dtype. Hooks are module-level functions, so the model deep-copies
+    and pickles; in a float32 copy of the model they do nothing.
+    """
+    for site in iter_quantizers(model, enabled_only=False):
+        proxy = site.proxy
+        proxy.float()
+        if _quantizer_inputs_float32 not in proxy._forward_pre_hooks.values():
+            proxy.register_forward_pre_hook(_quantizer_inputs_float32)
+            proxy.register_forward_hook(_quantizer_output_in_model_dtype)
+
+
+# ===================================================================== tied parameters
+def adopt_parameters(new: nn.Module, old: nn.Module) -> None:
+    """Give a freshly built quantized layer the float layer's own ``Parameter`` objects (same name,
+    shape and dtype); its weight and bias quantizers are rebuilt around them.
+
+    Brevitas's replacement loads the float layer's state into new ``Parameter`` objects that share its
+    storage: a tie (``lm_head.weight is embed.weight``) silently becomes two parameters over one
+    storage, which a weight-changing algorithm then edits together and an optimizer updates twice.
+    Registering ``weight``/``bias`` on a Brevitas layer re-initialises its quantizer for the new
+    tensor (``QuantWeightMixin.register_parameter``); nothing is initialised yet at this point, so
+    nothing is lost.
+    """
+    for name, param in old._parameters.items():
+        current = new._parameters.get(name)
+        if param is None or current is None or current is param:
+            continue
+        if current.shape == param.shape and current.dtype == param.dtype:
+            setattr(new, name, param)
+
+
+def swap_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Put ``param`` in place of ``module``'s parameter ``name`` (same shape) while keeping its quantizers'
+    state: registering ``weight`` or ``bias`` on a Brevitas layer would re-initialise its quantizer and
+    drop its scale, so the parameter table is written directly."""
+    module._parameters[name] = param

@@ -58,6 +58,7 @@ from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
 from quark_brevitas.pipeline import CONFIG_ATTRIBUTE, Pipeline, SavedStructure
+from quark_brevitas.ties import untie_differing
 from quark_brevitas.version import __version__
 
 __all__ = [
@@ -330,6 +331,7 @@ def load_quantized(
     prefix = f"{where} does not fit {type(float_model).__name__}"
     _check_structure(model, info.manifest, prefix)
     _check_state(model, state, prefix)
+    untie_differing(model, state)  # ties an algorithm broke before saving (GPTQ on a tied lm_head)
     # Quantizers that were never initialised (e.g. an activation quantizer no calibration batch
     # reached) are absent from the state dict in both models; Brevitas accepts that only with this flag.
     try:

@@ -37,7 +37,8 @@ class QuantMultiheadAttention(qnn.QuantMultiheadAttention):
       as in PyTorch);
     - ``in_proj_weight`` / ``in_proj_bias`` are read-only views of the q/k/v projections (for callers
       that inspect them); they keep PyTorch's fused transformer fast paths away (see
-      :class:`_RuntimeQuantizedParameter`).
+      :class:`_RuntimeQuantizedParameter`);
+    - keys and values may have their own widths (``kdim``, ``vdim``).
     """
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
@@ -50,11 +51,20 @@ class QuantMultiheadAttention(qnn.QuantMultiheadAttention):
         return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                                attn_mask=attn_mask, average_attn_weights=average_attn_weights)
 
+    def multi_head_attention(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        # With separate q/k/v projections, keys and values may have their own widths (kdim, vdim) as in
+        # nn.MultiheadAttention; Brevitas's forward says so only for packed projections.
+        if self.in_proj is None:
+            kwargs["use_separate_proj_weight"] = True
+        return super().multi_head_attention(*args, **kwargs)
+
     def _projections(self) -> list[Any]:
         return [self.in_proj] if self.in_proj is not None else [self.q_proj, self.k_proj, self.v_proj]
 
     @property
-    def in_proj_weight(self) -> Tensor:
+    def in_proj_weight(self) -> Tensor | None:
+        if not self._qkv_same_embed_dim:
+            return None  # as in nn.MultiheadAttention with kdim/vdim: no packed weight
         weight = torch.cat([proj.weight.detach() for proj in self._projections()])
         return weight.as_subclass(_RuntimeQuantizedParameter)
 
