@@ -631,3 +631,75 @@ def swap_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
     state: registering ``weight`` or ``bias`` on a Brevitas layer would re-initialise its quantizer and
     drop its scale, so the parameter table is written directly."""
     module._parameters[name] = param
+
+
+# ===================================================================== MSE activation calibration
+#: Values of one calibration batch on which the MSE search of an activation quantizer scores its candidate
+#: scales exactly (the largest and the smallest, 1/16 each) and by a random sample (see
+#: :func:`sampled_activation_mse`).
+MSE_SAMPLE_ELEMENTS = 1 << 16
+
+
+def _sampled_search(module: nn.Module, max_elements: int,
+                    generators: dict[torch.device, torch.Generator]) -> Callable[[torch.Tensor], torch.Tensor]:
+    search = module.mse_search
+
+    def sampled(x: torch.Tensor) -> torch.Tensor:
+        flat = x.detach().reshape(-1)
+        if flat.numel() <= max_elements:
+            return search(x)
+        tail = max_elements // 16
+        ends = torch.cat([torch.topk(flat, tail).indices, torch.topk(-flat, tail).indices])
+        rest = torch.ones_like(flat, dtype=torch.bool)
+        rest[ends] = False
+        middle = flat[rest]
+        generator = generators.get(flat.device)
+        if generator is None:
+            generator = generators[flat.device] = torch.Generator(device=flat.device).manual_seed(0)
+        sample = middle[torch.randint(middle.numel(), (max_elements,), generator=generator, device=flat.device)]
+        weight, split = middle.numel() / max_elements, ends.numel()
+
+        def loss(values: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+            # The batch's squared error: the extremes' exactly, the middle's estimated from the sample.
+            error = torch.nn.functional.mse_loss(values, quantized, reduction="none")
+            return error[:split].sum() + weight * error[split:].sum()
+
+        module.mse_loss_fn = loss
+        try:
+            return search(torch.cat([flat[ends], sample]))  # the extremes keep the batch's search interval
+        finally:
+            del module.mse_loss_fn
+
+    return sampled
+
+
+@contextlib.contextmanager
+def sampled_activation_mse(model: nn.Module, max_elements: int = MSE_SAMPLE_ELEMENTS) -> Iterator[None]:
+    """While the context lasts, the MSE scale search of every per-tensor activation quantizer scores its
+    candidate scales on part of each batch: exactly on its ``max_elements / 16`` largest and smallest
+    values, and on a random sample of ``max_elements`` of the others, scaled up to their number.
+
+    Brevitas searches every calibration batch of every MSE activation quantizer over 20 candidate
+    scales, each scored by quantizing the whole activation (a transformer's feed-forward input is over a
+    million values a batch): MSE calibration took 5-15x the time of percentile statistics. The
+    candidates are unchanged (they come from the batch's max |x|, or min and max, which the extremes
+    hold), and the clipping error, which only the extremes have for all but the smallest candidates, is
+    exact; only the rounding error of the middle values is estimated (a fixed-seed random sample).
+    Batches of at most ``max_elements`` values and weight quantizers are searched as before.
+    """
+    from brevitas.core.stats.stats_op import MSE
+
+    generators: dict[torch.device, torch.Generator] = {}
+    patched = []
+    for site in iter_quantizers(model, enabled_only=False):
+        if site.kind != "act":
+            continue
+        for module in site.proxy.modules():
+            if isinstance(module, MSE) and module.stats_reduce_dim is None:
+                module.mse_search = _sampled_search(module, max_elements, generators)
+                patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.mse_search

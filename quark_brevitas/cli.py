@@ -140,6 +140,19 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plan_digits(config: Config, args: argparse.Namespace) -> list[Any]:
+    """The plan of the digits CNN; errors about the config (a layer name that matches nothing, ...)
+    name the config file they come from."""
+    from quark_brevitas.digits import DigitsCNN
+
+    try:
+        return ModelQuantizer(config).plan(DigitsCNN())
+    except ConfigError as exc:
+        if args.config is None or str(args.config) in str(exc):
+            raise
+        raise CLIError(f"{args.config}: {exc}") from exc
+
+
 def _resolve_config(args: argparse.Namespace) -> tuple[Config, str]:
     """The Config asked for (file, preset or the default preset) and a label for it."""
     if args.config is not None:
@@ -190,10 +203,10 @@ def _check_onnx(path: Path, quant_model: nn.Module, loader: Any) -> tuple[float,
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from quark_brevitas.digits import DigitsCNN, evaluate, example_input, load_digits_data, train_digits_cnn
+    from quark_brevitas.digits import evaluate, example_input, load_digits_data, train_digits_cnn
 
     config, source = _resolve_config(args)  # before any work, so a bad config fails fast
-    ModelQuantizer(config).plan(DigitsCNN())  # layer names and types too, before training
+    _plan_digits(config, args)  # layer names and types too, before training
     output = Path(args.output)
     if output.exists() and not output.is_dir():
         raise CLIError(f"--output {str(output)!r} exists and is not a directory")
@@ -294,12 +307,41 @@ def _float_model(spec: str) -> nn.Module:
         raise CLIError(f"--model {spec!r}: expected MODULE:CALLABLE, e.g. {DEFAULT_MODEL}")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise CLIError(f"--model {spec!r}: cannot import it ({type(exc).__name__}: {exc})") from exc
-    model = factory()
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's module (ImportError, SyntaxError, ...)
+        raise CLIError(f"--model {spec!r}: cannot import it ({type(exc).__name__}: {_first_line(exc)})") from exc
+    if not callable(factory):
+        raise CLIError(f"--model {spec!r} is a {type(factory).__name__}, not a callable returning the float model")
+    try:
+        model = factory()
+    except Exception as exc:  # noqa: BLE001 - the user's factory failed; say so in one line
+        raise CLIError(f"--model {spec!r}: calling it failed ({type(exc).__name__}: {_first_line(exc)}); it must "
+                       "build the float architecture without arguments") from exc
     if not isinstance(model, nn.Module):
         raise CLIError(f"--model {spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+def _check_example(model: nn.Module, example: Any, source: str, where: str) -> None:
+    """One-line errors for an example input the export cannot use: keyword inputs, or one the model rejects."""
+    if isinstance(example, dict):
+        raise CLIError(f"{where}: the example input ({source}) is a dict of keyword inputs ({', '.join(example)}); "
+                       "ONNX export feeds positional tensors: pass --input-shape for a single-input model, or export "
+                       "from Python with ModelExporter and a tuple of tensors")
+    inputs = example if isinstance(example, tuple | list) else (example,)
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    except Exception as exc:  # noqa: BLE001 - any failure means the input does not fit the model
+        shapes = ", ".join(str(list(t.shape)) for t in inputs)
+        described = source if "shape" in source else f"{source}, shape {shapes}"
+        hint = "; pass the shape the model takes" if where == "--input-shape" else ""
+        raise CLIError(f"{where}: the model rejects the example input ({described}): "
+                       f"{type(exc).__name__}: {_first_line(exc)}{hint}") from exc
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -315,6 +357,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     else:
         raise CLIError(f"checkpoint {args.checkpoint!r} stores no example input; pass --input-shape")
     model = load_quantized(_float_model(args.model), args.checkpoint)
+    where = "--input-shape" if args.input_shape is not None else f"checkpoint {args.checkpoint!r}"
+    _check_example(model, example, example_source, where)
     exporter = ModelExporter(args.output)
     start = time.perf_counter()
     if args.format == "qonnx":
@@ -339,10 +383,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 # ===================================================================== plan / presets
 def _cmd_plan(args: argparse.Namespace) -> int:
     from quark_brevitas.backend import plan_table
-    from quark_brevitas.digits import DigitsCNN
 
     config, source = _resolve_config(args)
-    rows = ModelQuantizer(config).plan(DigitsCNN())
+    rows = _plan_digits(config, args)
     pre = ", ".join(type(a).__name__ for a in config.pre_quant_opt_config) or "-"
     post = ", ".join(type(a).__name__ for a in config.algo_config) or "-"
     print(f"DigitsCNN plan ({source}; pre-quant: {pre}; algorithms: {post})")
