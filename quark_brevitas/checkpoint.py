@@ -9,9 +9,10 @@ therefore stores the *recipe* and the *values* but no code:
   initialised quantizer parameter (scales, zero points). Brevitas leaves uninitialised quantizer
   values out of its state dict; so do we.
 - ``config.json``: the :class:`~quark_brevitas.config.Config` (algorithms included).
-- ``manifest.json``: format version, library/Brevitas/torch versions, the module names and types of
-  the quantized model (Brevitas quantizer internals excluded), the FX code of traced graphs, every
-  tensor's shape and dtype, the train/eval mode, frozen parameters and the example input's shapes.
+- ``manifest.json``: format version, library/Brevitas/torch versions, the model's dtype (its weights';
+  a float16/bfloat16 model's quantizer scales are float32, and loading checks it), the module names and
+  types of the quantized model (Brevitas quantizer internals excluded), the FX code of traced graphs,
+  every tensor's shape and dtype, the train/eval mode, frozen parameters and the example input's shapes.
 - ``example_input.safetensors`` (optional): the example input given to :func:`save_quantized`, used
   for export from the command line.
 
@@ -137,6 +138,7 @@ def save_quantized(
         "versions": _versions(),
         "model_class": type(model).__name__,
         "training": model.training,
+        "dtype": _model_dtype_name(model),
         "modules": _structure(model),
         "graph_code": _graph_code(model),
         "tensors": {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in tensors.items()},
@@ -176,6 +178,21 @@ def _versions() -> dict[str, str]:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _model_dtype_name(model: nn.Module) -> str | None:
+    """The dtype of the model's weights (its first floating parameter): a float16/bfloat16 model keeps its
+    weights and activations in that dtype and its quantizers' scales and zero points in float32."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return _dtype_name(dtype) if dtype is not None else None
+
+
+def _check_dtype(float_model: nn.Module, info: CheckpointInfo) -> None:
+    saved, given = info.manifest.get("dtype"), _model_dtype_name(float_model)
+    if saved is not None and given is not None and saved != given:
+        raise CheckpointError(f"checkpoint {str(info.directory)!r} holds a {saved} model but float_model is {given}: "
+                              f"convert it first (float_model.to(torch.{saved})); the weights and scales are loaded "
+                              "as saved, without conversion")
 
 
 def _state_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -326,6 +343,7 @@ def load_quantized(
         warnings.warn("load_quantized(example_input=...) is ignored: checkpoints record the structure that "
                       "data-driven algorithms leave, so rebuilding needs no input", DeprecationWarning, stacklevel=2)
     _warn_versions(info)
+    _check_dtype(float_model, info)
     state = _read_safetensors(info.directory / WEIGHTS_FILE)
     model = _rebuild(float_model, info, container, state)
     prefix = f"{where} does not fit {type(float_model).__name__}"
