@@ -327,11 +327,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _check_example(model: nn.Module, example: Any, source: str, where: str) -> None:
-    """One-line errors for an example input the export cannot use: keyword inputs, or one the model rejects."""
-    if isinstance(example, dict):
-        raise CLIError(f"{where}: the example input ({source}) is a dict of keyword inputs ({', '.join(example)}); "
-                       "ONNX export feeds positional tensors: pass --input-shape for a single-input model, or export "
-                       "from Python with ModelExporter and a tuple of tensors")
+    """A one-line error for an example input the model rejects (a wrong --input-shape)."""
     inputs = example if isinstance(example, tuple | list) else (example,)
     try:
         with torch.no_grad():
@@ -356,6 +352,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
         example_source = "stored in the checkpoint"
     else:
         raise CLIError(f"checkpoint {args.checkpoint!r} stores no example input; pass --input-shape")
+    if isinstance(example, dict):
+        raise CLIError(f"checkpoint {args.checkpoint!r}: its example input is a dict of keyword inputs "
+                       f"({', '.join(example)}); ONNX export feeds positional tensors: pass --input-shape for a "
+                       "single-input model, or export from Python with ModelExporter and a tuple of tensors")
     model = load_quantized(_float_model(args.model), args.checkpoint)
     where = "--input-shape" if args.input_shape is not None else f"checkpoint {args.checkpoint!r}"
     _check_example(model, example, example_source, where)
