@@ -74,13 +74,16 @@ LAYERS: dict[str, tuple[Any, tuple[int, ...], int]] = {
 }
 
 
+def _layer_and_input(name: str) -> tuple[nn.Sequential, torch.Tensor, int]:
+    build, shape, axis = LAYERS[name]
+    torch.manual_seed(0)
+    return nn.Sequential(build()).eval(), torch.randn(shape), axis
+
+
 @pytest.mark.parametrize("scheme", ["per_tensor", "per_channel"])
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_int8_weights_match_hand_quantized_float_layer_or_are_refused(name: str, scheme: str) -> None:
-    build, shape, axis = LAYERS[name]
-    torch.manual_seed(0)
-    layer = nn.Sequential(build()).eval()
-    x = torch.randn(shape)
+    layer, x, axis = _layer_and_input(name)
     quantizer = ModelQuantizer(_weight_only(PER_CHANNEL if scheme == "per_channel" else INT8))
     grouped_transposed = "transpose" in name and layer[0].groups > 1
     if grouped_transposed and scheme == "per_channel":
@@ -102,12 +105,9 @@ def test_int8_weights_match_hand_quantized_float_layer_or_are_refused(name: str,
 ], ids=["int4_g8", "mxfp8", "fp8"])
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_other_weight_formats_work_on_every_layer_variant(name: str, weight: QTensorConfig) -> None:
-    build, shape, _ = LAYERS[name]
-    torch.manual_seed(0)
-    layer = nn.Sequential(build()).eval()
-    x = torch.randn(shape)
+    layer, x, _ = _layer_and_input(name)
     config = Config(QLayerConfig(weight=weight, input_tensors=INT8))
-    quantized = ModelQuantizer(config).quantize_model(layer, [torch.randn(shape) for _ in range(2)] + [x])
+    quantized = ModelQuantizer(config).quantize_model(layer, [torch.randn_like(x) for _ in range(2)] + [x])
     with torch.no_grad():
         assert _relative_error(quantized(x), layer(x)) < 0.15
 
