@@ -10,7 +10,7 @@ therefore stores the *recipe* and the *values* but no code:
   values out of its state dict; so do we.
 - ``config.json``: the :class:`~quark_brevitas.config.Config` (algorithms included).
 - ``manifest.json``: format version, library/Brevitas/torch versions, the model's dtype (its weights';
-  a float16/bfloat16 model's quantizer scales are float32, and loading checks it), the module names and
+  a float16/bfloat16 model's quantizer scales are float32), the module names and
   types of the quantized model (Brevitas quantizer internals excluded), the FX code of traced graphs,
   every tensor's shape and dtype, the train/eval mode, frozen parameters and the example input's shapes.
 - ``example_input.safetensors`` (optional): the example input given to :func:`save_quantized`, used
@@ -187,14 +187,6 @@ def _model_dtype_name(model: nn.Module) -> str | None:
     return _dtype_name(dtype) if dtype is not None else None
 
 
-def _check_dtype(float_model: nn.Module, info: CheckpointInfo) -> None:
-    saved, given = info.manifest.get("dtype"), _model_dtype_name(float_model)
-    if saved is not None and given is not None and saved != given:
-        raise CheckpointError(f"checkpoint {str(info.directory)!r} holds a {saved} model but float_model is {given}: "
-                              f"convert it first (float_model.to(torch.{saved})); the weights and scales are loaded "
-                              "as saved, without conversion")
-
-
 def _state_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The state dict as detached, contiguous CPU tensors; tensors sharing memory are copied
     (safetensors refuses shared storage)."""
@@ -343,7 +335,6 @@ def load_quantized(
         warnings.warn("load_quantized(example_input=...) is ignored: checkpoints record the structure that "
                       "data-driven algorithms leave, so rebuilding needs no input", DeprecationWarning, stacklevel=2)
     _warn_versions(info)
-    _check_dtype(float_model, info)
     state = _read_safetensors(info.directory / WEIGHTS_FILE)
     model = _rebuild(float_model, info, container, state)
     prefix = f"{where} does not fit {type(float_model).__name__}"
