@@ -431,6 +431,31 @@ def test_tracing_shows_no_children_specs_future_warning() -> None:
     assert not [w for w in caught if "children_specs" in str(w.message)]
 
 
+class _OptionalInput(nn.Module):
+    """``forward(x, y=None)``: a symbolic trace takes ``y`` as given, so the traced graph would always add
+    ``b(y)`` (and fail on the calibration batches, which do not give ``y``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.a(x)
+        return out if y is None else out + self.b(y)
+
+
+def test_a_model_with_optional_inputs_is_not_traced_and_keeps_both_call_forms(caplog: Any) -> None:
+    torch.manual_seed(0)
+    model, x, y = _OptionalInput().eval(), torch.randn(3, 4), torch.randn(3, 4)
+    with caplog.at_level("WARNING", logger="quark_brevitas.algorithms.preprocess"):
+        quant = ModelQuantizer(get_preset("w8a8")).quantize_model(model, [((x,),), ((x, y),)])
+    assert any("optional inputs (y)" in r.getMessage() for r in caplog.records)
+    with torch.no_grad():
+        for args in ((x,), (x, y)):
+            expected = model(*args)
+            assert (quant(*args) - expected).abs().max() < 0.05 * expected.abs().max()
+
+
 # ===================================================================== command line (item 8)
 @pytest.fixture(scope="module")
 def digits_checkpoint(tmp_path_factory: Any, digits_model: nn.Module, digits_data: Any) -> Any:

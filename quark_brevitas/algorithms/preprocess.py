@@ -77,6 +77,19 @@ def _merge_grouped_transposed_batch_norm(graph_model: Any) -> None:
         logger.info("Preprocess: merged BatchNorm into grouped transposed convolutions: %s", ", ".join(merged))
 
 
+def _optional_inputs(model: nn.Module) -> list[str]:
+    """The forward parameters with a default value: FX tracing turns each into a symbolic input that is
+    never ``None``, so ``if y is not None:`` branches are traced as always taken (a wrong graph)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.default is not inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
 @register(algos.Preprocess)
 class PreprocessHandler(AlgorithmHandler):
     """Runs Brevitas's ``preprocess_for_quantize`` on an FX graph of the model; models that cannot be
@@ -91,6 +104,13 @@ class PreprocessHandler(AlgorithmHandler):
             return model
         graph_model = model
         if algo.trace_model and not is_graph_module(model):
+            optional = _optional_inputs(model)
+            if optional:
+                logger.warning(
+                    "Preprocess: %s.forward has optional inputs (%s); a symbolic trace would fix which of them are "
+                    "given, so the graph steps (BatchNorm merge, graph equalization, channel splitting) are "
+                    "skipped and the model is quantized as is", type(model).__name__, ", ".join(optional))
+                return model
             try:
                 graph_model = symbolic_trace(model, _owns_parameters)
             except Exception as exc:  # noqa: BLE001 - any tracing failure means "no graph"; reported below
