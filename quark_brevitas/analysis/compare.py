@@ -71,6 +71,9 @@ class LayerComparison:
     output_sqnr_db: float | None
     output_sqnr_isolated_db: float | None
     calls: int
+    #: SQNR (dB) of the whole model's output with every layer quantized but this one: what keeping this
+    #: layer in float would give (the layer that hurts most is the one that raises it most).
+    model_sqnr_without_db: float | None = None
 
 
 _FLOAT, _QUANT, _ISOLATED = "float", "quant", "isolated"
@@ -171,6 +174,7 @@ class _Session(nn.Module):
         self.order: dict[str, int] = {}
         self.probes = [_LayerProbe(name, layer, self) for name, layer in layers.items()]
         self.output_sqnr, self.reference_sqnr, self.agreement = SQNR(), SQNR(), OutputAgreement()
+        self.without = {name: SQNR() for name in layers}
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         reference = output_tensor(self.float_model(*args, **kwargs))
@@ -183,6 +187,10 @@ class _Session(nn.Module):
         for probe in self.probes:
             probe.run_isolated()
         self.phase = None
+        for name in self.layers:
+            with disabled(self.layers, [name], self.float_layers):
+                self.without[name].add(reference, output_tensor(self.quant_model(*args, **kwargs)),
+                                       f"model output with {name!r} in float")
         for probe in self.probes:
             probe.compare()
         self.output_sqnr.add(reference, quantized, "model output")
@@ -246,7 +254,7 @@ def compare_layers(float_model: nn.Module, quant_model: nn.Module, batches: Any,
             weight_sqnr_db=weights.db,
             input_sqnr_db=probe.input_sqnr[_QUANT].db, input_sqnr_isolated_db=probe.input_sqnr[_ISOLATED].db,
             output_sqnr_db=probe.output_sqnr[_QUANT].db, output_sqnr_isolated_db=probe.output_sqnr[_ISOLATED].db,
-            calls=probe.calls,
+            calls=probe.calls, model_sqnr_without_db=session.without[probe.name].db,
         ))
     rows.sort(key=lambda row: row.index)
     summary = {"output_sqnr_db": session.output_sqnr.db, "top1_agreement": session.agreement.percent,

@@ -19,7 +19,8 @@ __all__ = ["format_table", "layer_table", "most_harmful_layer", "rows_as_dicts",
 
 _LAYER_COLUMNS = [("name", "layer"), ("module_type", "type"), ("weight_sqnr_db", "weight"),
                   ("input_sqnr_db", "input"), ("output_sqnr_db", "output"),
-                  ("input_sqnr_isolated_db", "input alone"), ("output_sqnr_isolated_db", "output alone")]
+                  ("input_sqnr_isolated_db", "input alone"), ("output_sqnr_isolated_db", "output alone"),
+                  ("model_sqnr_without_db", "model, this layer float")]
 
 
 def rows_as_dicts(rows: Iterable[Any]) -> list[dict[str, Any]]:
@@ -59,8 +60,14 @@ def format_table(rows: Iterable[Any], columns: Sequence[tuple[str, str]] | None 
 
 
 def most_harmful_layer(rows: Iterable[Any]) -> dict[str, Any] | None:
-    """The compared layer whose own error is largest: the lowest isolated output SQNR."""
-    measured = [row for row in rows_as_dicts(rows) if row.get("output_sqnr_isolated_db") is not None]
+    """The compared layer that hurts the model most: the one whose keeping in float raises the model's output
+    SQNR most (``model_sqnr_without_db``); rows without that measurement fall back to the layer's own error
+    (the lowest isolated output SQNR)."""
+    rows = rows_as_dicts(rows)
+    measured = [row for row in rows if row.get("model_sqnr_without_db") is not None]
+    if measured:
+        return max(measured, key=lambda row: row["model_sqnr_without_db"])
+    measured = [row for row in rows if row.get("output_sqnr_isolated_db") is not None]
     return min(measured, key=lambda row: row["output_sqnr_isolated_db"]) if measured else None
 
 
@@ -76,7 +83,10 @@ def layer_table(rows: Sequence[Any]) -> str:
                      + (f", top-1 agreement {agreement:.2f} %" if agreement is not None else "")
                      + f" ({summary.get('batches')} batches)")
     worst = most_harmful_layer(rows)
-    if worst is not None:
+    if worst is not None and worst.get("model_sqnr_without_db") is not None:
+        lines.append(f"hurts most: {worst['name']} (keeping only it in float gives model output SQNR "
+                     f"{_cell(worst['model_sqnr_without_db'])} dB, the most of any layer)")
+    elif worst is not None:
         alone = _cell(worst["output_sqnr_isolated_db"])
         lines.append(f"hurts most: {worst['name']} (its own error: output SQNR {alone} dB alone, the lowest)")
     return "\n".join(lines)
