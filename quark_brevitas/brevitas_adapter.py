@@ -52,6 +52,7 @@ __all__ = [
     "QuantLayer",
     "QuantizerSite",
     "StopFwdException",
+    "WeightGrid",
     "a2gpfq_mode",
     "activation_equalization_mode",
     "bias_correction_mode",
@@ -64,6 +65,7 @@ __all__ = [
     "generative_quantizers",
     "gptq_mode",
     "groupwise_parts",
+    "has_static_activation_quantizers",
     "ignore_missing_keys",
     "init_weight_scales",
     "is_dynamic_activation",
@@ -78,9 +80,12 @@ __all__ = [
     "quantizer_names",
     "require_onnxoptimizer",
     "reset_export_mode",
+    "restart_activation_statistics",
     "scale_impl",
     "scale_parameters",
     "symbolic_trace",
+    "weight_bit_width",
+    "weight_grid",
     "weight_quant_disabled",
     "wrap_equalized",
 ]
@@ -469,3 +474,98 @@ def require_onnxoptimizer() -> None:
             f"ONNX export needs the onnxoptimizer package, which Brevitas's exporter requires ({exc}); "
             "install it with pip install onnxoptimizer"
         ) from exc
+
+
+# ===================================================================== weight grids and statistics (LLM algorithms)
+class WeightGrid(NamedTuple):
+    """The integer grid a layer's weight quantizer puts its weight on, per weight element.
+
+    ``scale`` and ``zero_point`` are broadcast to the weight's shape (``[out, in]`` for Linear layers), so column
+    ``j`` of the weight uses ``scale[:, j]`` whatever the granularity (per tensor, per channel, per group).
+    :meth:`quantize` repeats Brevitas's integer quantization (``IntQuant``) operation for operation, so values it
+    returns are exactly what Brevitas's quantized weight holds for them.
+    """
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    min_int: torch.Tensor
+    max_int: torch.Tensor
+    to_int: Callable[[torch.Tensor], torch.Tensor]
+    clamp: Callable[..., torch.Tensor]
+    bit_width: int
+
+    def quantize(self, weight: torch.Tensor, columns: Any = slice(None)) -> torch.Tensor:
+        """``weight`` (the weight, or its ``columns``) quantized and dequantized on this grid."""
+        scale, zero_point = self.scale[:, columns], self.zero_point[:, columns]
+        codes = self.clamp(self.to_int(weight / scale + zero_point), min_val=self.min_int, max_val=self.max_int)
+        return (codes - zero_point) * scale
+
+
+def _int_weight_quant(layer: nn.Module) -> Any:
+    proxy = getattr(layer, "weight_quant", None)
+    int_quant = getattr(getattr(proxy, "tensor_quant", None), "int_quant", None)
+    if not isinstance(proxy, WeightQuantProxyFromInjectorBase) or int_quant is None or not proxy.is_quant_enabled:
+        raise QuarkBrevitasError(f"{type(layer).__name__} has no enabled integer weight quantizer")
+    return proxy, int_quant
+
+
+def weight_grid(layer: nn.Module, weight: torch.Tensor | None = None) -> WeightGrid:
+    """(Re-)initialise ``layer``'s integer weight quantizer from ``weight`` (default: the layer's own weight) and
+    return its grid.
+
+    The library's weight quantizers compute their scale (and zero point) once from the float weight and keep it
+    as a parameter (``init_done``); algorithms that change the weight (AWQ's scaling and clipping) or choose the
+    grid for a weight they are still building (GPTQ) re-initialise it from the tensor they mean. Passing a tensor
+    other than the layer's weight works because a weight quantizer tracking one parameter takes its statistics
+    from the tensor it is called with.
+    """
+    proxy, int_quant = _int_weight_quant(layer)
+    target = layer.weight if weight is None else weight
+    for module in proxy.modules():
+        if hasattr(module, "init_done"):
+            module.init_done = False
+    with torch.no_grad():
+        quant = proxy(target)
+    bit_width = quant.bit_width
+    scale = quant.scale.expand_as(target).detach()
+    zero_point = torch.as_tensor(quant.zero_point, dtype=scale.dtype, device=scale.device).expand_as(target).detach()
+    return WeightGrid(scale, zero_point, int_quant.min_int(bit_width), int_quant.max_int(bit_width),
+                      int_quant.float_to_int_impl, int_quant.tensor_clamp_impl, int(bit_width))
+
+
+def weight_bit_width(layer: nn.Module) -> int:
+    """The bit width of ``layer``'s integer weight quantizer."""
+    proxy, _ = _int_weight_quant(layer)
+    with torch.no_grad():
+        return int(proxy.bit_width())
+
+
+def restart_activation_statistics(model: nn.Module) -> int:
+    """Make the static activation quantizers of ``model`` forget their calibration, so that the next calibration
+    starts afresh; returns how many were reset.
+
+    Brevitas's runtime-statistics scales and zero points keep a step counter and fold the collected statistic
+    into their initial value (x 1 for a scale, + 0 for a zero point) once; recalibrating after an algorithm has
+    changed a layer's inputs (AWQ's folded scales) needs both restored.
+    """
+    from brevitas.core.scaling.standalone import ParameterFromRuntimeStatsScaling
+    from brevitas.core.zero_point import ParameterFromRuntimeZeroPoint
+
+    initial = {ParameterFromRuntimeStatsScaling: 1.0, ParameterFromRuntimeZeroPoint: 0.0}
+    count = 0
+    for site in iter_quantizers(model):
+        if site.kind != "act" or is_dynamic_activation(site.proxy):
+            continue
+        for module in site.proxy.modules():
+            value = initial.get(type(module))
+            if value is not None:
+                module.counter = 0
+                with torch.no_grad():
+                    module.value.fill_(value)
+                count += 1
+    return count
+
+
+def has_static_activation_quantizers(model: nn.Module) -> bool:
+    """Whether ``model`` has an enabled activation quantizer whose scale comes from calibration."""
+    return any(site.kind == "act" and not is_dynamic_activation(site.proxy) for site in iter_quantizers(model))
