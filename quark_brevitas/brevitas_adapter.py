@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "FLOAT8_DTYPES",
+    "IntWeightFormat",
     "SUPPORTED_BREVITAS",
     "EqualizedModule",
     "QuantLayer",
@@ -71,6 +72,7 @@ __all__ = [
     "is_dynamic_activation",
     "is_float_quantizer",
     "is_groupwise",
+    "int_weight_format",
     "iter_quantizers",
     "load_quant_model_mode",
     "mark_scale_initialised",
@@ -84,7 +86,6 @@ __all__ = [
     "scale_impl",
     "scale_parameters",
     "symbolic_trace",
-    "weight_bit_width",
     "weight_grid",
     "weight_quant_disabled",
     "wrap_equalized",
@@ -502,11 +503,24 @@ class WeightGrid(NamedTuple):
 
 
 def _int_weight_quant(layer: nn.Module) -> Any:
+    """The layer's integer weight quantizer proxy and its ``IntQuant`` (whether or not quantization is switched off
+    for the moment, e.g. by :func:`quantization_disabled`)."""
     proxy = getattr(layer, "weight_quant", None)
     int_quant = getattr(getattr(proxy, "tensor_quant", None), "int_quant", None)
-    if not isinstance(proxy, WeightQuantProxyFromInjectorBase) or int_quant is None or not proxy.is_quant_enabled:
-        raise QuarkBrevitasError(f"{type(layer).__name__} has no enabled integer weight quantizer")
+    if not isinstance(proxy, WeightQuantProxyFromInjectorBase) or int_quant is None:
+        raise QuarkBrevitasError(f"{type(layer).__name__} has no integer weight quantizer")
     return proxy, int_quant
+
+
+@contextlib.contextmanager
+def _quantizing(proxy: nn.Module) -> Iterator[None]:
+    """The proxy quantizes while the context lasts, even inside :func:`quantization_disabled`."""
+    previous = proxy.disable_quant
+    proxy.disable_quant = False
+    try:
+        yield
+    finally:
+        proxy.disable_quant = previous
 
 
 def weight_grid(layer: nn.Module, weight: torch.Tensor | None = None) -> WeightGrid:
@@ -519,12 +533,19 @@ def weight_grid(layer: nn.Module, weight: torch.Tensor | None = None) -> WeightG
     other than the layer's weight works because a weight quantizer tracking one parameter takes its statistics
     from the tensor it is called with.
     """
+    from brevitas.core.scaling.standalone import ParameterFromStatsFromParameterScaling
+    from brevitas.core.zero_point import ParameterFromStatsFromParameterZeroPoint
+
     proxy, int_quant = _int_weight_quant(layer)
     target = layer.weight if weight is None else weight
-    for module in proxy.modules():
-        if hasattr(module, "init_done"):
-            module.init_done = False
-    with torch.no_grad():
+    # Initialisation folds the statistic into the parameter's initial value (x 1 for a scale, + 0 for a zero
+    # point), so both are restored first.
+    initial = {ParameterFromStatsFromParameterScaling: 1.0, ParameterFromStatsFromParameterZeroPoint: 0.0}
+    with torch.no_grad(), _quantizing(proxy):
+        for module in proxy.modules():
+            if type(module) in initial:
+                module.value.fill_(initial[type(module)])
+                module.init_done = False
         quant = proxy(target)
     bit_width = quant.bit_width
     scale = quant.scale.expand_as(target).detach()
@@ -533,20 +554,36 @@ def weight_grid(layer: nn.Module, weight: torch.Tensor | None = None) -> WeightG
                       int_quant.float_to_int_impl, int_quant.tensor_clamp_impl, int(bit_width))
 
 
-def weight_bit_width(layer: nn.Module) -> int:
-    """The bit width of ``layer``'s integer weight quantizer."""
-    proxy, _ = _int_weight_quant(layer)
-    with torch.no_grad():
-        return int(proxy.bit_width())
+class IntWeightFormat(NamedTuple):
+    """The format of an integer weight quantizer: bits, elements per group (-1: no groups) and whether one scale
+    covers the whole tensor."""
+
+    bit_width: int
+    group_size: int
+    per_tensor: bool
+
+
+def int_weight_format(layer: nn.Module) -> IntWeightFormat | None:
+    """The format of ``layer``'s integer weight quantizer, or ``None`` if the layer has none (float formats, or no
+    weight quantization)."""
+    try:
+        proxy, _ = _int_weight_quant(layer)
+    except QuarkBrevitasError:
+        return None
+    with torch.no_grad(), _quantizing(proxy):
+        bit_width = int(proxy.bit_width())
+        scale = proxy.scale()
+    group_size = int(injector_value(proxy, "group_size")) if is_groupwise(proxy) else -1
+    return IntWeightFormat(bit_width, group_size, group_size == -1 and scale.numel() == 1)
 
 
 def restart_activation_statistics(model: nn.Module) -> int:
     """Make the static activation quantizers of ``model`` forget their calibration, so that the next calibration
     starts afresh; returns how many were reset.
 
-    Brevitas's runtime-statistics scales and zero points keep a step counter and fold the collected statistic
-    into their initial value (x 1 for a scale, + 0 for a zero point) once; recalibrating after an algorithm has
-    changed a layer's inputs (AWQ's folded scales) needs both restored.
+    Brevitas's runtime-statistics scales and zero points keep a step counter, fold the first statistic into their
+    buffer and the final average into their value, both starting from 1 (a scale) or 0 (a zero point);
+    recalibrating after an algorithm has changed a layer's inputs (AWQ's folded scales) needs all three restored.
     """
     from brevitas.core.scaling.standalone import ParameterFromRuntimeStatsScaling
     from brevitas.core.zero_point import ParameterFromRuntimeZeroPoint
@@ -562,6 +599,7 @@ def restart_activation_statistics(model: nn.Module) -> int:
                 module.counter = 0
                 with torch.no_grad():
                     module.value.fill_(value)
+                    module.buffer.fill_(value)
                 count += 1
     return count
 
