@@ -332,6 +332,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 # ===================================================================== plan / presets
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from quark_brevitas.algorithms import describe_algorithms
     from quark_brevitas.backend import plan_table
     from quark_brevitas.digits import DigitsCNN
 
@@ -341,6 +342,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     post = ", ".join(type(a).__name__ for a in config.algo_config) or "-"
     print(f"DigitsCNN plan ({source}; pre-quant: {pre}; algorithms: {post})")
     print(plan_table(rows))
+    described = describe_algorithms(config, DigitsCNN())  # what the algorithms work on (inferred structure)
+    if described:
+        print("\n" + "\n".join(described))
     return 0
 
 

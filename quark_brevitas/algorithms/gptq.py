@@ -145,10 +145,11 @@ def warn_few_samples(algorithm: str, where: str, samples: dict[str, int], featur
     need = max(need for _, need in short.values())
     listed = ", ".join(f"{name} ({seen} < {need_})" for name, (seen, need_) in list(short.items())[:6])
     more = f" and {len(short) - 6} more" if len(short) > 6 else ""
-    logger.warning("%s%s: %d layer(s) saw fewer calibration samples (tokens) than they have input features: "
-                   "%s%s. Their input Hessian is rank-deficient and the result may be worse than rounding to "
-                   "nearest; give at least %d samples (several times more is better), e.g. more or longer "
-                   "calibration sequences", algorithm, f" on {where}" if where else "", len(short), listed, more, need)
+    logger.warning("%s%s: %d layer(s) saw fewer calibration samples (input vectors: tokens, or convolution "
+                   "patches) than they have input features: %s%s. Their input Hessian is rank-deficient and the "
+                   "result may be worse than rounding to nearest; give at least %d samples (several times more is "
+                   "better), e.g. more or longer calibration sequences", algorithm, f" on {where}" if where else "",
+                   len(short), listed, more, need)
 
 
 @dataclass
