@@ -245,6 +245,13 @@ def _verify_restated_weight_spec(algo: Any, config: Any, path: str) -> None:
                                                     "groups); set group_size=-1, or use a per_group weight spec")
 
 
+def _verify_quark_weight_algorithm(algo: Any, config: Any, path: str) -> None:
+    """What AWQConfig and GPTQConfig share: Quark's name, the restated weight spec, the embedding layer names."""
+    _verify_quark_name(algo, path)
+    _verify_restated_weight_spec(algo, config, path)
+    _verify_names(algo.embedding_layers, f"{path}.embedding_layers")
+
+
 def _verify_names(names: list[str] | None, path: str) -> None:
     if names is not None and not all(isinstance(n, str) and n for n in names):
         raise ConfigError(path, f"must be a list of module names, got {names!r}")
@@ -310,10 +317,8 @@ class AWQConfig(AlgoConfig):
 
     def verify(self, config: Any, path: str) -> None:
         super().verify(config, path)
-        _verify_quark_name(self, path)
-        _verify_restated_weight_spec(self, config, path)
+        _verify_quark_weight_algorithm(self, config, path)
         _verify_scaling_layers(self.scaling_layers, path)
-        _verify_names(self.embedding_layers, f"{path}.embedding_layers")
 
 
 @dataclass
@@ -353,12 +358,10 @@ class GPTQConfig(AlgoConfig):
 
     def verify(self, config: Any, path: str) -> None:
         super().verify(config, path)
-        _verify_quark_name(self, path)
-        _verify_restated_weight_spec(self, config, path)
+        _verify_quark_weight_algorithm(self, config, path)
         if not 0.0 < self.damp_percent < 1.0:
             raise ConfigError(f"{path}.damp_percent", f"must be in (0, 1), got {self.damp_percent}")
         _verify_names(self.inside_layer_modules, f"{path}.inside_layer_modules")
-        _verify_names(self.embedding_layers, f"{path}.embedding_layers")
 
 
 def registered(base: type) -> list[type]:

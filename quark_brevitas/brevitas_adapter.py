@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import brevitas
@@ -268,14 +268,18 @@ def groupwise_parts(quant_tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 @contextlib.contextmanager
-def weight_quant_disabled(proxy: nn.Module) -> Iterator[None]:
-    """Pass the weight through ``proxy`` unquantized while the context lasts."""
+def _quant_switched(proxy: nn.Module, disable: bool) -> Iterator[None]:
     previous = proxy.disable_quant
-    proxy.disable_quant = True
+    proxy.disable_quant = disable
     try:
         yield
     finally:
         proxy.disable_quant = previous
+
+
+def weight_quant_disabled(proxy: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Pass the weight through ``proxy`` unquantized while the context lasts."""
+    return _quant_switched(proxy, True)
 
 
 # ===================================================================== scales
@@ -512,15 +516,25 @@ def _int_weight_quant(layer: nn.Module) -> Any:
     return proxy, int_quant
 
 
-@contextlib.contextmanager
-def _quantizing(proxy: nn.Module) -> Iterator[None]:
-    """The proxy quantizes while the context lasts, even inside :func:`quantization_disabled`."""
-    previous = proxy.disable_quant
-    proxy.disable_quant = False
-    try:
-        yield
-    finally:
-        proxy.disable_quant = previous
+def _restore_initial_values(modules: Iterable[nn.Module], initial: dict[type, float]) -> int:
+    """Put statistics-initialised scale / zero-point modules back in their state before initialisation: ``value``
+    (and the runtime statistics' ``buffer``) to their initial value (1 for scales, 0 for zero points, which the
+    first statistic multiplies or is added to), ``init_done`` / ``counter`` back to the start; returns how many."""
+    count = 0
+    with torch.no_grad():
+        for module in modules:
+            value = initial.get(type(module))
+            if value is None:
+                continue
+            module.value.fill_(value)
+            if hasattr(module, "buffer"):
+                module.buffer.fill_(value)
+            if hasattr(module, "init_done"):
+                module.init_done = False
+            if hasattr(module, "counter"):
+                module.counter = 0
+            count += 1
+    return count
 
 
 def weight_grid(layer: nn.Module, weight: torch.Tensor | None = None) -> WeightGrid:
@@ -538,14 +552,9 @@ def weight_grid(layer: nn.Module, weight: torch.Tensor | None = None) -> WeightG
 
     proxy, int_quant = _int_weight_quant(layer)
     target = layer.weight if weight is None else weight
-    # Initialisation folds the statistic into the parameter's initial value (x 1 for a scale, + 0 for a zero
-    # point), so both are restored first.
-    initial = {ParameterFromStatsFromParameterScaling: 1.0, ParameterFromStatsFromParameterZeroPoint: 0.0}
-    with torch.no_grad(), _quantizing(proxy):
-        for module in proxy.modules():
-            if type(module) in initial:
-                module.value.fill_(initial[type(module)])
-                module.init_done = False
+    _restore_initial_values(proxy.modules(), {ParameterFromStatsFromParameterScaling: 1.0,
+                                              ParameterFromStatsFromParameterZeroPoint: 0.0})
+    with torch.no_grad(), _quant_switched(proxy, False):  # also inside quantization_disabled
         quant = proxy(target)
     bit_width = quant.bit_width
     scale = quant.scale.expand_as(target).detach()
@@ -570,7 +579,7 @@ def int_weight_format(layer: nn.Module) -> IntWeightFormat | None:
         proxy, _ = _int_weight_quant(layer)
     except QuarkBrevitasError:
         return None
-    with torch.no_grad(), _quantizing(proxy):
+    with torch.no_grad(), _quant_switched(proxy, False):
         bit_width = int(proxy.bit_width())
         scale = proxy.scale()
     group_size = int(injector_value(proxy, "group_size")) if is_groupwise(proxy) else -1
@@ -589,19 +598,8 @@ def restart_activation_statistics(model: nn.Module) -> int:
     from brevitas.core.zero_point import ParameterFromRuntimeZeroPoint
 
     initial = {ParameterFromRuntimeStatsScaling: 1.0, ParameterFromRuntimeZeroPoint: 0.0}
-    count = 0
-    for site in iter_quantizers(model):
-        if site.kind != "act" or is_dynamic_activation(site.proxy):
-            continue
-        for module in site.proxy.modules():
-            value = initial.get(type(module))
-            if value is not None:
-                module.counter = 0
-                with torch.no_grad():
-                    module.value.fill_(value)
-                    module.buffer.fill_(value)
-                count += 1
-    return count
+    return sum(_restore_initial_values(site.proxy.modules(), initial) for site in iter_quantizers(model)
+               if site.kind == "act" and not is_dynamic_activation(site.proxy))
 
 
 def has_static_activation_quantizers(model: nn.Module) -> bool:

@@ -427,3 +427,20 @@ def test_awq_with_quarks_explicit_scaling_layers_on_opt(batches) -> None:
     rounded = ModelQuantizer(_config(UINT4_G32)).quantize_model(model, batches)
     quantized = ModelQuantizer(_config(UINT4_G32, awq)).quantize_model(model, batches)
     assert relative_error(quantized, model, batches) < relative_error(rounded, model, batches)
+
+
+def test_llm_algorithms_survive_a_checkpoint(batches, tmp_path) -> None:
+    from quark_brevitas import load_quantized, save_quantized
+
+    config = _config(UINT4_G32, [AWQConfig(group_size=32), GPTQConfig(group_size=32)], act=INT8_TENSOR,
+                     pre=[SmoothQuantConfig(alpha=0.5)])
+    quantized = ModelQuantizer(config).quantize_model(tiny_llama(), batches)
+    save_quantized(quantized, tmp_path / "ckpt")
+    loaded = load_quantized(tiny_llama(), tmp_path / "ckpt")
+    with torch.no_grad():
+        assert torch.equal(loaded(batches[0]).logits, quantized(batches[0]).logits)
+
+
+def test_gptq_config_excludes_the_other_weight_rounding_algorithms() -> None:
+    with pytest.raises(ConfigError, match=r"algo_config: use at most one of .*GPTQConfig"):
+        ModelQuantizer(_config(UINT4_G32, [algos.GPTQ(), GPTQConfig(group_size=32)]))

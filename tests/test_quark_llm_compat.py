@@ -14,7 +14,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from llm_models import relative_error, tiny_gpt2, tiny_llama, tiny_opt, token_batches  # noqa: E402
+from llm_models import (  # noqa: E402
+    LLAMA_SCALING_LAYERS,
+    relative_error,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_opt,
+    token_batches,
+)
 
 from quark_brevitas import ModelQuantizer  # noqa: E402  # was: from quark.torch import ModelQuantizer
 from quark_brevitas.config import (  # noqa: E402  # was: quark.torch.quantization.config.config
@@ -42,14 +49,7 @@ EXCLUDE_LAYERS = ["lm_head"]
 
 LLAMA_AWQ_CONFIG = AWQConfig(
     group_size=32,
-    scaling_layers=[
-        {"prev_op": "input_layernorm", "layers": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-         "inp": "self_attn.q_proj", "module2inspect": "self_attn"},
-        {"prev_op": "self_attn.v_proj", "layers": ["self_attn.o_proj"], "inp": "self_attn.o_proj"},
-        {"prev_op": "post_attention_layernorm", "layers": ["mlp.gate_proj", "mlp.up_proj"], "inp": "mlp.gate_proj",
-         "module2inspect": "mlp"},
-        {"prev_op": "mlp.up_proj", "layers": ["mlp.down_proj"], "inp": "mlp.down_proj"},
-    ],
+    scaling_layers=LLAMA_SCALING_LAYERS,  # Quark's Llama scaling layers (its documentation's JSON)
     model_decoder_layers="model.layers",
 )
 LLAMA_GPTQ_CONFIG = GPTQConfig(
@@ -97,48 +97,19 @@ def calib_dataloader() -> list[torch.Tensor]:
     return token_batches()
 
 
-def _plain_error(model, global_config, data) -> float:
-    plain = quantize(model, Config(global_quant_config=global_config, exclude=EXCLUDE_LAYERS), data)
-    return relative_error(plain, model, data)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", [LLAMA_AWQ_CONFIG, LLAMA_GPTQ_CONFIG], ids=["awq", "gptq"])
-def test_llama_w4_with_quark_algorithm_configs(algo, calib_dataloader) -> None:
-    model = tiny_llama()
-    quant_config = Config(global_quant_config=W_UINT4_PER_GROUP_CONFIG, algo_config=algo, exclude=EXCLUDE_LAYERS)
+@pytest.mark.parametrize(("build", "global_config", "algorithms"), [
+    (tiny_llama, W_UINT4_PER_GROUP_CONFIG, {"algo_config": LLAMA_AWQ_CONFIG}),
+    (tiny_llama, W_UINT4_PER_GROUP_CONFIG, {"algo_config": LLAMA_GPTQ_CONFIG}),
+    (tiny_llama, W_INT8_A_INT8_PER_TENSOR_CONFIG, {"pre_quant_opt_config": LLAMA_SMOOTH_CONFIG}),
+    (tiny_opt, W_UINT4_PER_GROUP_CONFIG, {"algo_config": [OPT_AWQ_CONFIG]}),
+    # nothing given: decoder and scaling layers inferred, GPT-2's Conv1D projections quantized
+    (tiny_gpt2, W_UINT4_PER_GROUP_CONFIG, {"pre_quant_opt_config": SmoothQuantConfig(alpha=0.5),
+                                           "algo_config": [AWQConfig(group_size=32), GPTQConfig(group_size=32)]}),
+], ids=["llama-awq", "llama-gptq", "llama-w8a8-smoothquant", "opt-awq", "gpt2-inferred"])
+def test_quark_llm_configs_run_and_beat_plain_rounding(build, global_config, algorithms, calib_dataloader) -> None:
+    model = build()
+    quant_config = Config(global_quant_config=global_config, exclude=EXCLUDE_LAYERS, **algorithms)
     quantized = quantize(model, quant_config, calib_dataloader)
-    assert relative_error(quantized, model, calib_dataloader) < _plain_error(model, W_UINT4_PER_GROUP_CONFIG,
-                                                                             calib_dataloader)
-
-
-@pytest.mark.slow
-def test_llama_w8a8_with_quark_smoothquant(calib_dataloader) -> None:
-    model = tiny_llama()
-    quant_config = Config(global_quant_config=W_INT8_A_INT8_PER_TENSOR_CONFIG, pre_quant_opt_config=LLAMA_SMOOTH_CONFIG,
-                          exclude=EXCLUDE_LAYERS)
-    quantized = quantize(model, quant_config, calib_dataloader)
-    assert relative_error(quantized, model, calib_dataloader) < _plain_error(model, W_INT8_A_INT8_PER_TENSOR_CONFIG,
-                                                                             calib_dataloader)
-
-
-@pytest.mark.slow
-def test_opt_w4_with_quarks_opt_awq_config(calib_dataloader) -> None:
-    model = tiny_opt()
-    quant_config = Config(global_quant_config=W_UINT4_PER_GROUP_CONFIG, algo_config=[OPT_AWQ_CONFIG],
-                          exclude=EXCLUDE_LAYERS)
-    quantized = quantize(model, quant_config, calib_dataloader)
-    assert relative_error(quantized, model, calib_dataloader) < _plain_error(model, W_UINT4_PER_GROUP_CONFIG,
-                                                                             calib_dataloader)
-
-
-@pytest.mark.slow
-def test_gpt2_with_inferred_structure(calib_dataloader) -> None:
-    """No scaling layers or decoder layers given: inferred (GPT-2's Conv1D projections quantized)."""
-    model = tiny_gpt2()
-    quant_config = Config(global_quant_config=W_UINT4_PER_GROUP_CONFIG,
-                          pre_quant_opt_config=SmoothQuantConfig(alpha=0.5),
-                          algo_config=[AWQConfig(group_size=32), GPTQConfig(group_size=32)], exclude=EXCLUDE_LAYERS)
-    quantized = quantize(model, quant_config, calib_dataloader)
-    assert relative_error(quantized, model, calib_dataloader) < _plain_error(model, W_UINT4_PER_GROUP_CONFIG,
-                                                                             calib_dataloader)
+    plain = quantize(model, Config(global_quant_config=global_config, exclude=EXCLUDE_LAYERS), calib_dataloader)
+    assert relative_error(quantized, model, calib_dataloader) < relative_error(plain, model, calib_dataloader)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -154,18 +154,23 @@ def warn_few_samples(algorithm: str, where: str, samples: dict[str, int], featur
 
 @dataclass
 class _Pass:
-    """What one pass over a block's inputs collects: per-layer Hessian sums and sample counts, and on the first
-    batch the order in which layers are first called and the object each is called with."""
+    """What one pass over a block's inputs collects: per-layer Hessian sums and sample counts. On the first batch
+    it records the order in which layers are first called and the object each is called with, which decides the
+    group of layers this pass is for (``sequential``: the layers sharing the first layer's input; otherwise all);
+    from the second batch on only that group's Hessians are accumulated."""
 
-    hessians: dict[str, torch.Tensor]
-    counts: dict[str, int]
-    first_calls: list[tuple[str, Any]]
-    seen: set[str]
+    sequential: bool
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    first_calls: list[tuple[str, Any]] = field(default_factory=list)
+    group: list[str] | None = None
 
     def add(self, name: str, rows: torch.Tensor, raw: Any) -> None:
-        if name not in self.seen:
-            self.seen.add(name)
-            self.first_calls.append((name, raw))
+        if self.group is None:
+            if name not in self.counts:
+                self.first_calls.append((name, raw))
+        elif name not in self.group:
+            return
         product = rows.t() @ rows
         if name in self.hessians:
             self.hessians[name] += product
@@ -173,10 +178,13 @@ class _Pass:
             self.hessians[name] = product
         self.counts[name] = self.counts.get(name, 0) + rows.shape[0]
 
-    def next_group(self) -> list[str]:
-        """The layers called with the same object as the first layer called (q/k/v, gate/up, ...)."""
-        first = self.first_calls[0][1]
-        return [name for name, raw in self.first_calls if raw is first]
+    def batch_done(self, _index: int, _output: Any) -> None:
+        if self.group is None and self.first_calls:
+            first = self.first_calls[0][1]
+            self.group = [name for name, raw in self.first_calls if raw is first or not self.sequential]
+            self.first_calls.clear()  # the inputs of the first batch need not be kept alive any longer
+            for name in [n for n in self.hessians if n not in self.group]:
+                del self.hessians[name], self.counts[name]
 
 
 @register(algos.GPTQConfig)
@@ -223,22 +231,20 @@ class GPTQConfigHandler(BlockwiseHandler):
         samples: dict[str, int] = {}
         with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False):
             while remaining:
-                collected = _Pass({}, {}, [], set())
+                collected = _Pass(algo.true_sequential)
                 with layer_inputs(remaining, collected.add):
-                    data.forward(block, f"{algo.name}: Hessians of {name or where}")
-                if not collected.first_calls:
+                    data.forward(block, f"{algo.name}: Hessians of {name or where}", on_output=collected.batch_done)
+                if not collected.group:
                     raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
-                group = collected.next_group() if algo.true_sequential else list(collected.seen)
-                for layer_name in group:
+                for layer_name in collected.group:
                     count = torch.tensor(float(collected.counts[layer_name]))
                     data.all_reduce(count, "sum")
                     hessian = data.all_reduce(collected.hessians[layer_name], "sum") / count
                     samples[layer_name] = int(count)
                     loss = self._quantize(algo, layer_name, remaining.pop(layer_name), hessian)
                     logger.debug("GPTQConfig %s.%s: loss %.4g", name, layer_name, loss)
-                uncalled = [n for n in remaining if n not in collected.seen]
-                if uncalled and not algo.true_sequential:
-                    raise ModelError(f"GPTQConfig on {where}: {', '.join(uncalled)} was not called by the block")
+                if remaining and not algo.true_sequential:
+                    raise ModelError(f"GPTQConfig on {where}: {', '.join(remaining)} was not called by the block")
         warn_few_samples("GPTQConfig", where, samples, features)
         logger.info("GPTQConfig: %s done in %.2f s", name or where, time.perf_counter() - start)
         return block
