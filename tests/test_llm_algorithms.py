@@ -444,3 +444,39 @@ def test_llm_algorithms_survive_a_checkpoint(batches, tmp_path) -> None:
 def test_gptq_config_excludes_the_other_weight_rounding_algorithms() -> None:
     with pytest.raises(ConfigError, match=r"algo_config: use at most one of .*GPTQConfig"):
         ModelQuantizer(_config(UINT4_G32, [algos.GPTQ(), GPTQConfig(group_size=32)]))
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_opt, tiny_gpt2, tiny_bert])
+def test_hugging_face_decoder_stacks_are_chained(build, batches) -> None:
+    from quark_brevitas.algorithms.blocks import blocks_are_chained
+
+    model = build()
+    structure = model_structure(model, want_scaling=False)
+    blocks = [model.get_submodule(name) for name in structure.blocks]
+    assert blocks_are_chained(model, blocks, CalibrationData(batches), "check")
+
+
+def test_a_stack_that_is_not_chained_is_recognised(batches) -> None:
+    from quark_brevitas.algorithms.blocks import blocks_are_chained
+
+    class Scaled(nn.Module):  # does something between its blocks
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers[1](2 * self.layers[0](x))
+
+    model = Scaled()
+    assert not blocks_are_chained(model, list(model.layers), CalibrationData([torch.randn(2, 8)]), "check")
+
+
+def test_chained_blocks_give_the_result_of_capturing_each_block(batches, monkeypatch) -> None:
+    from quark_brevitas.algorithms import blocks
+
+    config = _config(UINT4_G32, GPTQConfig(group_size=32))
+    chained = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches)
+    monkeypatch.setattr(blocks, "blocks_are_chained", lambda *args: False)
+    captured = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches)
+    for a, b in zip(chained.parameters(), captured.parameters()):
+        assert torch.equal(a, b)

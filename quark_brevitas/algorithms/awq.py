@@ -98,23 +98,25 @@ def clip_search(layer: nn.Module, rows: torch.Tensor, group_size: int, data: Cal
     weight = linear_weight(layer).detach().float()
     out_features, in_features = weight.shape
     size = in_features if group_size == -1 else group_size
-    groups = in_features // size
-    grouped = weight.view(out_features, groups, size)
-    inputs = rows.view(rows.shape[0], groups, size)
+    groups = -(-in_features // size)
+    pad = groups * size - in_features  # a last, partial group is padded with zeros (as Brevitas pads it)
+    grouped = torch.nn.functional.pad(weight, (0, pad)).view(out_features, groups, size)
+    inputs = torch.nn.functional.pad(rows, (0, pad)).view(rows.shape[0], groups, size)
     peak = grouped.abs().amax(dim=-1, keepdim=True)
     chunk = max(1, (1 << 22) // max(1, rows.shape[0] * groups))  # output channels per step, ~16 MB of products
     errors = torch.zeros(CLIP_STEPS, out_features, groups)
     for step in range(CLIP_STEPS):
         limit = peak * (1 - step / GRID)
-        clipped = torch.clamp(grouped, -limit, limit).view(out_features, in_features)
-        difference = grouped - _fake_quantized(layer, clipped).view(out_features, groups, size)
+        clipped = torch.clamp(grouped, -limit, limit).view(out_features, -1)[:, :in_features]
+        quantized = torch.nn.functional.pad(_fake_quantized(layer, clipped), (0, pad))
+        difference = grouped - quantized.view(out_features, groups, size)
         for first in range(0, out_features, chunk):
             products = torch.einsum("ngk,ogk->nog", inputs, difference[first:first + chunk])
             errors[step, first:first + chunk] = products.pow(2).sum(dim=0)
     data.all_reduce(errors, "sum")
     best = errors.argmin(dim=0)  # [out, groups]
     limit = peak * (1 - best.unsqueeze(-1).float() / GRID)
-    return torch.clamp(grouped, -limit, limit).view(out_features, in_features)
+    return torch.clamp(grouped, -limit, limit).view(out_features, -1)[:, :in_features]
 
 
 @register(algos.AWQConfig)

@@ -7,10 +7,12 @@ once: :meth:`~BlockwiseHandler.blocks` names the blocks of a model (:mod:`quark_
 batches are that block's inputs. Names in the algorithm's config are relative to the block, so a block knows
 everything it needs.
 
-Run on a whole model (:meth:`~BlockwiseHandler.apply`), the handler captures each block's inputs by running the
-model up to that block (a forward pre-hook stops the pass there) and calls ``apply_block``. That costs one partial
-pass per block (quadratic in depth); the pipeline's block-by-block engine, which feeds each processed block's
-outputs to the next, calls ``apply_block`` directly and replaces this fallback.
+Run on a whole model (:meth:`~BlockwiseHandler.apply`), the handler captures the first block's inputs by running
+the model up to it (a forward pre-hook stops the pass there), and feeds each processed block's outputs to the next
+block when the stack is chained (checked on the first batch: each block called once, with the previous block's
+output and otherwise the same arguments, as Hugging Face decoder stacks do); otherwise it captures each block's
+inputs with a partial pass (quadratic in depth). The pipeline's block-by-block engine calls ``apply_block``
+directly and replaces this fallback.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from quark_brevitas.data import CalibrationData
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.hf.structure import ScalingGroup, Structure, infer_scaling_layers, is_linear, model_structure
 
-__all__ = ["BlockInputs", "BlockwiseHandler", "capture_block_inputs", "first_batch_output", "main_output"]
+__all__ = ["BlockInputs", "BlockwiseHandler", "blocks_are_chained", "capture_block_inputs", "first_batch_output",
+           "main_output", "next_block_inputs"]
 
 
 def _as_call(batch: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -210,15 +213,70 @@ class BlockwiseHandler(AlgorithmHandler):
 
     def apply(self, algo: Any, model: nn.Module, data: CalibrationData | None) -> nn.Module:
         """Run :meth:`apply_block` on every block of ``model``, in order, each on its inputs as the model computes
-        them with the blocks before it already processed."""
+        them with the blocks before it already processed: when the blocks are chained (:func:`blocks_are_chained`),
+        the first block's inputs are captured and each processed block's outputs become the next block's hidden
+        states; otherwise each block's inputs are captured with a pass of the model up to it."""
         model.eval()
         names = self.blocks(algo, model)
-        for name in tqdm(names, desc=f"{algo.name} blocks", leave=False, disable=None):
-            if not name:
-                self.apply_block(algo, model, data, name)
-                continue
-            block = model.get_submodule(name)
-            with self.inputs_context(model):
-                inputs = capture_block_inputs(model, block, data, f"{algo.name}: inputs of {name}")
+        if names == [""]:
+            self.apply_block(algo, model, data, "")
+            return model
+        blocks = [model.get_submodule(name) for name in names]
+        chained = len(blocks) > 1 and blocks_are_chained(model, blocks, data, f"{algo.name}: decoder layers")
+        inputs: BlockInputs | None = None
+        for name, block in tqdm(list(zip(names, blocks)), desc=f"{algo.name} blocks", leave=False, disable=None):
+            if inputs is None or not chained:
+                with self.inputs_context(model):
+                    inputs = capture_block_inputs(model, block, data, f"{algo.name}: inputs of {name}")
             self.apply_block(algo, block, inputs, name)
+            if chained and block is not blocks[-1]:
+                with self.inputs_context(model):
+                    inputs = next_block_inputs(block, inputs, f"{algo.name}: outputs of {name}")
         return model
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and not isinstance(a, nn.Module | torch.Tensor) and a == b
+
+
+def blocks_are_chained(model: nn.Module, blocks: list[nn.Module], data: CalibrationData, desc: str) -> bool:
+    """Whether, on the first batch, each block is called once, with the previous block's output as its first
+    positional argument and otherwise with the same arguments as the first block (Hugging Face decoder stacks:
+    ``hidden = layer(hidden, attention_mask=..., position_embeddings=...)``)."""
+    calls: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = [[] for _ in blocks]
+    outputs: list[list[torch.Tensor]] = [[] for _ in blocks]
+    handles = []
+    for index, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(
+            lambda _m, args, kwargs, i=index: calls[i].append((args, kwargs)), with_kwargs=True))
+        handles.append(block.register_forward_hook(lambda _m, _a, out, i=index: outputs[i].append(main_output(out))))
+    try:
+        first_batch_output(model, data, desc)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if any(len(c) != 1 for c in calls):
+        return False
+    (first_args, first_kwargs), = calls[0]
+    for index in range(1, len(blocks)):
+        (args, kwargs), = calls[index]
+        if not (args and isinstance(args[0], torch.Tensor) and _same(args[0], outputs[index - 1][0])
+                and _same(args[1:], first_args[1:]) and kwargs.keys() == first_kwargs.keys()
+                and all(_same(kwargs[key], first_kwargs[key]) for key in kwargs)):
+            return False
+    return True
+
+
+def next_block_inputs(block: nn.Module, inputs: BlockInputs, desc: str) -> BlockInputs:
+    """The inputs of the block after ``block`` in a chained stack: ``block``'s outputs on ``inputs`` in place of
+    the hidden states, the other arguments unchanged."""
+    outputs: dict[int, torch.Tensor] = {}
+    inputs.forward(block, desc, on_output=lambda index, out: outputs.__setitem__(index, main_output(out).detach()))
+    calls = [((outputs[index], *args[1:]), kwargs) for index, (args, kwargs) in enumerate(inputs.loader)]
+    return BlockInputs(calls, inputs.parent)

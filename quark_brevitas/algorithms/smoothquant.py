@@ -27,7 +27,7 @@ from quark_brevitas.algorithms.blocks import BlockwiseHandler, first_batch_outpu
 from quark_brevitas.algorithms.scaling import ChannelStats, fold_scales, linear_weight
 from quark_brevitas.data import CalibrationData
 from quark_brevitas.errors import ConfigError
-from quark_brevitas.hf.structure import ScalingGroup
+from quark_brevitas.hf.structure import ScalingGroup, check_scaling_groups
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,10 @@ class SmoothQuantHandler(BlockwiseHandler):
 
     def apply_block(self, algo: Any, block: nn.Module, data: CalibrationData, name: str) -> nn.Module:
         block.eval()
+        groups = self.scaling_groups(algo, block)
+        check_scaling_groups(block, name, groups, "SmoothQuantConfig.scaling_layers")
         with torch.no_grad():
-            self._smooth(algo, block, data, [("", group, block) for group in self.scaling_groups(algo, block)])
+            self._smooth(algo, block, data, [("", group, block) for group in groups])
         return block
 
     def apply(self, algo: Any, model: nn.Module, data: CalibrationData | None) -> nn.Module:

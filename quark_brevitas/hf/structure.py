@@ -35,6 +35,7 @@ __all__ = [
     "ScalingGroup",
     "SkippedGroup",
     "Structure",
+    "check_scaling_groups",
     "decoder_blocks",
     "find_decoder_layers",
     "infer_embedding_layers",
