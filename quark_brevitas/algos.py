@@ -294,8 +294,9 @@ class SmoothQuantConfig(PreQuantOptConfig):
 @dataclass
 class AWQConfig(AlgoConfig):
     """AWQ (Lin et al.), Quark's ``AWQConfig``: per scaling group, a grid search over ``ratio`` in [0, 1) for the
-    per-input-channel scales ``mean|X|^ratio`` that minimise the decoder layer's output error with quantized
-    weights; the best scales are folded into the preceding norm or linear layer; then a search per weight group
+    per-input-channel scales ``mean|X|^ratio`` that minimise the output error of the group's ``module2inspect`` (or
+    of its layers) with quantized weights; the best scales are folded into the preceding norm or linear layer; then
+    a search per weight group
     for the clipping range (the group maximum shrunk by up to 50 %) that minimises each layer's output error.
     Weight grids are Brevitas's own (the layer's weight quantizer).
 

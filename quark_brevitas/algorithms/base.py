@@ -20,9 +20,9 @@ The contract between the pipeline and a handler:
   :class:`~quark_brevitas.algorithms.blocks.BlockInputs`) and may be called in any process holding that block.
   Names in the algorithm's config (scaling layers, ``inside_layer_modules``) are relative to the block; ``name`` is
   only used in messages. ``inputs_context(model)`` says under which quantization state the earlier blocks compute
-  a block's inputs (GPTQ: quantized weights, float activations; AWQ: all float). Their ``apply`` captures each
-  block's inputs itself (one partial pass per block) and calls ``apply_block``: a block engine calls ``apply_block``
-  directly, for each block in order, and feeds the processed block's outputs to the next.
+  a block's inputs (GPTQ: quantized weights, float activations; AWQ: all float). Their ``apply`` does the block
+  walk itself (capture the first block's inputs, feed each processed block's outputs to the next): a block engine
+  calls ``apply_block`` directly, for each block in order, and feeds the processed block's outputs to the next.
 - ``describe(algo, model)`` returns the lines ``plan`` shows for the algorithm on ``model`` (what was inferred) and
   raises :class:`ConfigError` if the algorithm cannot run on that model, before anything is changed.
 """

@@ -31,8 +31,8 @@ from quark_brevitas.data import CalibrationData
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.hf.structure import ScalingGroup, Structure, infer_scaling_layers, is_linear, model_structure
 
-__all__ = ["BlockInputs", "BlockwiseHandler", "blocks_are_chained", "capture_block_inputs", "first_batch_output",
-           "main_output", "next_block_inputs"]
+__all__ = ["BlockInputs", "BlockwiseHandler", "CallRecorder", "blocks_are_chained", "capture_block_inputs",
+           "first_batch_output", "main_output", "next_block_inputs"]
 
 
 def _as_call(batch: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -105,16 +105,48 @@ class _FirstBatchOnly(nn.Module):
         return self.model(*args, **kwargs) if self.calls == 1 else None
 
 
+def _replayable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A module call's arguments as they can be replayed: Hugging Face's key/value caches dropped, ``use_cache``
+    off."""
+    kept = {key: _without_cache(value) for key, value in kwargs.items()}
+    if "use_cache" in kept:
+        kept["use_cache"] = False
+    return tuple(_without_cache(arg) for arg in args), kept
+
+
+class CallRecorder:
+    """While the context lasts, records every call of some modules: the replayable ``(args, kwargs)``
+    (:attr:`calls`) and the main output, detached in float32 (:attr:`outputs`), per module name."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.modules = modules
+        self.calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {name: [] for name in modules}
+        self.outputs: dict[str, list[torch.Tensor]] = {name: [] for name in modules}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> CallRecorder:
+        for name, module in self.modules.items():
+            self._handles.append(module.register_forward_pre_hook(
+                lambda _m, args, kwargs, name=name: self.calls[name].append(_replayable(args, kwargs)),
+                with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                lambda _m, _args, output, name=name: self.outputs[name].append(
+                    main_output(output).detach().float().clone())))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
 def capture_block_inputs(model: nn.Module, block: nn.Module, data: CalibrationData, desc: str) -> BlockInputs:
     """The ``(args, kwargs)`` ``block`` is called with, for every batch of ``data`` run through ``model`` (which
     stops at the block). Hugging Face's key/value caches are dropped and ``use_cache`` is turned off."""
     captured: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
     def record(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        kept = {key: _without_cache(value) for key, value in kwargs.items()}
-        if "use_cache" in kept:
-            kept["use_cache"] = False
-        captured.append((tuple(_without_cache(arg) for arg in args), kept))
+        captured.append(_replayable(args, kwargs))
         raise StopFwdException
 
     handle = block.register_forward_pre_hook(record, with_kwargs=True)

@@ -56,8 +56,7 @@ DECODER_LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", 
 class ScalingGroup:
     """One entry of Quark's ``scaling_layers``: per-channel scales folded out of ``prev_op``'s output into the input
     channels of ``layers``; ``inp`` is the layer whose input is measured, ``module2inspect`` the sub-module whose
-    output Quark's AWQ measures (here the whole decoder layer's output is measured, which contains it). Names are
-    relative to a decoder layer."""
+    output AWQ measures (``None``: the layers' own outputs). Names are relative to a decoder layer."""
 
     prev_op: str
     layers: tuple[str, ...]
@@ -272,7 +271,7 @@ def check_scaling_groups(block: nn.Module, block_name: str, groups: Iterable[Sca
     names = {name for name, _ in block.named_modules()}
     where = f"decoder layer {block_name!r}" if block_name else "the model"
     for index, group in enumerate(groups):
-        for name in (group.prev_op, *group.layers):
+        for name in (group.prev_op, *group.layers, *([group.module2inspect] if group.module2inspect else [])):
             if name not in names:
                 close = sorted(n for n in names if n and n.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1])[:3]
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
