@@ -480,3 +480,16 @@ def test_chained_blocks_give_the_result_of_capturing_each_block(batches, monkeyp
     captured = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches)
     for a, b in zip(chained.parameters(), captured.parameters()):
         assert torch.equal(a, b)
+
+
+def test_cli_plan_prints_what_the_algorithms_work_on(tmp_path, capsys) -> None:
+    from quark_brevitas.cli import main
+
+    config = Config(QuantizationConfig(weight=QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_channel)),
+                    pre_quant_opt_config=[], algo_config=GPTQConfig(sym=True, group_size=-1))
+    path = tmp_path / "gptq.json"
+    path.write_text(config.to_json())
+    assert main(["plan", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "algo_config[0] GPTQConfig:" in out
+    assert "decoder layers: none: the model is one block" in out and "fc1, fc2" in out
