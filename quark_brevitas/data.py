@@ -54,7 +54,8 @@ def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
 def _move(value: Any, device: torch.device, dtype: torch.dtype, index: int, where: str) -> Any:
     if isinstance(value, torch.Tensor):
         if value.is_floating_point():
-            if not torch.isfinite(value).all():
+            # An additive attention mask (0 or -inf, as nn.Transformer.generate_square_subsequent_mask) is data.
+            if not torch.isfinite(value).all() and not ((value == 0) | (value == float("-inf"))).all():
                 bad = int((~torch.isfinite(value)).sum())
                 raise CalibrationDataError(
                     f"calibration batch {index}: {where} contains {bad} NaN/Inf value(s); "

@@ -40,24 +40,52 @@ class QuantMultiheadAttention(qnn.QuantMultiheadAttention):
       as in PyTorch);
     - ``in_proj_weight`` / ``in_proj_bias`` are read-only views of the q/k/v projections (for callers
       that inspect them); they keep PyTorch's fused transformer fast paths away (see
-      :class:`_RuntimeQuantizedParameter`).
+      :class:`_RuntimeQuantizedParameter`);
+    - keys and values may have their own widths (``kdim``, ``vdim``);
+    - ``key_padding_mask`` may be a float mask (added to the scores), as ``nn.TransformerEncoder`` passes it.
     """
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        seq_dim = 1 if self.batch_first and query.dim() == 3 else 0
+        target, source = query.shape[seq_dim], key.shape[seq_dim]
         if is_causal and attn_mask is None:
-            seq_dim = 1 if self.batch_first and query.dim() == 3 else 0
-            target, source = query.shape[seq_dim], key.shape[seq_dim]
             attn_mask = torch.ones(target, source, dtype=torch.bool, device=query.device).triu(1)
+        if key_padding_mask is not None and key_padding_mask.is_floating_point():
+            attn_mask = self._merge_float_padding(key_padding_mask, attn_mask, target, source, query.dtype)
+            key_padding_mask = None
         return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                                attn_mask=attn_mask, average_attn_weights=average_attn_weights)
+
+    def _merge_float_padding(self, padding: Tensor, attn_mask: Tensor | None, target: int, source: int,
+                             dtype: torch.dtype) -> Tensor:
+        """A float ``key_padding_mask`` (added to the scores, as ``nn.TransformerEncoder`` passes it after
+        canonicalising a boolean one) folded into a float ``(batch * heads, target, source)`` attention mask:
+        Brevitas merges padding masks with ``masked_fill`` and so takes boolean ones only."""
+        batch = padding.shape[0] if padding.dim() == 2 else 1
+        merged = padding.to(dtype).reshape(batch, 1, 1, source).expand(batch, self.num_heads, target, source)
+        merged = merged.reshape(batch * self.num_heads, target, source)
+        if attn_mask is None:
+            return merged
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros_like(attn_mask, dtype=dtype).masked_fill(attn_mask, float("-inf"))
+        return merged + attn_mask.to(dtype)
+
+    def multi_head_attention(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        # With separate q/k/v projections, keys and values may have their own widths (kdim, vdim) as in
+        # nn.MultiheadAttention; Brevitas's forward says so only for packed projections.
+        if self.in_proj is None:
+            kwargs["use_separate_proj_weight"] = True
+        return super().multi_head_attention(*args, **kwargs)
 
     def _projections(self) -> list[Any]:
         return [self.in_proj] if self.in_proj is not None else [self.q_proj, self.k_proj, self.v_proj]
 
     @property
-    def in_proj_weight(self) -> Tensor:
+    def in_proj_weight(self) -> Tensor | None:
+        if not self._qkv_same_embed_dim:
+            return None  # as in nn.MultiheadAttention with kdim/vdim: no packed weight
         weight = torch.cat([proj.weight.detach() for proj in self._projections()])
         return weight.as_subclass(_RuntimeQuantizedParameter)
 
@@ -78,6 +106,10 @@ class QuantConv1D(qnn.QuantLinear):
     GPT-2 state dict and the quantized model's match key for key and shape for shape; loading transposes back.
     ``nf`` and ``nx`` are kept, as ``Conv1D`` has them.
     """
+
+    #: Parameters whose layout differs from the float ``Conv1D``'s: the backend must not adopt the float layer's
+    #: ``Parameter`` for them (a square weight would fit and be used transposed).
+    float_layout_differs = ("weight",)
 
     def __init__(self, nf: int, nx: int, bias: bool = True, weight_quant: Any = None, bias_quant: Any = None,
                  input_quant: Any = None, output_quant: Any = None, return_quant_tensor: bool = False,

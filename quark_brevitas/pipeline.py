@@ -30,6 +30,7 @@ from quark_brevitas.container import Container
 from quark_brevitas.data import BatchToInputs, CalibrationData, model_device_dtype
 from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.resolve import Resolver
+from quark_brevitas.ties import run_untied
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,9 @@ class Pipeline:
     def _run_algorithms(self, stage: str, model: nn.Module, data: CalibrationData | None) -> nn.Module:
         for algo in getattr(self.config, stage):
             logger.info("Applying %s", _algorithm_name(algo))
-            model = handler_for(algo).apply(algo, model, data if algo.needs_data else None)
+            # Tied weights of quantized layers are untied only if the algorithm changes them (warning).
+            model = run_untied(model, _algorithm_name(algo), handler_for(algo).apply, algo,
+                               data if algo.needs_data else None)
         return model
 
     def _restore_algorithms(self, stage: str, model: nn.Module, saved: SavedStructure) -> nn.Module:

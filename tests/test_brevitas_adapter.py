@@ -6,6 +6,8 @@ here, clearly, rather than somewhere deep in a quantization run.
 
 from __future__ import annotations
 
+from typing import Any
+
 import brevitas
 import brevitas.nn as qnn
 import pytest
@@ -252,3 +254,176 @@ def test_restart_activation_statistics_gives_a_fresh_calibration(symmetric: bool
     calibrate(reference, second)
     assert torch.equal(layer.input_quant.scale(), reference.input_quant.scale())
     assert torch.equal(layer.input_quant.zero_point(), reference.input_quant.zero_point())
+
+
+# ===================================================================== analysis (quark_brevitas.analysis)
+def test_quantized_units_are_outermost_layers_and_equalized_wrappers() -> None:
+    from quark_brevitas.layers import QuantMultiheadAttention
+
+    attention = QuantMultiheadAttention(8, 2, batch_first=True, packed_in_proj=False)
+    model = nn.Sequential(adapter.wrap_equalized(_layer(), 8, [1, -1]), attention)
+    units = adapter.quantized_units(model, {qnn.QuantLinear, QuantMultiheadAttention})
+    assert list(units) == ["0", "1"], "EqualizedModule no longer keeps its layer as .layer, or the walk changed"
+    assert isinstance(units["0"], adapter.EqualizedModule) and units["1"] is attention
+
+
+def test_weight_pairs_are_the_float_and_quantized_weights_in_layout() -> None:
+    from quark_brevitas.config import QTensorConfig
+    from quark_brevitas.types import QSchemeType
+
+    grouped = _layer(QTensorConfig(bit_width=4, qscheme=QSchemeType.per_group, group_size=4))
+    ((float_weight, quant_weight),) = adapter.weight_quantization_pairs(grouped)
+    assert float_weight is not None and quant_weight.shape == grouped.weight.shape, \
+        "group-wise quant tensors' .value is no longer in the weight's layout"
+    assert torch.equal(float_weight, grouped.weight.detach())
+    import reference as ref
+
+    w = grouped.weight.detach()
+    expected = ref.int_qdq(w, ref.group_symmetric_scale(w, 4, 4), 0.0, 4, True, True)
+    assert torch.allclose(quant_weight, expected, atol=1e-6), "the quantized weight is not the group-wise qdq"
+    with adapter.weight_quant_disabled(grouped.weight_quant):
+        assert adapter.weight_quantization_pairs(grouped) == []
+
+
+def test_input_quantizer_hook_sees_the_quantized_input_and_runs_when_disabled() -> None:
+    from quark_brevitas.config import QTensorConfig
+
+    layer = _layer(act=QTensorConfig())
+    seen = []
+    adapter.input_quantizer(layer).register_forward_hook(lambda m, a, out: seen.append(adapter.plain_tensor(out)))
+    x = torch.randn(4, 8)
+    with adapter.calibration_mode(layer):
+        layer(x)
+    layer.eval()
+    layer(x)
+    step = (seen[-1] - x).abs().max()
+    assert isinstance(seen[-1], torch.Tensor) and 0 < step < x.abs().max() / 100, "input_quant output changed"
+    with adapter.quantization_disabled(layer):
+        layer(x)
+    assert torch.equal(seen[-1], x), "a disabled input quantizer no longer passes its input through (or is skipped)"
+
+
+def test_quantization_disabled_on_a_layer_restores_each_quantizer_state() -> None:
+    from quark_brevitas.config import QTensorConfig
+
+    model = nn.Sequential(_layer(act=QTensorConfig()), _layer(act=QTensorConfig())).eval()
+    model[0].input_quant.disable_quant = True  # a quantizer already off stays off afterwards
+    with adapter.quantization_disabled(model[0]):
+        assert not model[0].weight_quant.is_quant_enabled
+        assert model[1].weight_quant.is_quant_enabled, "disabling one layer reached another"
+    assert model[0].weight_quant.is_quant_enabled and model[0].input_quant.disable_quant is True
+
+
+# ===================================================================== half precision, ties, MSE, tracing (issue 13)
+def _half_layer(dtype: torch.dtype, kwargs_filter: Any = None) -> qnn.QuantLinear:
+    from quark_brevitas.backend import wbiol_kwargs
+    from quark_brevitas.config import QLayerConfig, QTensorConfig
+
+    kwargs = wbiol_kwargs(QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig(),
+                                       bias=QTensorConfig(bit_width=32)))
+    if kwargs_filter is not None:
+        kwargs = kwargs_filter(kwargs)
+    torch.manual_seed(0)
+    return qnn.QuantLinear(8, 4, bias=True, dtype=dtype, **kwargs)
+
+
+def test_weight_quantizers_take_their_dtype_from_the_weight_unless_the_injector_sets_it() -> None:
+    """SolveDtypeDeviceFromTrackedParameterList: a float16 weight gives a float16 scale; an explicit dtype in
+    the injector (float32_quantizer_kwargs) wins, also after the re-initialisation a state-dict load does."""
+    plain = _half_layer(torch.float16)
+    plain.quant_weight()
+    assert plain.weight_quant.tensor_quant.scaling_impl.value.dtype == torch.float16, \
+        "Brevitas no longer derives the weight scale's dtype from the weight: keep_quantizers_float32 may be obsolete"
+    wide = _half_layer(torch.float16, adapter.float32_quantizer_kwargs)
+    wide.quant_weight()
+    state = wide.state_dict()
+    assert wide.weight_quant.tensor_quant.scaling_impl.value.dtype == torch.float32
+    with adapter.ignore_missing_keys():
+        wide.load_state_dict(state)
+    assert wide.weight_quant.tensor_quant.scaling_impl.value.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_layers_mix_dtypes_without_float32_quantizers(dtype: torch.dtype) -> None:
+    """The failure keep_quantizers_float32 fixes: activation scales are float32, so a half layer's
+    quantized input is float32 and meets a half weight."""
+    layer = _half_layer(dtype)
+    with pytest.raises(RuntimeError, match="dtype|type"):
+        layer(torch.randn(2, 8, dtype=dtype))
+    fixed = _half_layer(dtype, adapter.float32_quantizer_kwargs)
+    adapter.keep_quantizers_float32(fixed)
+    out = fixed(torch.randn(2, 8, dtype=dtype))
+    assert out.dtype == dtype
+    assert all(t.dtype == torch.float32 for s in adapter.iter_quantizers(fixed, enabled_only=False)
+               for t in (*s.proxy.parameters(), *s.proxy.buffers()) if t.is_floating_point())
+
+
+def test_quant_tensors_keep_their_values_in_the_first_field() -> None:
+    from brevitas.quant_tensor import (
+        FloatQuantTensor,
+        GroupwiseFloatQuantTensor,
+        GroupwiseIntQuantTensor,
+        IntQuantTensor,
+    )
+
+    assert IntQuantTensor._fields[0] == "value" and FloatQuantTensor._fields[0] == "value"
+    assert GroupwiseIntQuantTensor._fields[0] == "value_" and GroupwiseFloatQuantTensor._fields[0] == "value_"
+
+
+def test_registering_a_weight_reinitialises_the_quantizer_and_swap_parameter_does_not() -> None:
+    layer = _layer()
+    layer.quant_weight()
+    scaling = layer.weight_quant.tensor_quant.scaling_impl
+    assert scaling.init_done
+    adapter.swap_parameter(layer, "weight", nn.Parameter(layer.weight.detach().clone()))
+    assert layer.weight_quant.tensor_quant.scaling_impl is scaling and scaling.init_done
+    layer.weight = nn.Parameter(layer.weight.detach().clone())
+    assert not layer.weight_quant.tensor_quant.scaling_impl.init_done, \
+        "QuantWeightMixin.register_parameter no longer re-initialises the quantizer: swap_parameter may be setattr"
+
+
+def test_adopt_parameters_keeps_the_float_layers_parameters() -> None:
+    from brevitas.graph.base import ModuleToModuleByInstance
+
+    old = nn.Linear(8, 4)
+    new = ModuleToModuleByInstance(old, qnn.QuantLinear).init_new_module(old)
+    assert new.weight is not old.weight, "Brevitas's replacement now keeps the Parameter objects itself"
+    adapter.adopt_parameters(new, old)
+    assert new.weight is old.weight and new.bias is old.bias
+    assert new.weight_quant.tracked_parameter_list[0] is old.weight
+
+
+def test_mse_stats_module_interface() -> None:
+    """sampled_activation_mse replaces MSE.mse_search per instance and MSE.mse_loss_fn per search."""
+    from brevitas.core.stats.stats_op import MSE
+
+    for name in ("mse_search", "mse_loss_fn", "evaluate_loss"):
+        assert callable(getattr(MSE, name, None)), f"brevitas MSE lost {name}"
+    from quark_brevitas.config import QTensorConfig
+    from quark_brevitas.types import ParamType
+
+    layer = _layer(act=QTensorConfig(param_type=ParamType.mse))
+    modules = [m for m in layer.modules() if isinstance(m, MSE)]
+    assert modules and all(m.stats_reduce_dim is None for m in modules)
+    with adapter.sampled_activation_mse(layer):
+        assert all("mse_search" in vars(m) for m in modules)
+    assert not any("mse_search" in vars(m) or "mse_loss_fn" in vars(m) for m in modules)
+
+
+def test_brevitas_tracer_still_warns_about_children_specs() -> None:
+    """Canary for the one filter in symbolic_trace: when Brevitas stops reading treespec.children_specs,
+    this fails and the filter can go."""
+    import warnings
+
+    from brevitas.fx import Tracer
+    from brevitas.fx.brevitas_tracer import _symbolic_trace
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    with warnings.catch_warnings(record=True) as raw:
+        warnings.simplefilter("always")
+        _symbolic_trace(Tracer(), model, None)
+    assert any(issubclass(w.category, FutureWarning) and "children_specs" in str(w.message) for w in raw)
+    with warnings.catch_warnings(record=True) as ours:
+        warnings.simplefilter("always")
+        adapter.symbolic_trace(model)
+    assert not any("children_specs" in str(w.message) for w in ours)

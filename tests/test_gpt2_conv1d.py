@@ -44,9 +44,10 @@ def test_every_conv1d_is_quantized_and_the_model_stays_close(batches) -> None:
     assert relative_error(quantized, model, batches) < 0.05
 
 
-def test_quant_conv1d_computes_the_reference_quantized_linear() -> None:
+@pytest.mark.parametrize("nf", [12, 8], ids=["rectangular", "square"])  # a square weight fits either layout
+def test_quant_conv1d_computes_the_reference_quantized_linear(nf: int) -> None:
     torch.manual_seed(0)
-    float_layer = Conv1D(12, 8)
+    float_layer = Conv1D(nf, 8)
     nn.init.normal_(float_layer.weight)
     nn.init.normal_(float_layer.bias)
     container = nn.Sequential(float_layer)

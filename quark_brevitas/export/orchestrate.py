@@ -30,6 +30,7 @@ from quark_brevitas.brevitas_adapter import require_onnxoptimizer, reset_export_
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.args import PathLike, TensorArgs, check_model, check_path, input_names, normalize_args
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
+from quark_brevitas.export.precision import float32_for_export
 from quark_brevitas.export.runtime import forget_session
 from quark_brevitas.export.verify import (
     FlatOutputs,
@@ -122,6 +123,7 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
     tol = validate_tolerance(tolerance)
     fmt.require_tools()
     _require_brevitas_exporter()
+    model, example = float32_for_export(model, example)  # half-precision models export as float32
 
     with eval_mode(model):
         fmt.inspect(model)
