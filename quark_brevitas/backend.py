@@ -3,7 +3,8 @@
 A *layer map* says, for each float layer class, which Brevitas class replaces it and how that
 class's quantizer keyword arguments are built from a resolved :class:`QuantizationConfig`. The
 default map covers ``Linear``, ``Conv1d``, ``Conv2d``, ``ConvTranspose1d``, ``ConvTranspose2d`` and
-``MultiheadAttention``; users add their own layer types through the dependency-injection container
+``MultiheadAttention``, and Hugging Face's ``Conv1D`` (GPT-2) when transformers is installed; users add their
+own layer types through the dependency-injection container
 (:mod:`quark_brevitas.container`) without patching the library. Matching is on the exact class,
 as in Brevitas, so subclasses with different behaviour are not replaced by accident.
 
@@ -14,8 +15,10 @@ Which config each layer gets (global, per layer type, per layer name, excluded) 
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +39,7 @@ from quark_brevitas.brevitas_adapter import (
 )
 from quark_brevitas.config import Config, QuantizationConfig
 from quark_brevitas.errors import ConfigError, ModelError
-from quark_brevitas.layers import QuantMultiheadAttention
+from quark_brevitas.layers import QuantConv1D, QuantMultiheadAttention
 from quark_brevitas.quantizers import build_quantizer
 from quark_brevitas.resolve import EXCLUDED, GLOBAL, Resolver
 from quark_brevitas.types import QSchemeType
@@ -130,14 +133,63 @@ class LayerMapping:
     check: LayerCheck | None = None
 
 
-DEFAULT_LAYER_MAP: dict[type[nn.Module], LayerMapping] = {
+#: Layer classes of optional packages, as ``(module, class name) -> mapping``: added to DEFAULT_LAYER_MAP when the
+#: map is first read, if the package is installed, so that importing quark_brevitas does not import them
+#: (transformers takes about 0.6 s to import). Hugging Face GPT-2 uses Conv1D for every projection.
+OPTIONAL_LAYER_MAP: dict[tuple[str, str], LayerMapping] = {
+    ("transformers.pytorch_utils", "Conv1D"): LayerMapping(QuantConv1D),
+}
+
+
+class _LayerMap(MutableMapping):
+    """A dict of layer mappings whose optional entries (:data:`OPTIONAL_LAYER_MAP`) are added on first read."""
+
+    def __init__(self, entries: Mapping[type[nn.Module], LayerMapping],
+                 optional: Mapping[tuple[str, str], LayerMapping]) -> None:
+        self._entries = dict(entries)
+        self._optional = dict(optional)
+
+    def _loaded(self) -> dict[type[nn.Module], LayerMapping]:
+        optional, self._optional = self._optional, {}
+        for (module_name, class_name), mapping in optional.items():
+            if importlib.util.find_spec(module_name.partition(".")[0]) is None:
+                continue
+            try:
+                cls = getattr(importlib.import_module(module_name), class_name)
+            except (ImportError, AttributeError) as exc:  # a broken optional package must not stop other models
+                logger.warning("%s.%s is not mapped for quantization: importing it failed (%s: %s)", module_name,
+                               class_name, type(exc).__name__, exc)
+                continue
+            self._entries.setdefault(cls, mapping)
+        return self._entries
+
+    def __getitem__(self, key: type[nn.Module]) -> LayerMapping:
+        return self._loaded()[key]
+
+    def __setitem__(self, key: type[nn.Module], value: LayerMapping) -> None:
+        self._loaded()[key] = value
+
+    def __delitem__(self, key: type[nn.Module]) -> None:
+        del self._loaded()[key]
+
+    def __iter__(self) -> Iterator[type[nn.Module]]:
+        return iter(self._loaded())
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+    def __repr__(self) -> str:
+        return repr(self._loaded())
+
+
+DEFAULT_LAYER_MAP: MutableMapping[type[nn.Module], LayerMapping] = _LayerMap({
     nn.Linear: LayerMapping(qnn.QuantLinear),
     nn.Conv1d: LayerMapping(qnn.QuantConv1d),
     nn.Conv2d: LayerMapping(qnn.QuantConv2d),
     nn.ConvTranspose1d: LayerMapping(qnn.QuantConvTranspose1d, check=transposed_conv_check),
     nn.ConvTranspose2d: LayerMapping(qnn.QuantConvTranspose2d, check=transposed_conv_check),
     nn.MultiheadAttention: LayerMapping(QuantMultiheadAttention, mha_kwargs),
-}
+}, OPTIONAL_LAYER_MAP)
 
 
 # Wrappers that pre-quantization steps put around a layer, and the attribute holding the layer:
@@ -341,6 +393,7 @@ def _why_float(row: PlannedLayer) -> str:
 __all__ = [
     "DEFAULT_LAYER_MAP",
     "LayerCheck",
+    "OPTIONAL_LAYER_MAP",
     "LayerMapping",
     "LayerwiseBackend",
     "PlannedLayer",

@@ -49,11 +49,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "FLOAT8_DTYPES",
+    "IntWeightFormat",
     "SUPPORTED_BREVITAS",
     "EqualizedModule",
     "QuantLayer",
     "QuantizerSite",
     "StopFwdException",
+    "WeightGrid",
     "a2gpfq_mode",
     "activation_equalization_mode",
     "bias_correction_mode",
@@ -66,12 +68,14 @@ __all__ = [
     "generative_quantizers",
     "gptq_mode",
     "groupwise_parts",
+    "has_static_activation_quantizers",
     "ignore_missing_keys",
     "init_weight_scales",
     "input_quantizer",
     "is_dynamic_activation",
     "is_float_quantizer",
     "is_groupwise",
+    "int_weight_format",
     "iter_quantizers",
     "load_quant_model_mode",
     "mark_scale_initialised",
@@ -83,9 +87,11 @@ __all__ = [
     "quantizer_names",
     "require_onnxoptimizer",
     "reset_export_mode",
+    "restart_activation_statistics",
     "scale_impl",
     "scale_parameters",
     "symbolic_trace",
+    "weight_grid",
     "weight_quant_disabled",
     "weight_quantization_pairs",
     "wrap_equalized",
@@ -272,14 +278,18 @@ def groupwise_parts(quant_tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 @contextlib.contextmanager
-def weight_quant_disabled(proxy: nn.Module) -> Iterator[None]:
-    """Pass the weight through ``proxy`` unquantized while the context lasts."""
+def _quant_switched(proxy: nn.Module, disable: bool) -> Iterator[None]:
     previous = proxy.disable_quant
-    proxy.disable_quant = True
+    proxy.disable_quant = disable
     try:
         yield
     finally:
         proxy.disable_quant = previous
+
+
+def weight_quant_disabled(proxy: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Pass the weight through ``proxy`` unquantized while the context lasts."""
+    return _quant_switched(proxy, True)
 
 
 # ===================================================================== scales
@@ -481,6 +491,132 @@ def require_onnxoptimizer() -> None:
         ) from exc
 
 
+# ===================================================================== weight grids and statistics (LLM algorithms)
+class WeightGrid(NamedTuple):
+    """The integer grid a layer's weight quantizer puts its weight on, per weight element.
+
+    ``scale`` and ``zero_point`` are broadcast to the weight's shape (``[out, in]`` for Linear layers), so column
+    ``j`` of the weight uses ``scale[:, j]`` whatever the granularity (per tensor, per channel, per group).
+    :meth:`quantize` repeats Brevitas's integer quantization (``IntQuant``) operation for operation, so values it
+    returns are exactly what Brevitas's quantized weight holds for them.
+    """
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    min_int: torch.Tensor
+    max_int: torch.Tensor
+    to_int: Callable[[torch.Tensor], torch.Tensor]
+    clamp: Callable[..., torch.Tensor]
+    bit_width: int
+
+    def quantize(self, weight: torch.Tensor, columns: Any = slice(None)) -> torch.Tensor:
+        """``weight`` (the weight, or its ``columns``) quantized and dequantized on this grid."""
+        scale, zero_point = self.scale[:, columns], self.zero_point[:, columns]
+        codes = self.clamp(self.to_int(weight / scale + zero_point), min_val=self.min_int, max_val=self.max_int)
+        return (codes - zero_point) * scale
+
+
+def _int_weight_quant(layer: nn.Module) -> Any:
+    """The layer's integer weight quantizer proxy and its ``IntQuant`` (whether or not quantization is switched off
+    for the moment, e.g. by :func:`quantization_disabled`)."""
+    proxy = getattr(layer, "weight_quant", None)
+    int_quant = getattr(getattr(proxy, "tensor_quant", None), "int_quant", None)
+    if not isinstance(proxy, WeightQuantProxyFromInjectorBase) or int_quant is None:
+        raise QuarkBrevitasError(f"{type(layer).__name__} has no integer weight quantizer")
+    return proxy, int_quant
+
+
+def _restore_initial_values(modules: Iterable[nn.Module], initial: dict[type, float]) -> int:
+    """Put statistics-initialised scale / zero-point modules back in their state before initialisation: ``value``
+    (and the runtime statistics' ``buffer``) to their initial value (1 for scales, 0 for zero points, which the
+    first statistic multiplies or is added to), ``init_done`` / ``counter`` back to the start; returns how many."""
+    count = 0
+    with torch.no_grad():
+        for module in modules:
+            value = initial.get(type(module))
+            if value is None:
+                continue
+            module.value.fill_(value)
+            if hasattr(module, "buffer"):
+                module.buffer.fill_(value)
+            if hasattr(module, "init_done"):
+                module.init_done = False
+            if hasattr(module, "counter"):
+                module.counter = 0
+            count += 1
+    return count
+
+
+def weight_grid(layer: nn.Module, weight: torch.Tensor | None = None) -> WeightGrid:
+    """(Re-)initialise ``layer``'s integer weight quantizer from ``weight`` (default: the layer's own weight) and
+    return its grid.
+
+    The library's weight quantizers compute their scale (and zero point) once from the float weight and keep it
+    as a parameter (``init_done``); algorithms that change the weight (AWQ's scaling and clipping) or choose the
+    grid for a weight they are still building (GPTQ) re-initialise it from the tensor they mean. Passing a tensor
+    other than the layer's weight works because a weight quantizer tracking one parameter takes its statistics
+    from the tensor it is called with.
+    """
+    from brevitas.core.scaling.standalone import ParameterFromStatsFromParameterScaling
+    from brevitas.core.zero_point import ParameterFromStatsFromParameterZeroPoint
+
+    proxy, int_quant = _int_weight_quant(layer)
+    target = layer.weight if weight is None else weight
+    _restore_initial_values(proxy.modules(), {ParameterFromStatsFromParameterScaling: 1.0,
+                                              ParameterFromStatsFromParameterZeroPoint: 0.0})
+    with torch.no_grad(), _quant_switched(proxy, False):  # also inside quantization_disabled
+        quant = proxy(target)
+    bit_width = quant.bit_width
+    scale = quant.scale.expand_as(target).detach()
+    zero_point = torch.as_tensor(quant.zero_point, dtype=scale.dtype, device=scale.device).expand_as(target).detach()
+    return WeightGrid(scale, zero_point, int_quant.min_int(bit_width), int_quant.max_int(bit_width),
+                      int_quant.float_to_int_impl, int_quant.tensor_clamp_impl, int(bit_width))
+
+
+class IntWeightFormat(NamedTuple):
+    """The format of an integer weight quantizer: bits, elements per group (-1: no groups) and whether one scale
+    covers the whole tensor."""
+
+    bit_width: int
+    group_size: int
+    per_tensor: bool
+
+
+def int_weight_format(layer: nn.Module) -> IntWeightFormat | None:
+    """The format of ``layer``'s integer weight quantizer, or ``None`` if the layer has none (float formats, or no
+    weight quantization)."""
+    try:
+        proxy, _ = _int_weight_quant(layer)
+    except QuarkBrevitasError:
+        return None
+    with torch.no_grad(), _quant_switched(proxy, False):
+        bit_width = int(proxy.bit_width())
+        scale = proxy.scale()
+    group_size = int(injector_value(proxy, "group_size")) if is_groupwise(proxy) else -1
+    return IntWeightFormat(bit_width, group_size, group_size == -1 and scale.numel() == 1)
+
+
+def restart_activation_statistics(model: nn.Module) -> int:
+    """Make the static activation quantizers of ``model`` forget their calibration, so that the next calibration
+    starts afresh; returns how many were reset.
+
+    Brevitas's runtime-statistics scales and zero points keep a step counter, fold the first statistic into their
+    buffer and the final average into their value, both starting from 1 (a scale) or 0 (a zero point);
+    recalibrating after an algorithm has changed a layer's inputs (AWQ's folded scales) needs all three restored.
+    """
+    from brevitas.core.scaling.standalone import ParameterFromRuntimeStatsScaling
+    from brevitas.core.zero_point import ParameterFromRuntimeZeroPoint
+
+    initial = {ParameterFromRuntimeStatsScaling: 1.0, ParameterFromRuntimeZeroPoint: 0.0}
+    return sum(_restore_initial_values(site.proxy.modules(), initial) for site in iter_quantizers(model)
+               if site.kind == "act" and not is_dynamic_activation(site.proxy))
+
+
+def has_static_activation_quantizers(model: nn.Module) -> bool:
+    """Whether ``model`` has an enabled activation quantizer whose scale comes from calibration."""
+    return any(site.kind == "act" and not is_dynamic_activation(site.proxy) for site in iter_quantizers(model))
+
+
 # ===================================================================== analysis (quark_brevitas.analysis)
 def quantized_units(model: nn.Module, quant_classes: Iterable[type]) -> dict[str, nn.Module]:
     """The layers the backend replaced, by the name the config hierarchy gives them: the outermost modules of
@@ -618,9 +754,10 @@ def adopt_parameters(new: nn.Module, old: nn.Module) -> None:
     tensor (``QuantWeightMixin.register_parameter``); nothing is initialised yet at this point, so
     nothing is lost.
     """
+    kept_apart = getattr(new, "float_layout_differs", ())  # e.g. QuantConv1D holds Conv1D's weight transposed
     for name, param in old._parameters.items():
         current = new._parameters.get(name)
-        if param is None or current is None or current is param:
+        if param is None or current is None or current is param or name in kept_apart:
             continue
         if current.shape == param.shape and current.dtype == param.dtype:
             setattr(new, name, param)

@@ -382,6 +382,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 # ===================================================================== plan / presets
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from quark_brevitas.algorithms import describe_algorithms
     from quark_brevitas.backend import plan_table
 
     config, source = _resolve_config(args)
@@ -390,6 +391,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     post = ", ".join(type(a).__name__ for a in config.algo_config) or "-"
     print(f"DigitsCNN plan ({source}; pre-quant: {pre}; algorithms: {post})")
     print(plan_table(rows))
+    from quark_brevitas.digits import DigitsCNN
+
+    described = describe_algorithms(config, DigitsCNN())  # what the algorithms work on (inferred structure)
+    if described:
+        print("\n" + "\n".join(described))
     return 0
 
 

@@ -4,6 +4,9 @@
 ``nn.MultiheadAttention`` inside ``nn.TransformerEncoder`` / ``nn.TransformerDecoder``: those containers
 pass ``is_causal=`` and read ``in_proj_weight`` / ``in_proj_bias``, which Brevitas's class lacks, and
 their fused fast paths would compute attention with the raw float weights, bypassing the quantizers.
+
+:class:`QuantConv1D` quantizes Hugging Face's ``transformers.pytorch_utils.Conv1D`` (every projection of GPT-2),
+a Linear layer that stores its weight transposed; Brevitas has no counterpart.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import brevitas.nn as qnn
 import torch
 from torch import Tensor
 
-__all__ = ["QuantMultiheadAttention"]
+__all__ = ["QuantConv1D", "QuantMultiheadAttention"]
 
 
 class _RuntimeQuantizedParameter(Tensor):
@@ -92,3 +95,39 @@ class QuantMultiheadAttention(qnn.QuantMultiheadAttention):
         if any(bias is None for bias in biases):
             return None
         return torch.cat([bias.detach() for bias in biases]).as_subclass(_RuntimeQuantizedParameter)
+
+
+class QuantConv1D(qnn.QuantLinear):
+    """Hugging Face's ``Conv1D`` (``y = x @ W + b`` with ``W`` of shape ``[nx, nf]``), quantized.
+
+    Inside, the weight is held the way Linear layers hold it (``[nf, nx]``: output channels first), so that
+    Brevitas's weight quantizers, the library's algorithms (GPTQ, AWQ, SmoothQuant) and the exporters treat it
+    as the Linear layer it is. Its state dict keeps ``Conv1D``'s layout (``weight`` is ``[nx, nf]``), so a float
+    GPT-2 state dict and the quantized model's match key for key and shape for shape; loading transposes back.
+    ``nf`` and ``nx`` are kept, as ``Conv1D`` has them.
+    """
+
+    #: Parameters whose layout differs from the float ``Conv1D``'s: the backend must not adopt the float layer's
+    #: ``Parameter`` for them (a square weight would fit and be used transposed).
+    float_layout_differs = ("weight",)
+
+    def __init__(self, nf: int, nx: int, bias: bool = True, weight_quant: Any = None, bias_quant: Any = None,
+                 input_quant: Any = None, output_quant: Any = None, return_quant_tensor: bool = False,
+                 device: Any = None, dtype: Any = None, **kwargs: Any) -> None:
+        super().__init__(nx, nf, bias=bias, weight_quant=weight_quant, bias_quant=bias_quant, input_quant=input_quant,
+                         output_quant=output_quant, return_quant_tensor=return_quant_tensor, device=device,
+                         dtype=dtype, **kwargs)
+        self.nf = nf
+        self.nx = nx
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = f"{prefix}weight"
+        if key in destination:
+            destination[key] = destination[key].t()
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        key = f"{prefix}weight"
+        if key in state_dict:
+            state_dict = {**state_dict, key: state_dict[key].t().contiguous()}
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -185,6 +185,77 @@ def test_float8_table_matches_torch() -> None:
     assert adapter.float8_dtype(3, 2) is None
 
 
+# ===================================================================== weight grids and activation re-calibration
+def _grid_specs():
+    from quark_brevitas.config import QTensorConfig
+    from quark_brevitas.types import Dtype, ParamType, QSchemeType, RoundType, ScaleType
+
+    return [
+        QTensorConfig(),
+        QTensorConfig(qscheme=QSchemeType.per_channel, bit_width=4),
+        QTensorConfig(bit_width=3, symmetric=False),
+        QTensorConfig(dtype=Dtype.uint4, qscheme=QSchemeType.per_group, group_size=4, symmetric=False),
+        QTensorConfig(qscheme=QSchemeType.per_group, group_size=4, bit_width=4, param_type=ParamType.mse),
+        QTensorConfig(qscheme=QSchemeType.per_channel, bit_width=4, round_method=RoundType.round,
+                      scale_type=ScaleType.pof2),
+    ]
+
+
+@pytest.mark.parametrize("spec", _grid_specs(), ids=lambda s: s.short())
+def test_weight_grid_repeats_int_quant_and_reinitialises_from_any_tensor(spec) -> None:
+    """Guards ``IntQuant`` (x / scale + zero point, float_to_int_impl, tensor_clamp_impl, min_int/max_int, then
+    (codes - zero point) * scale), the proxy's QuantTensor scale/zero point, and ``init_done`` plus the
+    parameter-from-stats value folding (x 1 for scales, + 0 for zero points) of weight scales and zero points."""
+    layer = _layer(spec)
+    grid = adapter.weight_grid(layer)
+    assert torch.equal(grid.quantize(layer.weight.detach()), layer.quant_weight().value)
+    other = torch.randn_like(layer.weight) * 3
+    fresh = _layer(spec)
+    with torch.no_grad():
+        fresh.weight.copy_(other)
+    expected = fresh.quant_weight().value  # a quantizer initialised from ``other`` the first time
+    for _ in range(2):  # re-initialising twice must give the same grid (no accumulation in the parameters)
+        grid = adapter.weight_grid(layer, other)
+    assert torch.equal(grid.quantize(other), expected)
+    with torch.no_grad():
+        layer.weight.copy_(grid.quantize(other))
+    assert torch.equal(layer.quant_weight().value, layer.weight), "values on the grid must stay where they are"
+    with adapter.quantization_disabled(layer):  # works while quantization is switched off too
+        assert torch.equal(adapter.weight_grid(layer, other).quantize(other), expected)
+
+
+def test_int_weight_format() -> None:
+    from quark_brevitas.config import QTensorConfig
+    from quark_brevitas.types import Dtype, QSchemeType
+
+    assert adapter.int_weight_format(_layer()) == adapter.IntWeightFormat(8, -1, True)
+    per_group = QTensorConfig(dtype=Dtype.uint4, qscheme=QSchemeType.per_group, group_size=4, symmetric=False)
+    assert adapter.int_weight_format(_layer(per_group)) == adapter.IntWeightFormat(4, 4, False)
+    assert adapter.int_weight_format(_layer(QTensorConfig(dtype=Dtype.fp8_e4m3))) is None
+    assert adapter.int_weight_format(nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_restart_activation_statistics_gives_a_fresh_calibration(symmetric: bool) -> None:
+    """Guards ``ParameterFromRuntimeStatsScaling`` / ``ParameterFromRuntimeZeroPoint``: ``counter``, ``buffer``
+    and ``value`` (1 for scales, 0 for zero points) are the whole calibration state."""
+    from quark_brevitas.calibration import calibrate
+    from quark_brevitas.config import QTensorConfig
+
+    act = QTensorConfig(symmetric=symmetric)
+    torch.manual_seed(1)
+    first = [torch.randn(16, 8) for _ in range(3)]
+    second = [torch.randn(16, 8) * 4 + 1 for _ in range(3)]
+    layer, reference = _layer(act=act), _layer(act=act)
+    calibrate(layer, first)
+    assert adapter.has_static_activation_quantizers(layer)
+    assert adapter.restart_activation_statistics(layer) >= 1
+    calibrate(layer, second)
+    calibrate(reference, second)
+    assert torch.equal(layer.input_quant.scale(), reference.input_quant.scale())
+    assert torch.equal(layer.input_quant.zero_point(), reference.input_quant.zero_point())
+
+
 # ===================================================================== analysis (quark_brevitas.analysis)
 def test_quantized_units_are_outermost_layers_and_equalized_wrappers() -> None:
     from quark_brevitas.layers import QuantMultiheadAttention
