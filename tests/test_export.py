@@ -11,6 +11,7 @@ import copy
 import os
 import pathlib
 import sys
+from typing import Any
 
 import brevitas.nn as qnn
 import numpy as np
@@ -334,12 +335,16 @@ def test_mismatch_detected_via_perturbed_onnx_run(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
 ) -> None:
     model = _conv_net(weight_quant=Int8WeightPerTensorFloat, act_quant=Int8ActPerTensorFloat)
-    real_run = export_mod.run_onnx
+    real_run, real_run_proto = export_mod.run_onnx, export_mod.run_model_proto
 
     def perturbed(path: pathlib.Path, args: torch.Tensor) -> list[np.ndarray]:
         return [out + 0.5 for out in real_run(path, args)]
 
+    def perturbed_proto(proto: Any, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {name: out + 0.5 for name, out in real_run_proto(proto, feed).items()}
+
     monkeypatch.setattr(export_mod, "run_onnx", perturbed)
+    monkeypatch.setattr(export_mod, "run_model_proto", perturbed_proto)  # the runtime of the pinned check too
     with pytest.raises(ExportMismatchError) as info:
         export_onnx_qcdq(model, _x(), tmp_path / "bad.onnx")
     err = info.value
@@ -404,7 +409,7 @@ def test_dict_outputs_are_flattened_in_order(tmp_path: pathlib.Path) -> None:
     ("bad_args", "culprit"),
     [
         ("not a tensor", "str"),
-        ({"x": torch.zeros(1, *IMG)}, "dict"),
+        ({"x": "not a tensor"}, "args\\['x'\\]"),  # dicts are keyword inputs: each value must be a tensor
         ([torch.zeros(1, *IMG), 3], "args\\[1\\]"),
     ],
     ids=["str", "dict", "list-with-int"],

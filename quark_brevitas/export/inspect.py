@@ -210,3 +210,17 @@ def candidate_opsets(opset: int | None, quantizers: Sequence[Quantizer]) -> list
     if float8:
         return list(range(MIN_FLOAT8_OPSET, MAX_OPSET + 1))
     return [DEFAULT_INT_OPSET]
+
+
+def raise_opsets(opsets: Sequence[int], minimum: int, *, requested: int | None) -> list[int]:
+    """``opsets`` without those below ``minimum`` (an operation of the model needs it, e.g.
+    ``scaled_dot_product_attention``: 14); :class:`ExportError` if the caller asked for a lower opset."""
+    if not minimum or all(o >= minimum for o in opsets):
+        return list(opsets)
+    if requested is not None:
+        raise ExportError(
+            f"the model calls an operation (scaled_dot_product_attention) that exports to ONNX only from opset "
+            f"{minimum} on; opset {requested} was asked for: use opset={minimum} or None"
+        )
+    kept = [o for o in opsets if o >= minimum]
+    return kept or [minimum]

@@ -28,16 +28,26 @@ from torch import nn
 
 from quark_brevitas.brevitas_adapter import require_onnxoptimizer, reset_export_mode
 from quark_brevitas.errors import QuarkBrevitasError
-from quark_brevitas.export.args import PathLike, TensorArgs, check_model, check_path, input_names, normalize_args
+from quark_brevitas.export.args import (
+    Example,
+    KeywordInputs,
+    PathLike,
+    TensorArgs,
+    check_model,
+    check_path,
+    normalize_example,
+)
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
+from quark_brevitas.export.pinned import PinnedSummary, check_pinned
 from quark_brevitas.export.runtime import forget_session
 from quark_brevitas.export.verify import (
-    FlatOutputs,
     Reference,
     VerificationResult,
-    compare,
+    accept,
     compute_reference,
     eval_mode,
+    exported_module,
+    measure,
     unique_names,
     validate_tolerance,
 )
@@ -78,8 +88,12 @@ class ExportFormat(abc.ABC, Generic[ReportT]):
     def prepare(self, model: nn.Module) -> None:  # noqa: B027 - an optional hook
         """Work that needs the model after its reference run."""
 
+    def require_opset(self, opset: int) -> None:  # noqa: B027 - an optional hook
+        """The reference run found an operation (e.g. ``scaled_dot_product_attention``) that exports only from
+        ``opset`` on: raise the format's opset to it, or raise :class:`ExportError` if the caller fixed a lower one."""
+
     @abc.abstractmethod
-    def write(self, model: nn.Module, args: tuple[torch.Tensor, ...], names: GraphNames,
+    def write(self, model: nn.Module, example: Example, names: GraphNames,
               workdir: pathlib.Path) -> onnx.ModelProto:
         """Let Brevitas export ``model`` (outputs already flat) inside ``workdir`` and post-process the graph."""
 
@@ -89,6 +103,14 @@ class ExportFormat(abc.ABC, Generic[ReportT]):
     @abc.abstractmethod
     def run(self, path: pathlib.Path, args: tuple[torch.Tensor, ...]) -> Sequence[np.ndarray]:
         """Execute the saved file on ``args`` with the format's runtime; outputs in graph order."""
+
+    #: Whether :meth:`run_proto` works, so that a file failing the output comparison gets the pinned check
+    #: of :mod:`~quark_brevitas.export.pinned`.
+    can_pin: ClassVar[bool] = False
+
+    def run_proto(self, proto: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Execute an in-memory variant of the file on named feeds (named outputs), as :meth:`run` does."""
+        raise NotImplementedError
 
     def recover(self, proto: onnx.ModelProto, mismatch: ExportMismatchError) -> bool:
         """After a failed verification: change ``proto`` so that it may pass (``True``: it is saved and
@@ -114,7 +136,8 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
     disagrees with PyTorch beyond the tolerance (the file is kept for inspection).
     """
     check_model(model)
-    example = normalize_args(args)
+    inputs = normalize_example(args)
+    example = inputs.tensors
     out_path = check_path(path)
     fmt.check_options()
     if out_path.is_dir():
@@ -125,22 +148,24 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
 
     with eval_mode(model):
         fmt.inspect(model)
-        reference = compute_reference(model, example)
+        called = KeywordInputs(model, inputs.names).eval() if inputs.keyword else model
+        reference = compute_reference(called, example)
         fmt.prepare(model)
-        names = _graph_names(reference, len(example))
-        flat = model if _single_tensor(reference) else FlatOutputs(model)
+        fmt.require_opset(reference.min_opset)
+        names = _graph_names(reference, inputs)
+        flat = exported_module(called, reference)
 
         out_dir = out_path.parent
         before = set(os.listdir(out_dir)) if out_dir.is_dir() else set()
         with tempfile.TemporaryDirectory(prefix=fmt.temp_prefix) as tmp:
-            proto = fmt.write(flat, example, names, pathlib.Path(tmp))
+            proto = fmt.write(flat, inputs, names, pathlib.Path(tmp))
         fmt.check_written(proto, out_path)
         out_dir.mkdir(parents=True, exist_ok=True)
         save_model(proto, out_path)
         stray = sorted(set(os.listdir(out_dir)) - before - {out_path.name})
         if stray:
             logger.warning("files appeared in %s during export (not written by this export): %s", out_dir, stray)
-        result = _verify(fmt, proto, reference, example, out_path, tol)
+        result = _verify(fmt, proto, reference, flat, example, names, out_path, tol)
     return fmt.report(proto, out_path, result, names)
 
 
@@ -152,25 +177,33 @@ def _require_brevitas_exporter() -> None:
         raise ExportError(str(exc)) from exc
 
 
-def _single_tensor(reference: Reference) -> bool:
-    return len(reference.outputs) == 1 and reference.outputs[0][0] == "output"
+def _graph_names(reference: Reference, example: Example) -> GraphNames:
+    return GraphNames(example.names, unique_names([name for name, _ in reference.outputs], example.names))
 
 
-def _graph_names(reference: Reference, n_inputs: int) -> GraphNames:
-    inputs = input_names(n_inputs)
-    return GraphNames(inputs, unique_names([name for name, _ in reference.outputs], inputs))
+def _check(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference, exported: nn.Module,
+           example: tuple[torch.Tensor, ...], names: GraphNames, path: pathlib.Path,
+           tolerance: float | None) -> VerificationResult:
+    """The output comparison, and the pinned check when it fails (see :mod:`~quark_brevitas.export.pinned`)."""
+    result = measure(reference, fmt.run(path, example), path, tolerance)
+
+    def pin(tol: float) -> PinnedSummary:
+        return check_pinned(proto, exported, example, names.inputs, reference.outputs, tol, path, fmt.run_proto)
+
+    return accept(result, path, pin if fmt.can_pin else None)
 
 
-def _verify(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference, example: tuple[torch.Tensor, ...],
-            path: pathlib.Path, tolerance: float | None) -> VerificationResult:
+def _verify(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference, exported: nn.Module,
+            example: tuple[torch.Tensor, ...], names: GraphNames, path: pathlib.Path,
+            tolerance: float | None) -> VerificationResult:
     try:
         try:
-            return compare(reference, fmt.run(path, example), path, tolerance)
+            return _check(fmt, proto, reference, exported, example, names, path, tolerance)
         except ExportMismatchError as exc:
             if not fmt.recover(proto, exc):
                 raise
         save_model(proto, path)  # the format changed the graph: verify the new file once more
-        return compare(reference, fmt.run(path, example), path, tolerance)
+        return _check(fmt, proto, reference, exported, example, names, path, tolerance)
     except ExportMismatchError as exc:
         explained = fmt.explain(exc)
         if explained is exc:
