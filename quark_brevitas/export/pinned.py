@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 #: A differing code is a rounding tie when PyTorch's input is within this fraction of the spacing between
 #: the two candidate values from their midpoint. Float rounding between two pinned quantizers moves
 #: inputs by ~1e-5 of a step (MiniLM: at most 2e-4); a wrong scale or a missing op by whole steps.
-TIE_FRACTION = 0.01
+TIE_FRACTION = 0.05
 #: Ops that may sit between an activation's QuantizeLinear and its DequantizeLinear after the integer-kernel
 #: rewrites (integer Clips, layout ops and MaxPool moved across the quantizer).
 _CHAIN_OPS = frozenset({"Clip", "Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "MaxPool"})
