@@ -13,11 +13,13 @@ about a mismatch, its report). Keeping one procedure keeps the guarantees of the
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import os
 import pathlib
+import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -231,17 +233,52 @@ def brevitas_export(export: Callable[..., Any], manager: Any, model: nn.Module, 
     and becomes an :class:`ExportError` naming ``where`` it was exporting to.
     """
     try:
-        export(
-            model,
-            args=args[0] if len(args) == 1 else args,
-            export_path=str(target_path),
-            dynamo=False,
-            opset_version=opset,
-            input_names=list(names.inputs),
-            output_names=list(names.outputs),
-            keep_initializers_as_inputs=False,
-            **options,
-        )
+        with _native_output_to_log(where):
+            export(
+                model,
+                args=args[0] if len(args) == 1 else args,
+                export_path=str(target_path),
+                dynamo=False,
+                opset_version=opset,
+                input_names=list(names.inputs),
+                output_names=list(names.outputs),
+                keep_initializers_as_inputs=False,
+                **options,
+            )
     except Exception as exc:
         reset_export_mode(model, manager)
-        raise ExportError(f"Brevitas could not export the model to {where}: {type(exc).__name__}: {exc}") from exc
+        message = str(exc).strip().splitlines()
+        first = message[0] if message else ""
+        more = f" (and {len(message) - 1} more lines, logged at DEBUG level)" if len(message) > 1 else ""
+        logger.debug("full error of the export to %s: %s", where, exc)
+        raise ExportError(f"Brevitas could not export the model to {where}: {type(exc).__name__}: {first}{more}") \
+            from exc
+
+
+@contextlib.contextmanager
+def _native_output_to_log(where: str) -> Iterator[None]:
+    """Send what the exporter prints at the file-descriptor level to the DEBUG log instead of the terminal.
+
+    torch's TorchScript exporter dumps the whole Torch IR graph to stderr when a conversion fails (its ONNX
+    log switch is always on: ``setup_onnx_logging`` tests the function object instead of calling it), thousands
+    of lines for a transformer before the one-line error that matters.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sink.seek(0)
+            text = sink.read().decode("utf-8", errors="replace").strip()
+            if text:
+                logger.debug("output of the export to %s (%d lines):\n%s", where, text.count("\n") + 1, text)
