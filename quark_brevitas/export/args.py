@@ -10,6 +10,7 @@ place, so that every entry point rejects a wrong argument with the same
 
 from __future__ import annotations
 
+import inspect
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -115,9 +116,19 @@ class KeywordInputs(nn.Module):
         super().__init__()
         self.model = model
         self.names = tuple(names)
+        # A decoder LM returns its key/value cache (a Cache object, no tensor) unless told not to: export the
+        # plain forward pass unless the caller passes the cache explicitly.
+        self.extra = {"use_cache": False} if _takes(model, "use_cache") and "use_cache" not in self.names else {}
 
     def forward(self, *args: torch.Tensor) -> Any:
-        return self.model(**dict(zip(self.names, args)))
+        return self.model(**dict(zip(self.names, args)), **self.extra)
+
+
+def _takes(model: nn.Module, keyword: str) -> bool:
+    try:
+        return keyword in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def dynamic_axes(example: Example, *, batch: bool, sequence: bool) -> dict[str, dict[int, str]] | None:
