@@ -253,3 +253,24 @@ def test_minilm_export_verifies_and_a_wrong_scale_is_rejected(preset: str, tmp_p
                       lambda p: _scale_activation(p, "layer.3/intermediate/dense/input_quant", 1.05))
     with pytest.raises(ExportMismatchError, match="layer.3.intermediate.dense"):
         verify_onnx(quant, example, broken)
+
+
+def test_cli_exports_a_huggingface_checkpoint(quant_bert: tuple[str, torch.nn.Module], tokenizer: object,
+                                              tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from quark_brevitas.checkpoint import read_checkpoint, save_quantized
+    from quark_brevitas.cli import main
+
+    attn, model = quant_bert
+    example = _batch(tokenizer, SENTENCES[:2])
+    save_quantized(model, tmp_path / "ckpt", example_input=example)
+    record = read_checkpoint(tmp_path / "ckpt").manifest["huggingface"]
+    assert record["class"].endswith("BertModel") and record["attn_implementation"] == attn
+    assert main(["export", str(tmp_path / "ckpt"), "--output", str(tmp_path / "stored.onnx")]) == 0  # dict example
+    assert "BertModel from the checkpoint's config" in capsys.readouterr().out
+    shape_args = ["--output", str(tmp_path / "shape.onnx"), "--input-shape", "3,7"]
+    assert main(["export", str(tmp_path / "ckpt"), *shape_args]) == 0
+    assert "random token ids, shape [3, 7]" in capsys.readouterr().out
+    with torch.no_grad():
+        ref = model(**example).last_hidden_state.numpy()
+    out = run_onnx(tmp_path / "stored.onnx", example)[0]
+    assert np.abs(out - ref).max() < 0.1  # the rebuilt model is the saved one (2 layers: no flip cascade)
