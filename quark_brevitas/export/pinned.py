@@ -50,6 +50,7 @@ from onnx import TensorProto
 from torch import nn
 
 from quark_brevitas.brevitas_adapter import iter_quantizers
+from quark_brevitas.export.dynamic import CODE_NODE
 from quark_brevitas.export.errors import ExportMismatchError
 from quark_brevitas.export.onnx_types import FLOAT8_ONNX_TYPES
 from quark_brevitas.export.passes.graph import GraphIndex
@@ -88,10 +89,12 @@ class PinnedSummary:
 
 @dataclass
 class _Call:
-    """One call of an activation quantizer in the PyTorch run."""
+    """One call of an activation quantizer in the PyTorch run (scale and zero point as PyTorch computed them)."""
 
     inputs: np.ndarray
     values: np.ndarray
+    scale: np.ndarray | None
+    zero_point: np.ndarray | None
 
 
 @dataclass
@@ -105,6 +108,7 @@ class _Site:
     clips: list[onnx.NodeProto]
     dequantize: onnx.NodeProto | None
     float8: bool
+    dynamic: bool = False  # codes of a dynamic quantizer (quark_brevitas.export.dynamic): PyTorch's scale per call
     pin: str = ""  # the tensor replaced by a graph input
     position: int = -1  # index of ``pin`` in ``chain`` (integer codes)
 
@@ -126,13 +130,17 @@ def recorded_calls(model: nn.Module) -> Iterator[dict[str, list[_Call]]]:
         tensor = x.value if hasattr(x, "value") else x
         return tensor.detach().cpu().float().numpy().copy()
 
+    def optional(t: Any) -> np.ndarray | None:
+        return t.detach().cpu().float().numpy().copy() if isinstance(t, torch.Tensor) else None
+
     for site in iter_quantizers(model):
         if site.kind != "act":
             continue
 
         def hook(_module: nn.Module, args: tuple[Any, ...], output: Any, name: str = site.name) -> None:
             if args and output is not None:
-                calls[name].append(_Call(value(args[0]), value(output)))
+                calls[name].append(_Call(value(args[0]), value(output), optional(getattr(output, "scale", None)),
+                                         optional(getattr(output, "zero_point", None))))
 
         hooks.append(site.proxy.register_forward_hook(hook))
     try:
@@ -164,9 +172,15 @@ def _sites(proto: onnx.ModelProto, proxies: set[str]) -> tuple[list[_Site], list
     index = GraphIndex(proto.graph)
     sites, unmatched = [], []
     for node in proto.graph.node:
+        found = _proxy_of(node)
+        if found is not None and node.name.rsplit("/", 1)[-1].startswith(CODE_NODE.rsplit("/", 1)[-1]):
+            if found[0] in proxies:
+                sites.append(_Site(found[0], found[1], node, [node.output[0]], [], None, False, dynamic=True))
+            else:
+                unmatched.append(node.name)
+            continue
         if node.op_type != "QuantizeLinear" or node.input[0] in index.inits:
             continue
-        found = _proxy_of(node)
         if found is None or found[0] not in proxies:
             if found is not None and found[0].rsplit(".", 1)[-1] in ("weight_quant", "bias_quant"):
                 continue
@@ -180,6 +194,11 @@ def _sites(proto: onnx.ModelProto, proxies: set[str]) -> tuple[list[_Site], list
             continue
         sites.append(_Site(found[0], found[1], node, chain, clips, dq, float8))
     return sites, unmatched
+
+
+def _is_signed(node: onnx.NodeProto) -> bool:
+    """Whether a dynamic quantizer's code node writes int8 (a Cast to INT8) rather than uint8."""
+    return node.op_type == "Cast" and any(a.name == "to" and a.i == TensorProto.INT8 for a in node.attribute)
 
 
 def _with_outputs(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
@@ -259,6 +278,15 @@ def check_pinned(proto: onnx.ModelProto, model: nn.Module, args: tuple[torch.Ten
         if site.float8:
             site.pin = site.dequantize.output[0]
             values, inputs = call.values, call.inputs
+        elif site.dynamic:
+            if call.scale is None:
+                unmatched.append(site.quantize.name)
+                continue
+            site.pin, site.position = site.chain[0], 0
+            zero_point = call.zero_point if call.zero_point is not None else np.zeros((), np.float32)
+            inputs = call.inputs.astype(np.float64) / call.scale.astype(np.float64) + zero_point.astype(np.float64)
+            values = _codes(call.values / call.scale.astype(np.float64), np.ones((), np.float64), zero_point,
+                            np.int8 if _is_signed(site.quantize) else np.uint8)
         else:
             scale, zero_point, code_type = _scale_zero_point(index, site.quantize)
             if scale is None or zero_point is None or scale.ndim != 0:

@@ -23,6 +23,7 @@ from torch import nn
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.args import Example, PathLike, TensorArgs, dynamic_axes
 from quark_brevitas.export.blocked import BLOCKED_OPSET, PlannedWeight, float_weights, insert_dequantize, plan_weights
+from quark_brevitas.export.dynamic import DynamicInput, float_inputs, insert_dynamic_quantization, plan_dynamic
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
 from quark_brevitas.export.inspect import Quantizer, candidate_opsets, inspect_quantizers, raise_opsets, target
 from quark_brevitas.export.onnx_types import uses_float8
@@ -113,6 +114,7 @@ class QCDQFormat(ExportFormat[ExportReport]):
         self.quantizers: list[Quantizer] = []
         self.opsets: list[int] = []
         self.plans: list[PlannedWeight] = []
+        self.dynamic: list[DynamicInput] = []
         self.chosen_opset = 0
         self.folded = 0
         self.rewrites: Rewrites = ()
@@ -132,6 +134,7 @@ class QCDQFormat(ExportFormat[ExportReport]):
             self.plans = plan_weights(model, [q.name for q in self.quantizers if q.planned])
         except QuarkBrevitasError as exc:
             raise ExportError(f"cannot export to {target(BLOCKED_OPSET)}: {exc}") from exc
+        self.dynamic = plan_dynamic(model, [q.name for q in self.quantizers if q.dynamic])
 
     def write(self, model: nn.Module, example: Example, names: GraphNames,
               workdir: pathlib.Path) -> onnx.ModelProto:
@@ -158,13 +161,17 @@ class QCDQFormat(ExportFormat[ExportReport]):
         args = example.tensors
         axes = dynamic_axes(example, batch=self.dynamic_batch, sequence=self.dynamic_sequence)
         weight_q_node = any(q.is_float8 and q.role == "weight" for q in self.quantizers)
-        with float_weights(self.plans):
+        with float_weights(self.plans), float_inputs(self.dynamic):
             brevitas_export(_brevitas_export_onnx_qcdq, StdQCDQONNXManager, model, args, raw_path, opset=opset,
                             names=names, where=target(opset), export_weight_q_node=weight_q_node,
                             dynamic_axes=axes)
             proto = onnx.load(str(raw_path))
         self.folded = fold_constant_quantization(proto.graph)
         self.rewrites = rewrite_for_integer_kernels(proto) if self.integer_kernels else ()
+        if self.dynamic:
+            paths = {id(module): name for name, module in model.named_modules()}
+            done = insert_dynamic_quantization(proto, self.dynamic, paths)
+            self.rewrites = (*self.rewrites, ("Linear inputs quantized dynamically (MatMulInteger)", done))
         clean_graph(proto.graph)
         if self.plans:
             try:
