@@ -77,14 +77,18 @@ W8_MSE = QTensorConfig(qscheme=QSchemeType.per_channel, param_type=ParamType.mse
 W4_MSE = QTensorConfig(qscheme=QSchemeType.per_channel, bit_width=4, param_type=ParamType.mse)
 A8 = QTensorConfig()  # int8 per tensor, symmetric
 A8_UINT8 = QTensorConfig(dtype=Dtype.uint8)  # asymmetric: unsigned codes and a zero point
+A8_DYNAMIC_TOKEN = QTensorConfig(is_dynamic=True, qscheme=QSchemeType.per_channel)  # per token: max|x| / 127
+A8_UINT8_DYNAMIC = QTensorConfig(dtype=Dtype.uint8, is_dynamic=True)  # quantize_dynamic's activations
+A8_UINT8_DYNAMIC_TOKEN = QTensorConfig(dtype=Dtype.uint8, is_dynamic=True, qscheme=QSchemeType.per_channel)
 BIAS32 = QTensorConfig(bit_width=32)
 EMBEDDING = QLayerConfig(weight=QTensorConfig())  # int8 per tensor, weight only
 
 
 def _config(weight: QTensorConfig, inputs: QTensorConfig | None, *, pre: Sequence[algos.AlgorithmConfig] = (),
             post: Sequence[algos.AlgorithmConfig] = ()) -> Config:
+    static = inputs is not None and not inputs.is_dynamic  # an int32 bias needs a fixed input scale
     return Config(
-        QLayerConfig(weight=weight, input_tensors=inputs, bias=BIAS32 if inputs is not None else None),
+        QLayerConfig(weight=weight, input_tensors=inputs, bias=BIAS32 if static else None),
         layer_type_quant_config={nn.Embedding: EMBEDDING},
         pre_quant_opt_config=[algos.Preprocess(), *pre],
         algo_config=list(post),
@@ -105,6 +109,9 @@ RECIPES: list[Recipe] = [
     Recipe("W8 per-channel MSE, A8 uint8 asymmetric", lambda: _config(W8_MSE, A8_UINT8)),
     Recipe("W8 per-channel, A8 uint8 + ActivationEqualization",
            lambda: _config(W8, A8_UINT8, pre=[algos.ActivationEqualization()])),
+    Recipe("W8 per-channel, A8 uint8 dynamic per-tensor", lambda: _config(W8, A8_UINT8_DYNAMIC)),
+    Recipe("W8 per-channel, A8 int8 dynamic per-token", lambda: _config(W8, A8_DYNAMIC_TOKEN)),
+    Recipe("W8 per-channel, A8 uint8 dynamic per-token", lambda: _config(W8, A8_UINT8_DYNAMIC_TOKEN)),
     Recipe("W4 per-channel MSE + GPTQ (weights only)", lambda: _config(W4_MSE, None, post=[algos.GPTQ()])),
     Recipe("W4 per-channel MSE + GPTQ, A8 uint8", lambda: _config(W4_MSE, A8_UINT8, post=[algos.GPTQ()])),
 ]

@@ -50,6 +50,7 @@ from quark_brevitas.export.verify import (
     eval_mode,
     exported_module,
     measure,
+    mismatch_error,
     unique_names,
     validate_tolerance,
 )
@@ -183,29 +184,23 @@ def _graph_names(reference: Reference, example: Example) -> GraphNames:
     return GraphNames(example.names, unique_names([name for name, _ in reference.outputs], example.names))
 
 
-def _check(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference, exported: nn.Module,
-           example: tuple[torch.Tensor, ...], names: GraphNames, path: pathlib.Path,
-           tolerance: float | None) -> VerificationResult:
-    """The output comparison, and the pinned check when it fails (see :mod:`~quark_brevitas.export.pinned`)."""
-    result = measure(reference, fmt.run(path, example), path, tolerance)
-
-    def pin(tol: float) -> PinnedSummary:
-        return check_pinned(proto, exported, example, names.inputs, reference.outputs, tol, path, fmt.run_proto)
-
-    return accept(result, path, pin if fmt.can_pin else None)
-
-
 def _verify(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference, exported: nn.Module,
             example: tuple[torch.Tensor, ...], names: GraphNames, path: pathlib.Path,
             tolerance: float | None) -> VerificationResult:
+    """Compare the file's outputs with PyTorch; on a mismatch let the format change the graph (``recover``) and
+    compare again; if it still differs, the pinned check decides (see :mod:`~quark_brevitas.export.pinned`)."""
     try:
-        try:
-            return _check(fmt, proto, reference, exported, example, names, path, tolerance)
-        except ExportMismatchError as exc:
-            if not fmt.recover(proto, exc):
-                raise
-        save_model(proto, path)  # the format changed the graph: verify the new file once more
-        return _check(fmt, proto, reference, exported, example, names, path, tolerance)
+        result = measure(reference, fmt.run(path, example), path, tolerance)
+        if result.max_abs_diff <= result.tolerance:
+            return result
+        if fmt.recover(proto, mismatch_error(result, path)):
+            save_model(proto, path)  # the format changed the graph: verify the new file once more
+            result = measure(reference, fmt.run(path, example), path, tolerance)
+
+        def pin(tol: float) -> PinnedSummary:
+            return check_pinned(proto, exported, example, names.inputs, reference.outputs, tol, path, fmt.run_proto)
+
+        return accept(result, path, pin if fmt.can_pin else None)
     except ExportMismatchError as exc:
         explained = fmt.explain(exc)
         if explained is exc:

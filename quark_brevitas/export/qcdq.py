@@ -22,7 +22,14 @@ from torch import nn
 
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.args import Example, PathLike, TensorArgs, dynamic_axes
-from quark_brevitas.export.blocked import BLOCKED_OPSET, PlannedWeight, float_weights, insert_dequantize, plan_weights
+from quark_brevitas.export.blocked import (
+    BLOCKED_OPSET,
+    PlannedWeight,
+    float_weights,
+    insert_dequantize,
+    pack_4bit_weights,
+    plan_weights,
+)
 from quark_brevitas.export.dynamic import DynamicInput, float_inputs, insert_dynamic_quantization, plan_dynamic
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
 from quark_brevitas.export.inspect import Quantizer, candidate_opsets, inspect_quantizers, raise_opsets, target
@@ -73,6 +80,8 @@ class ExportReport:
             activation quantizer pinned to PyTorch's codes, every quantizer and output matched
             (:mod:`quark_brevitas.export.pinned`); then ``max_abs_diff`` exceeds ``tolerance``.
         rounding_ties: With ``verified_by == "pinned"``: elements whose code differed at a rounding tie.
+        n_4bit_weights: Weights of 2-4 bit per-tensor / per-channel quantizers stored as ``INT4``/``UINT4``
+            (two codes a byte; the file is then opset 21).
     """
 
     path: pathlib.Path
@@ -96,6 +105,7 @@ class ExportReport:
     dynamic_sequence: bool = True
     verified_by: str = "outputs"
     rounding_ties: int = 0
+    n_4bit_weights: int = 0
 
 
 class QCDQFormat(ExportFormat[ExportReport]):
@@ -106,7 +116,8 @@ class QCDQFormat(ExportFormat[ExportReport]):
     can_pin = True
 
     def __init__(self, *, opset: int | None, dynamic_batch: bool, dynamic_sequence: bool,
-                 integer_kernels: bool) -> None:
+                 integer_kernels: bool, int4_weights: bool | None = None) -> None:
+        self.int4_weights = int4_weights
         self.requested_opset = opset
         self.dynamic_batch = dynamic_batch
         self.dynamic_sequence = dynamic_sequence
@@ -115,6 +126,7 @@ class QCDQFormat(ExportFormat[ExportReport]):
         self.opsets: list[int] = []
         self.plans: list[PlannedWeight] = []
         self.dynamic: list[DynamicInput] = []
+        self.packed = 0
         self.chosen_opset = 0
         self.folded = 0
         self.rewrites: Rewrites = ()
@@ -179,6 +191,16 @@ class QCDQFormat(ExportFormat[ExportReport]):
             except QuarkBrevitasError as exc:
                 raise ExportError(str(exc)) from exc
             clean_graph(proto.graph)
+        four_bit = [q.name for q in self.quantizers if q.role == "weight" and not q.planned
+                    and q.fmt in ("int2", "int3", "int4", "uint2", "uint3", "uint4")]
+        if four_bit and self.int4_weights is not False:
+            try:
+                proto, packed = pack_4bit_weights(proto, four_bit, integer_layers=self.int4_weights is True)
+            except QuarkBrevitasError as exc:
+                raise ExportError(f"cannot store the 4-bit weights as INT4 ({target(BLOCKED_OPSET)}): {exc}") from exc
+            self.packed = packed
+            if packed:
+                clean_graph(proto.graph)
         if len(self.opsets) > 1:  # "lowest working opset": onnxruntime must accept the file
             staged = workdir / f"staged_opset{opset}.onnx"
             onnx.save_model(proto, str(staged))
@@ -227,6 +249,7 @@ class QCDQFormat(ExportFormat[ExportReport]):
             uses_float8=uses_float8(proto),
             verified_by="pinned" if result.pinned is not None else "outputs",
             rounding_ties=result.pinned.tie_elements if result.pinned is not None else 0,
+            n_4bit_weights=self.packed,
         )
         logger.info(
             "exported %s (opset %d, %d bytes, weights %s): max |ORT - PyTorch| = %.3g, %s tolerance %.3g",
@@ -238,7 +261,7 @@ class QCDQFormat(ExportFormat[ExportReport]):
             "within" if report.verified_by == "outputs" else "rounding flips beyond (pinned check passed),",
             report.tolerance,
         )
-        if self.chosen_opset != report.opset and not self.plans:  # pragma: no cover - defensive
+        if self.chosen_opset != report.opset and not self.plans and not self.packed:  # pragma: no cover
             logger.warning("asked for opset %d, file declares %d", self.chosen_opset, report.opset)
         return report
 
@@ -253,6 +276,7 @@ def export_onnx_qcdq(
     dynamic_batch: bool = True,
     integer_kernels: bool = True,
     dynamic_sequence: bool = True,
+    int4_weights: bool | None = None,
 ) -> ExportReport:
     """Export a Brevitas-quantized model to a verified, self-contained ONNX QCDQ file.
 
@@ -299,6 +323,12 @@ def export_onnx_qcdq(
         dynamic_sequence: Make dimension 1 of token inputs symbolic (``"sequence"``): rank-2
             integer inputs such as ``input_ids`` / ``attention_mask``, and inputs of rank >= 2
             whose dimension 1 has their length, so a padded batch of any length runs.
+        int4_weights: How per-tensor / per-channel 2-4 bit weights are stored. ``None`` (default):
+            as ``INT4``/``UINT4`` (two codes a byte, opset 21) in layers whose input is not
+            quantized (weight-only), as int8 codes where the input is 8-bit quantized, because
+            onnxruntime runs those layers on its integer kernels only with 8-bit weights. ``True``:
+            every such weight as INT4 (smallest file; W4A8 layers then run unfused). ``False``:
+            int8 codes everywhere.
 
     Returns:
         An :class:`ExportReport` with the file's path, opset, size, the verified difference and
@@ -316,5 +346,5 @@ def export_onnx_qcdq(
     ``None`` skipped -- and become the graph outputs in that order.
     """
     fmt = QCDQFormat(opset=opset, dynamic_batch=dynamic_batch, dynamic_sequence=dynamic_sequence,
-                     integer_kernels=integer_kernels)
+                     integer_kernels=integer_kernels, int4_weights=int4_weights)
     return export_verified(fmt, model, args, path, tolerance)
