@@ -79,11 +79,15 @@ def hoist_quantize(index: GraphIndex) -> int:
             continue
         if op.op_type == "MaxPool" and not _conv_output(index, op.input[0]):
             continue
-        moved = index.fresh_name(f"{op.input[0]}_quantized")
-        q.input[0], op.input[0] = op.input[0], moved
-        op.output[0], q.output[0] = q.output[0], moved
+        _swap(op, q, index.fresh_name(f"{op.input[0]}_quantized"))
         count += 1
     return count
+
+
+def _swap(first: onnx.NodeProto, second: onnx.NodeProto, between: str) -> None:
+    """``first -> second`` (each on its input 0 / output 0) becomes ``second -> first``, joined by ``between``."""
+    second.input[0], first.input[0] = first.input[0], between
+    first.output[0], second.output[0] = second.output[0], between
 
 
 def _conv_output(index: GraphIndex, name: str) -> bool:
@@ -110,9 +114,7 @@ def sink_dequantize(index: GraphIndex) -> int:
             continue
         if op.input[0] != dq.output[0] or dq.output[0] in op.input[1:]:
             continue
-        moved = index.fresh_name(f"{op.output[0]}_quantized")
-        op.input[0], dq.input[0] = dq.input[0], moved
-        op.output[0], dq.output[0] = moved, op.output[0]
+        _swap(dq, op, index.fresh_name(f"{op.output[0]}_quantized"))
         count += 1
     return count
 
@@ -140,8 +142,6 @@ def gather_before_dequantize(index: GraphIndex) -> int:
         zero_point = index.const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
         if scale is None or scale.ndim != 0 or (zero_point is not None and zero_point.ndim != 0):
             continue
-        rows = index.fresh_name(f"{gather.output[0]}_quantized")
-        gather.input[0], dq.input[0] = dq.input[0], rows
-        dq.output[0], gather.output[0] = gather.output[0], rows
+        _swap(dq, gather, index.fresh_name(f"{gather.output[0]}_quantized"))
         count += 1
     return count
