@@ -131,11 +131,22 @@ def test_dynamic_sequence_can_be_switched_off(quant_bert: tuple[str, torch.nn.Mo
     assert dims[0].dim_param == "batch" and dims[1].dim_value == batch["input_ids"].shape[1]
 
 
-def test_gpt2_decoder_exports_without_cache(tmp_path: pathlib.Path) -> None:
-    torch.manual_seed(0)
+def _gpt2() -> torch.nn.Module:
     config = transformers.GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    assert model.config.use_cache  # the default that made export fail on the DynamicCache output
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _llama() -> torch.nn.Module:
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_decoder_lm_exports_without_cache(tmp_path: pathlib.Path, build: object) -> None:
+    torch.manual_seed(0)
+    model = build()  # type: ignore[operator]
+    assert model.config.use_cache  # the default that made export fail on its DynamicCache output
     ids = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(0))
     calib = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
     quant = ModelQuantizer(_w8a8()).quantize_model(model, calib)
