@@ -86,15 +86,18 @@ A8_DYNAMIC_TOKEN = QTensorConfig(is_dynamic=True, qscheme=QSchemeType.per_channe
 A8_UINT8_DYNAMIC = QTensorConfig(dtype=Dtype.uint8, is_dynamic=True)  # quantize_dynamic's activations
 A8_UINT8_DYNAMIC_TOKEN = QTensorConfig(dtype=Dtype.uint8, is_dynamic=True, qscheme=QSchemeType.per_channel)
 BIAS32 = QTensorConfig(bit_width=32)
-EMBEDDING = QLayerConfig(weight=QTensorConfig())  # int8 per tensor, weight only
+EMBEDDING_WEIGHT = QTensorConfig()  # int8 per tensor; embeddings quantize only their table
 
 
 def _config(weight: QTensorConfig, inputs: QTensorConfig | None, *, pre: Sequence[algos.AlgorithmConfig] = (),
             post: Sequence[algos.AlgorithmConfig] = ()) -> Config:
     static = inputs is not None and not inputs.is_dynamic  # an int32 bias needs a fixed input scale
+    # Global: what every quantized layer gets unless its type says more, i.e. the embedding tables' weights only
+    # (per-token input specs are for Linear layers); the Linear layers' full spec is at their type's level.
     return Config(
-        QLayerConfig(weight=weight, input_tensors=inputs, bias=BIAS32 if static else None),
-        layer_type_quant_config={nn.Embedding: EMBEDDING},
+        QLayerConfig(weight=EMBEDDING_WEIGHT),
+        layer_type_quant_config={nn.Linear: QLayerConfig(weight=weight, input_tensors=inputs,
+                                                         bias=BIAS32 if static else None)},
         pre_quant_opt_config=[algos.Preprocess(), *pre],
         algo_config=list(post),
     )

@@ -29,6 +29,11 @@ Matching file and model: Brevitas's exporter names each quantizer's nodes after 
 proxy (``/model/encoder/layer.0/.../input_quant/export_handler/QuantizeLinear``); the k-th node of a
 proxy is its k-th call in the PyTorch run. Quantizers of the file that match no proxy are left unpinned
 and counted in the report.
+
+Cost: only files that fail the output comparison get this check; it runs the model once more with hooks that
+keep every activation quantizer's input and output on the example (memory: about twice the example's activations
+of all quantized layers) and onnxruntime twice (once to learn the shapes of the tensors between each quantizer and
+its ``DequantizeLinear``, once pinned).
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ from __future__ import annotations
 import logging
 import pathlib
 import re
-import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -349,12 +353,4 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def save_for_run(proto: onnx.ModelProto, directory: pathlib.Path | None = None) -> pathlib.Path:
-    """Write ``proto`` to a temporary ``.onnx`` file (for runners that open files)."""
-    handle = tempfile.NamedTemporaryFile(suffix=".onnx", delete=False, dir=directory)  # noqa: SIM115
-    handle.close()
-    onnx.save_model(proto, handle.name, save_as_external_data=False)
-    return pathlib.Path(handle.name)
-
-
-__all__ = ["TIE_FRACTION", "PinnedSummary", "check_pinned", "recorded_calls", "save_for_run"]
+__all__ = ["TIE_FRACTION", "PinnedSummary", "check_pinned", "recorded_calls"]
