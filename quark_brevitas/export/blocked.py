@@ -48,6 +48,7 @@ from quark_brevitas.brevitas_adapter import (
 )
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.onnx_types import FLOAT8_ONNX_TYPES, TORCH_TO_ONNX
+from quark_brevitas.export.passes.graph import module_path
 
 __all__ = ["BLOCKED_OPSET", "PlannedWeight", "float_weights", "insert_dequantize", "needs_plan", "plan_weights",
            "weight_format"]
@@ -324,9 +325,10 @@ def pack_4bit_weights(model: onnx.ModelProto, weight_names: Sequence[str], *,
     Brevitas writes per-tensor / per-channel int2-4 weights as int8 codes (a file as large as an 8-bit one).
     The codes of a b-bit quantizer lie in the 4-bit range, so the conversion is exact; a DequantizeLinear whose
     codes do not fit (not expected) is left as it is. Matching uses the node names Brevitas gives the weight's
-    ``DequantizeLinear`` (``.../<layer path>/weight_quant/export_handler/DequantizeLinear``).
+    ``DequantizeLinear`` (``/<layer path>/weight_quant/export_handler/DequantizeLinear``); ``weight_names`` are
+    module paths in the exported module.
     """
-    suffixes = tuple("/" + name.replace(".", "/") + "/export_handler/DequantizeLinear" for name in weight_names)
+    wanted = {f"{name}.export_handler.DequantizeLinear" for name in weight_names}
     inits = {init.name: init for init in model.graph.initializer}
     producers = {out: node for node in model.graph.node for out in node.output}
     consumers: dict[str, list[onnx.NodeProto]] = {}
@@ -343,7 +345,7 @@ def pack_4bit_weights(model: onnx.ModelProto, weight_names: Sequence[str], *,
 
     targets = []
     for node in model.graph.node:
-        if node.op_type != "DequantizeLinear" or not node.name.endswith(suffixes) or node.input[0] not in inits:
+        if node.op_type != "DequantizeLinear" or module_path(node.name) not in wanted or node.input[0] not in inits:
             continue
         if not integer_layers and feeds_integer_layer(node):
             continue

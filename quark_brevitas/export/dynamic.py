@@ -41,7 +41,7 @@ from quark_brevitas.brevitas_adapter import (
     weight_quant_disabled,
 )
 from quark_brevitas.export.errors import ExportError
-from quark_brevitas.export.passes.graph import GraphIndex, attr, topological_sort
+from quark_brevitas.export.passes.graph import GraphIndex, attr, module_path, topological_sort
 
 #: Suffix of the node producing a dynamic quantizer's codes (after the proxy's module path).
 CODE_NODE = "export_handler/DynamicQuantize"
@@ -140,15 +140,15 @@ def insert_dynamic_quantization(model: onnx.ModelProto, plans: Sequence[DynamicI
     index = GraphIndex(graph)
     count = 0
     for plan in plans:
-        path = "/" + layer_paths[id(plan.layer)].replace(".", "/")
-        node = next((n for n in graph.node if n.op_type in ("MatMul", "Gemm") and n.name in
-                     (f"{path}/MatMul", f"{path}/Gemm")), None)
+        path = layer_paths[id(plan.layer)]
+        node = next((n for n in graph.node if n.op_type in ("MatMul", "Gemm") and
+                     module_path(n.name) in (f"{path}.MatMul", f"{path}.Gemm")), None)
         weight = _weight(index, node) if node is not None else None
         if node is None or weight is None:
             raise ExportError(f"cannot find the int8 MatMul/Gemm of layer '{layer_paths[id(plan.layer)]}' "
                               f"({plan.fmt} input) in the exported graph")
         codes, w_scale, _ = weight
-        proxy_path = "/" + layer_paths[id(plan.layer)].replace(".", "/") + "/input_quant"
+        proxy_path = "/" + path + "/input_quant"
         _rewrite(index, node, plan, codes, w_scale, proxy_path)
         count += 1
     _drop_dead_nodes(graph)

@@ -127,12 +127,14 @@ class QCDQFormat(ExportFormat[ExportReport]):
         self.plans: list[PlannedWeight] = []
         self.dynamic: list[DynamicInput] = []
         self.packed = 0
+        self.model_modules: dict[str, nn.Module] = {}
         self.chosen_opset = 0
         self.folded = 0
         self.rewrites: Rewrites = ()
 
     def inspect(self, model: nn.Module) -> None:
         self.quantizers = inspect_quantizers(model)
+        self.model_modules = dict(model.named_modules())
         self.opsets = candidate_opsets(self.requested_opset, self.quantizers)
 
     def require_opset(self, opset: int) -> None:
@@ -180,8 +182,8 @@ class QCDQFormat(ExportFormat[ExportReport]):
             proto = onnx.load(str(raw_path))
         self.folded = fold_constant_quantization(proto.graph)
         self.rewrites = rewrite_for_integer_kernels(proto) if self.integer_kernels else ()
+        paths = {id(module): name for name, module in model.named_modules()}  # module paths in the traced module
         if self.dynamic:
-            paths = {id(module): name for name, module in model.named_modules()}
             done = insert_dynamic_quantization(proto, self.dynamic, paths)
             self.rewrites = (*self.rewrites, ("Linear inputs quantized dynamically (MatMulInteger)", done))
         clean_graph(proto.graph)
@@ -191,8 +193,9 @@ class QCDQFormat(ExportFormat[ExportReport]):
             except QuarkBrevitasError as exc:
                 raise ExportError(str(exc)) from exc
             clean_graph(proto.graph)
-        four_bit = [q.name for q in self.quantizers if q.role == "weight" and not q.planned
-                    and q.fmt in ("int2", "int3", "int4", "uint2", "uint3", "uint4")]
+        four_bit = [paths[id(self.model_modules[q.name])] for q in self.quantizers if q.role == "weight"
+                    and not q.planned and q.fmt in ("int2", "int3", "int4", "uint2", "uint3", "uint4")
+                    and id(self.model_modules.get(q.name)) in paths]
         if four_bit and self.int4_weights is not False:
             try:
                 proto, packed = pack_4bit_weights(proto, four_bit, integer_layers=self.int4_weights is True)
