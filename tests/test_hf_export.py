@@ -32,7 +32,7 @@ from quark_brevitas.export.pinned import check_pinned  # noqa: E402
 from quark_brevitas.export.runtime import run_model_proto  # noqa: E402
 from quark_brevitas.export.verify import compute_reference, exported_module  # noqa: E402
 from quark_brevitas.presets import get_preset  # noqa: E402
-from quark_brevitas.types import QSchemeType  # noqa: E402
+from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
 WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "ran", "far", "quick", "brown", "fox", "jumps", "over",
          "river", "slowly", "green", "house", "under", "bridge"]
@@ -285,3 +285,29 @@ def test_cli_exports_a_huggingface_checkpoint(quant_bert: tuple[str, torch.nn.Mo
         ref = model(**example).last_hidden_state.numpy()
     out = run_onnx(tmp_path / "stored.onnx", example)[0]
     assert np.abs(out - ref).max() < 0.1  # the rebuilt model is the saved one (2 layers: no flip cascade)
+
+
+@pytest.mark.parametrize("activations", [
+    QTensorConfig(is_dynamic=True, qscheme=QSchemeType.per_channel),
+    QTensorConfig(dtype=Dtype.uint8, is_dynamic=True),
+], ids=["int8-per-token", "uint8-per-tensor"])
+def test_dynamic_activations_of_a_bert_export_to_integer_matmuls(tokenizer: object, tmp_path: pathlib.Path,
+                                                                 activations: QTensorConfig) -> None:
+    model = _bert(tokenizer, "sdpa")
+    config = Config(QLayerConfig(weight=QTensorConfig(qscheme=QSchemeType.per_channel), input_tensors=activations))
+    quant = ModelQuantizer(config).quantize_model(model, [_batch(tokenizer, SENTENCES[:4])])
+    report = export_onnx_qcdq(quant, _batch(tokenizer, SENTENCES[4:8]), tmp_path / "dynamic.onnx")
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert dict(report.rewrites)["Linear inputs quantized dynamically (MatMulInteger)"] == n_linear
+    other = _batch(tokenizer, SENTENCES[:3], length=20)
+    result = verify_onnx(quant, other, report.path)  # another batch and length, against PyTorch
+    assert result.max_abs_diff <= result.tolerance or result.pinned is not None
+
+
+def test_4bit_weight_only_bert_is_stored_in_4_bits(tokenizer: object, tmp_path: pathlib.Path) -> None:
+    model = _bert(tokenizer, "eager")
+    config = Config(QLayerConfig(weight=QTensorConfig(bit_width=4, qscheme=QSchemeType.per_channel)))
+    quant = ModelQuantizer(config).quantize_model(model, [_batch(tokenizer, SENTENCES[:4])])
+    report = export_onnx_qcdq(quant, _batch(tokenizer, SENTENCES[4:8]), tmp_path / "w4.onnx")
+    assert report.n_4bit_weights == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert report.weight_dtypes == ("INT4",) and report.max_abs_diff <= report.tolerance
