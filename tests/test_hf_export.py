@@ -311,3 +311,36 @@ def test_4bit_weight_only_bert_is_stored_in_4_bits(tokenizer: object, tmp_path: 
     report = export_onnx_qcdq(quant, _batch(tokenizer, SENTENCES[4:8]), tmp_path / "w4.onnx")
     assert report.n_4bit_weights == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert report.weight_dtypes == ("INT4",) and report.max_abs_diff <= report.tolerance
+
+
+def _kernels(path: pathlib.Path, tmp_path: pathlib.Path) -> dict[str, int]:
+    """Op types of the graph onnxruntime actually runs (default CPU session, full optimization)."""
+    import collections
+
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.optimized_model_filepath = str(tmp_path / f"{path.stem}.ort_optimized.onnx")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return collections.Counter(n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node)
+
+
+@pytest.mark.parametrize("activations", [QTensorConfig(dtype=Dtype.uint8),
+                                         QTensorConfig(is_dynamic=True, qscheme=QSchemeType.per_channel)],
+                         ids=["static-uint8", "dynamic-per-token"])
+def test_bert_linear_layers_run_on_integer_kernels(tokenizer: object, tmp_path: pathlib.Path,
+                                                   activations: QTensorConfig) -> None:
+    model = _bert(tokenizer, "sdpa")
+    bias = QTensorConfig(bit_width=32) if not activations.is_dynamic else None
+    config = Config(QLayerConfig(weight=QTensorConfig(qscheme=QSchemeType.per_channel), input_tensors=activations,
+                                 bias=bias))
+    quant = ModelQuantizer(config).quantize_model(model, [_batch(tokenizer, SENTENCES[:4])])
+    report = export_onnx_qcdq(quant, _batch(tokenizer, SENTENCES[4:8]), tmp_path / "bert.onnx")
+    kernels = _kernels(report.path, tmp_path)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    integer = sum(n for op, n in kernels.items() if op in ("MatMulIntegerToFloat", "QGemm", "MatMulInteger",
+                                                            "DynamicQuantizeMatMul", "QLinearMatMul"))
+    assert integer == n_linear, kernels
+    # the remaining float MatMuls are attention's (scores and context: 2 per layer), no weight is dequantized
+    assert kernels.get("MatMul", 0) + kernels.get("FusedMatMul", 0) == 2 * 2, kernels
