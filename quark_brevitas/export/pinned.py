@@ -99,6 +99,7 @@ class _Call:
     values: np.ndarray
     scale: np.ndarray | None
     zero_point: np.ndarray | None
+    signed: bool = True
 
 
 @dataclass
@@ -144,7 +145,8 @@ def recorded_calls(model: nn.Module) -> Iterator[dict[str, list[_Call]]]:
         def hook(_module: nn.Module, args: tuple[Any, ...], output: Any, name: str = site.name) -> None:
             if args and output is not None:
                 calls[name].append(_Call(value(args[0]), value(output), optional(getattr(output, "scale", None)),
-                                         optional(getattr(output, "zero_point", None))))
+                                         optional(getattr(output, "zero_point", None)),
+                                         bool(getattr(output, "signed", True))))
 
         hooks.append(site.proxy.register_forward_hook(hook))
     try:
@@ -288,9 +290,12 @@ def check_pinned(proto: onnx.ModelProto, model: nn.Module, args: tuple[torch.Ten
                 continue
             site.pin, site.position = site.chain[0], 0
             zero_point = call.zero_point if call.zero_point is not None else np.zeros((), np.float32)
+            unsigned_file = not _is_signed(site.quantize)
+            if call.signed and unsigned_file:  # symmetric codes stored as uint8 with zero point 128
+                zero_point = zero_point + 128.0
             inputs = call.inputs.astype(np.float64) / call.scale.astype(np.float64) + zero_point.astype(np.float64)
             values = _codes(call.values / call.scale.astype(np.float64), np.ones((), np.float64), zero_point,
-                            np.int8 if _is_signed(site.quantize) else np.uint8)
+                            np.uint8 if unsigned_file else np.int8)
         else:
             scale, zero_point, code_type = _scale_zero_point(index, site.quantize)
             if scale is None or zero_point is None or scale.ndim != 0:
