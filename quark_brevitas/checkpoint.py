@@ -144,6 +144,7 @@ def save_quantized(
         "tensors": {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in tensors.items()},
         "frozen_parameters": [n for n, p in model.named_parameters() if not p.requires_grad],
         "example_input": example[0] if example is not None else None,
+        "huggingface": huggingface_architecture(model),
     }
     from safetensors.torch import save_file
 
@@ -160,6 +161,21 @@ def save_quantized(
     logger.info("Saved checkpoint %s (%d tensors, %.1f KiB)", path, len(tensors),
                 (path / WEIGHTS_FILE).stat().st_size / 1024)
     return path
+
+
+def huggingface_architecture(model: nn.Module) -> dict[str, Any] | None:
+    """The class and config of a Hugging Face ``PreTrainedModel`` (``None`` for other models), recorded in the
+    manifest so that ``quark-brevitas export`` can rebuild the float architecture with ``Class(config)`` and no
+    ``--model`` argument; the attention implementation is kept (``sdpa`` / ``eager``)."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)) or not hasattr(type(model), "config_class"):
+        return None
+    values = config.to_dict()
+    attention = getattr(config, "_attn_implementation", None)
+    return {"class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "config_class": f"{type(config).__module__}.{type(config).__qualname__}",
+            "config": json.loads(json.dumps(values, default=str)),
+            "attn_implementation": attention if isinstance(attention, str) else None}
 
 
 def _write_atomic(target: Path, write: Any) -> None:

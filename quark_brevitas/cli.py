@@ -125,10 +125,11 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=EXPORT_FORMATS, default="qcdq", help="qcdq (default) or qonnx")
     export.add_argument("--output", metavar="FILE", required=True, help="the .onnx file to write")
     export.add_argument("--input-shape", metavar="SHAPE", type=_shape, default=None,
-                        help="example input shape such as 1,1,8,8 (random values; default: the checkpoint's "
-                             "stored example input)")
-    export.add_argument("--model", metavar="MODULE:CALLABLE", default=DEFAULT_MODEL,
-                        help=f"callable returning the float architecture (default {DEFAULT_MODEL})")
+                        help="example input shape such as 1,1,8,8 (random values; for a Hugging Face model "
+                             "BATCH,SEQUENCE of random token ids; default: the checkpoint's stored example input)")
+    export.add_argument("--model", metavar="MODULE:CALLABLE", default=None,
+                        help="callable returning the float architecture (default: the Hugging Face class and "
+                             f"config recorded in the checkpoint, else {DEFAULT_MODEL})")
     export.set_defaults(func=_cmd_export)
 
     plan = sub.add_parser("plan", parents=[verbosity, config_args], help="show which digits CNN layers get quantized")
@@ -328,10 +329,15 @@ def _first_line(exc: BaseException) -> str:
 
 def _check_example(model: nn.Module, example: Any, source: str, where: str) -> None:
     """A one-line error for an example input the model rejects (a wrong --input-shape)."""
-    inputs = example if isinstance(example, tuple | list) else (example,)
+    if isinstance(example, dict):
+        inputs: tuple = tuple(example.values())
+        call = lambda: model(**example)  # noqa: E731
+    else:
+        inputs = tuple(example) if isinstance(example, tuple | list) else (example,)
+        call = lambda: model(*inputs)  # noqa: E731
     try:
         with torch.no_grad():
-            model(*inputs)
+            call()
     except Exception as exc:  # noqa: BLE001 - any failure means the input does not fit the model
         shapes = ", ".join(str(list(t.shape)) for t in inputs)
         described = source if "shape" in source else f"{source}, shape {shapes}"
@@ -342,21 +348,29 @@ def _check_example(model: nn.Module, example: Any, source: str, where: str) -> N
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from quark_brevitas.checkpoint import load_quantized, read_checkpoint
+    from quark_brevitas.export.hf import float_model_from_record, token_example
 
     info = read_checkpoint(args.checkpoint)
-    if args.input_shape is not None:
-        example: Any = torch.randn(args.input_shape, generator=torch.Generator().manual_seed(0))
+    record = info.manifest.get("huggingface")
+    if args.model is None and record:
+        float_model = float_model_from_record(record)
+        model_source = f"{record['class'].rsplit('.', 1)[-1]} from the checkpoint's config"
+    else:
+        float_model = _float_model(args.model or DEFAULT_MODEL)
+        model_source = args.model or DEFAULT_MODEL
+    tokens = token_example(float_model, args.input_shape) if args.input_shape is not None else None
+    if tokens is not None:
+        example: Any = tokens
+        example_source = f"random token ids, shape {list(args.input_shape)}"
+    elif args.input_shape is not None:
+        example = torch.randn(args.input_shape, generator=torch.Generator().manual_seed(0))
         example_source = f"random, shape {list(args.input_shape)}"
     elif info.example_input is not None:
         example = info.example_input
         example_source = "stored in the checkpoint"
     else:
         raise CLIError(f"checkpoint {args.checkpoint!r} stores no example input; pass --input-shape")
-    if isinstance(example, dict):
-        raise CLIError(f"checkpoint {args.checkpoint!r}: its example input is a dict of keyword inputs "
-                       f"({', '.join(example)}); ONNX export feeds positional tensors: pass --input-shape for a "
-                       "single-input model, or export from Python with ModelExporter and a tuple of tensors")
-    model = load_quantized(_float_model(args.model), args.checkpoint)
+    model = load_quantized(float_model, args.checkpoint)
     where = "--input-shape" if args.input_shape is not None else f"checkpoint {args.checkpoint!r}"
     _check_example(model, example, example_source, where)
     exporter = ModelExporter(args.output)
@@ -369,10 +383,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
         label, checker = "ONNX QCDQ", "onnxruntime"
     rows = [
         ("checkpoint", str(args.checkpoint)),
+        ("model", model_source),
         ("format", f"{label}, opset {report.opset}"),
         ("file", f"{report.path}, {_kib(report.file_size)}"),
         ("example input", example_source),
-        (f"max |{checker} - PyTorch|", f"{report.max_abs_diff:.2e} (tolerance {report.tolerance:.2e})"),
+        (f"max |{checker} - PyTorch|", f"{report.max_abs_diff:.2e} (tolerance {report.tolerance:.2e}"
+                                        + ("" if getattr(report, "verified_by", "outputs") == "outputs" else
+                                           "; rounding flips, every quantizer verified pinned") + ")"),
         ("time", f"{time.perf_counter() - start:.1f} s"),
     ]
     width = max(len(name) for name, _ in rows)

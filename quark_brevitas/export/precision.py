@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark_brevitas.export.args import KeywordInputs
 from quark_brevitas.export.verify import eval_mode, flatten_outputs
 
 logger = logging.getLogger(__name__)
@@ -29,14 +30,20 @@ __all__ = ["HALF_PRECISION", "float32_for_export"]
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def _call(model: nn.Module, args: tuple[torch.Tensor, ...], keywords: tuple[str, ...] | None) -> Any:
+    return KeywordInputs(model, keywords)(*args) if keywords else model(*args)
+
+
 def _model_dtype(model: nn.Module) -> torch.dtype | None:
     return next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
 
 
-def float32_for_export(model: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+def float32_for_export(model: nn.Module, args: tuple[torch.Tensor, ...],
+                       keywords: tuple[str, ...] | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """``(model, args)`` unchanged for a float32 model; for a float16/bfloat16 model a float32 copy of it
     and ``args`` with their floating tensors in float32 (integer inputs such as token ids are kept).
 
+    ``keywords`` names the inputs when the model takes them as keyword arguments (a tokenizer's dict).
     The caller's model is not changed. Logs the largest difference between the copy's outputs and the
     half-precision model's on ``args``.
     """
@@ -47,8 +54,8 @@ def float32_for_export(model: nn.Module, args: tuple[torch.Tensor, ...]) -> tupl
     wide_args = tuple(a.float() if a.is_floating_point() else a for a in args)
     half_args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
     with torch.no_grad(), eval_mode(model), eval_mode(wide):
-        half = flatten_outputs(model(*half_args))
-        full = flatten_outputs(wide(*wide_args))
+        half = flatten_outputs(_call(model, half_args, keywords))
+        full = flatten_outputs(_call(wide, wide_args, keywords))
     difference = max((float((h.float() - f).abs().max()) for (_, h), (_, f) in zip(half, full) if h.numel()),
                      default=0.0)
     logger.info("Exporting a float32 copy of the %s model (onnxruntime's CPU kernels compute in float32; the "
