@@ -123,7 +123,9 @@ class QuantConv1D(qnn.QuantLinear):
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         key = f"{prefix}weight"
-        if key in destination:
+        # keep_vars=True asks for the Parameter objects themselves (torch.jit's tracer maps them by identity;
+        # a transposed copy would be traced as a constant), so only detached state dicts get Conv1D's layout.
+        if key in destination and not keep_vars:
             destination[key] = destination[key].t()
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import logging
 import os
 import pathlib
@@ -151,6 +152,7 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
     _require_brevitas_exporter()
     # half-precision models export as float32
     model, example = float32_for_export(model, example, tuple(inputs.names) if inputs.keyword else None)
+    inputs = dataclasses.replace(inputs, tensors=example)
 
     with eval_mode(model):
         fmt.inspect(model)
