@@ -52,17 +52,21 @@ __all__ = [
     "QuantLayer",
     "QuantizerSite",
     "StopFwdException",
+    "Reducer",
     "a2gpfq_mode",
     "activation_equalization_mode",
+    "all_reduce_statistics",
     "bias_correction_mode",
     "brevitas_version",
     "calibration_mode",
     "export_handler_proxy_types",
+    "equalization_statistics",
     "float8_dtype",
     "full_state_dict",
     "gpfq_mode",
     "generative_quantizers",
     "gptq_mode",
+    "gpxq_optimizers",
     "groupwise_parts",
     "ignore_missing_keys",
     "init_weight_scales",
@@ -78,6 +82,7 @@ __all__ = [
     "quantizer_names",
     "require_onnxoptimizer",
     "reset_export_mode",
+    "runtime_stats_modules",
     "scale_impl",
     "scale_parameters",
     "symbolic_trace",
@@ -469,3 +474,159 @@ def require_onnxoptimizer() -> None:
             f"ONNX export needs the onnxoptimizer package, which Brevitas's exporter requires ({exc}); "
             "install it with pip install onnxoptimizer"
         ) from exc
+
+
+# ===================================================================== statistics across processes
+#: ``reduce(tensor, op)``: combine ``tensor`` in place with the same tensor of every other process (``op``:
+#: ``"sum"`` or ``"max"``) and return it; :meth:`quark_brevitas.data.CalibrationData.all_reduce`.
+Reducer = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def all_reduce_statistics(model: nn.Module, reduce: Reducer) -> int:
+    """Combine the statistics Brevitas accumulated inside ``model`` during a pass over this process's share
+    of the calibration data with those of the other processes; return how many were combined.
+
+    Brevitas keeps these statistics in its own objects, which only this module may touch:
+
+    - activation calibration: each runtime-statistics scale / zero point averages per-batch statistics
+      (``buffer`` over ``counter`` batches) -> the batch-weighted mean over the processes;
+    - GPTQ: each layer's Hessian ``H`` is a mean over ``nsamples`` input rows -> the sample-weighted mean;
+    - GPFQ (and accumulator-aware GPFQ): ``H`` and ``G`` are sums over batches -> the sum;
+    - layerwise activation equalization: per-channel input ranges are maxima -> the maximum;
+    - BatchNorm re-estimation: running statistics averaged over ``num_batches_tracked`` batches -> the
+      batch-weighted mean.
+
+    Bias correction synchronises itself (Brevitas's ``bias_correction_mode`` all-reduces its correction
+    when ``torch.distributed`` is initialised). Every process must run the same model, so the objects are
+    found in the same order everywhere; the result is the single-process statistic up to float summation
+    order.
+    """
+    return (_reduce_runtime_stats(model, reduce) + _reduce_gpxq(model, reduce)
+            + _reduce_equalization(model, reduce) + _reduce_norm_correction(model, reduce))
+
+
+def _weighted_mean(tensors: list[torch.Tensor], local: int, total: float, reduce: Reducer) -> None:
+    """Replace each tensor, a mean over ``local`` items here, by the mean over all processes' items."""
+    for tensor in tensors:
+        combined = reduce(tensor.detach().to(torch.float64) * local, "sum") / total
+        tensor.detach().copy_(combined.to(tensor.dtype))
+
+
+def _counts(values: list[float], device: torch.device, reduce: Reducer) -> list[float]:
+    counts = torch.tensor(values, dtype=torch.float64, device=device)
+    return reduce(counts, "sum").tolist()
+
+
+def runtime_stats_modules(model: nn.Module) -> list[nn.Module]:
+    """The runtime-statistics scales and zero points of ``model`` still collecting statistics (Brevitas's
+    ``ParameterFromRuntimeStatsScaling`` / ``ParameterFromRuntimeZeroPoint`` whose ``counter`` has not passed
+    ``collect_stats_steps``): the activation quantizers calibration is initialising."""
+    from brevitas.core.scaling.standalone import ParameterFromRuntimeStatsScaling
+    from brevitas.core.zero_point import ParameterFromRuntimeZeroPoint
+
+    kinds = (ParameterFromRuntimeStatsScaling, ParameterFromRuntimeZeroPoint)
+    return [m for m in model.modules() if isinstance(m, kinds) and m.counter <= m.collect_stats_steps]
+
+
+def _reduce_runtime_stats(model: nn.Module, reduce: Reducer) -> int:
+    modules = runtime_stats_modules(model)
+    if not modules:
+        return 0
+    totals = _counts([float(m.counter) for m in modules], modules[0].buffer.device, reduce)
+    done = 0
+    for module, total in zip(modules, totals):
+        if total > 0:
+            _weighted_mean([module.buffer], module.counter, total, reduce)
+            module.counter = int(total)
+            done += 1
+    return done
+
+
+def gpxq_optimizers(model: nn.Module) -> list[Any]:
+    """The per-layer GPTQ / GPFQ objects of a GPxQ context running on ``model`` that still wait for their
+    update, in module order: Brevitas keeps them in the context, and reaches them from the model only
+    through the forward pre-hook each registers on its layer (a ``partial`` of its ``update_batch``)."""
+    import functools
+
+    from brevitas.graph.gpxq import GPxQ
+
+    found = []
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            owner = getattr(hook.func, "__self__", None) if isinstance(hook, functools.partial) else None
+            if isinstance(owner, GPxQ):
+                found.append(owner)
+    return found
+
+
+def _reduce_gpxq(model: nn.Module, reduce: Reducer) -> int:
+    from brevitas.graph.gpfq import GPFQ
+    from brevitas.graph.gptq import GPTQ
+
+    optimizers = [o for o in gpxq_optimizers(model) if hasattr(o, "H")]
+    if not optimizers:
+        return 0
+    device = optimizers[0].H.device
+    # How much each layer collected here: GPTQ counts input rows, GPFQ sums (a non-zero H means data).
+    local = [float(o.nsamples) if isinstance(o, GPTQ) else float(bool(o.H.any())) for o in optimizers]
+    totals = _counts(local, device, reduce)
+    done = 0
+    for optimizer, total in zip(optimizers, totals):
+        if total == 0:
+            continue
+        if isinstance(optimizer, GPFQ):
+            reduce(optimizer.H, "sum")
+            reduce(optimizer.G, "sum")
+        elif isinstance(optimizer, GPTQ):
+            _weighted_mean([optimizer.H], optimizer.nsamples, total, reduce)
+            optimizer.nsamples = int(total)
+        else:
+            raise QuarkBrevitasError(f"distributed calibration cannot combine the statistics of "
+                                     f"{type(optimizer).__name__} (layer {optimizer.name})")
+        done += 1
+    return done
+
+
+def equalization_statistics(model: nn.Module) -> list[tuple[Any, Any]]:
+    """``(owner, key)`` of every per-channel input range layerwise activation equalization is collecting in
+    ``model``: Brevitas wraps each layer in a ``KwargsForwardHook`` whose hook is a ``partial`` of the
+    equalization object's ``forward_stats_hook``; the ranges live in that object's ``float_act_map[key]``."""
+    import functools
+
+    from brevitas.utils.torch_utils import KwargsForwardHook
+
+    found = []
+    for module in model.modules():
+        hook = getattr(module, "hook_fn", None)
+        if isinstance(module, KwargsForwardHook) and isinstance(hook, functools.partial):
+            owner = getattr(hook.func, "__self__", None)
+            if owner is not None and hasattr(owner, "float_act_map"):
+                found.append((owner, hook.keywords["name"]))
+    return found
+
+
+def _reduce_equalization(model: nn.Module, reduce: Reducer) -> int:
+    done = 0
+    for owner, key in equalization_statistics(model):
+        value = owner.float_act_map.get(key)
+        if value is not None:
+            reduce(value, "max")
+            done += 1
+    return done
+
+
+def _reduce_norm_correction(model: nn.Module, reduce: Reducer) -> int:
+    """BatchNorm layers inside Brevitas's ``norm_correction_mode`` (marked by its ``old_running_mean``
+    buffer) average their statistics over ``num_batches_tracked`` batches (momentum ``None``)."""
+    layers = [m for m in model.modules()
+              if isinstance(m, nn.modules.batchnorm._BatchNorm) and hasattr(m, "old_running_mean")]
+    if not layers:
+        return 0
+    totals = _counts([float(m.num_batches_tracked) for m in layers], layers[0].running_mean.device, reduce)
+    done = 0
+    for layer, total in zip(layers, totals):
+        if total > 0:
+            _weighted_mean([layer.running_mean, layer.running_var], int(layer.num_batches_tracked), total, reduce)
+            layer.num_batches_tracked.fill_(int(total))
+            done += 1
+    return done
