@@ -26,13 +26,16 @@ Hugging Face folder read and written one block at a time (:mod:`quark_brevitas.h
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
+import hashlib
 import inspect
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -327,6 +330,10 @@ class BlockwiseEngine:
         self.hidden_key: str | None = None
         self.hidden_shapes: list[torch.Size] = []
         self.outside_done: list[str] = []
+        #: sha256 of the first block's captured hidden states (a resumed run checks it has the same inputs).
+        self.first_inputs_digest = ""
+        #: ``on_captured(digest)``: called once the first block's inputs are captured, before any block runs.
+        self.on_captured: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ the run
     def outside_layers(self) -> dict[str, nn.Module]:
@@ -355,6 +362,7 @@ class BlockwiseEngine:
                                  f"{len(self.templates)} calibration batches")
         for index in range(start, count):
             hidden = self._block(index, hidden)
+            gc.collect()  # a released block sits in reference cycles (Brevitas's quantizers): free it now
             if self.on_block is not None:
                 self.on_block(index, count)
         self._after_blocks(remaining, hidden)
@@ -371,6 +379,7 @@ class BlockwiseEngine:
             block = self.source.load(index, self.stack[index])
             self.stack[index] = self.pipeline.quantize_unit(block, name, None)
             self.stack[index] = self.source.finish(index, self.stack[index])
+            gc.collect()
             if self.on_block is not None:
                 self.on_block(index, count)
         return self.model
@@ -416,6 +425,7 @@ class BlockwiseEngine:
     def _split_first_inputs(self, captured: ActivationStore) -> ActivationStore:
         hidden = self.stores.create("hidden_0")
         self.templates = self.stores.create("shared_inputs")
+        digest = hashlib.sha256()
         for args, kwargs in captured:
             if args:
                 self.hidden_key = None
@@ -433,7 +443,13 @@ class BlockwiseEngine:
             hidden.append(state)
             self.hidden_shapes.append(state.shape)
             self.templates.append((args, kwargs))
+            digest.update(str((tuple(state.shape), state.dtype)).encode())
+            digest.update(state.contiguous().numpy().tobytes() if state.dtype != torch.bfloat16
+                          else state.float().numpy().tobytes())
         captured.close()
+        self.first_inputs_digest = digest.hexdigest()
+        if self.on_captured is not None:
+            self.on_captured(self.first_inputs_digest)
         return hidden
 
     def _block_inputs(self, hidden: ActivationStore, label: str) -> BlockInputs:
@@ -452,9 +468,13 @@ class BlockwiseEngine:
         logger.info("Block %d/%d (%s)", index + 1, len(self.stack), name)
         block = self.source.load(index, self.stack[index])
         self.stack[index] = block
-        inputs = self._block_inputs(hidden, name)
-        block = self.pipeline.quantize_unit(block, name, inputs)
+        block = self.pipeline.quantize_unit(block, name, self._block_inputs(hidden, name))
         self.stack[index] = block
+        return self._propagate(index, block, hidden)
+
+    def _propagate(self, index: int, block: nn.Module, hidden: ActivationStore) -> ActivationStore:
+        """Run ``block`` on its cached inputs; its outputs become the next block's inputs."""
+        name = f"{self.stack_name}.{index}"
         outputs = self.stores.create(f"hidden_{index + 1}")
 
         def keep(position: int, output: Any) -> None:
@@ -463,25 +483,52 @@ class BlockwiseEngine:
                 raise ModelError(f"{name} turns a hidden state of shape {list(self.hidden_shapes[position])} into "
                                  f"{list(state.shape)}; the block engine needs blocks that keep its shape")
             if not torch.isfinite(state).all():
-                raise ModelError(f"{name} produced NaN/Inf values on calibration batch {position} after "
-                                 "quantization; keep it in float (Config.exclude) or use a wider format")
+                raise ModelError(f"{name} produced NaN/Inf values on calibration batch {position}; keep it in float "
+                                 "(Config.exclude) or use a wider format")
             outputs.append(detached(output))
 
-        inputs.forward(block, f"{name}: outputs", on_output=keep)
+        self._block_inputs(hidden, name).forward(block, f"{name}: outputs", on_output=keep)
         hidden.close()
         self.stack[index] = self.source.finish(index, block)
         return outputs
+
+    @contextlib.contextmanager
+    def _replaying(self, hidden: ActivationStore) -> Iterator[None]:
+        """Every block replays the last block's cached output while the context lasts."""
+        kept = list(self.stack)
+        replay = _Replay(hidden, self.clock)
+        for index in range(len(self.stack)):
+            self.stack[index] = replay
+        try:
+            yield
+        finally:
+            for index, block in enumerate(kept):
+                self.stack[index] = block
+
+    # ------------------------------------------------------------------ forward only
+    def evaluate(self, on_output: Callable[[int, Any], None], desc: str = "Evaluating") -> None:
+        """Run the data through the model one block at a time, taking each block from the source, without
+        quantizing anything: ``on_output(position, output)`` gets the model's output for each batch. The
+        way to evaluate a model that does not fit in memory."""
+        hidden = self._before_blocks({})
+        for index in range(len(self.stack)):
+            block = self.source.load(index, self.stack[index])
+            self.stack[index] = block
+            hidden = self._propagate(index, block, hidden)
+            del block
+            gc.collect()
+        with self._replaying(hidden):
+            self.clock.calls = 0
+            self.data.forward(self.runner, desc, on_output=on_output)
+        hidden.close()
+        self.templates.close()
 
     # ------------------------------------------------------------------ layers outside the blocks
     def _after_blocks(self, remaining: dict[str, nn.Module], hidden: ActivationStore) -> None:
         """Quantize the remaining outside layers while every block replays the last block's cached output."""
         if not remaining:
             return
-        kept = list(self.stack)
-        replay = _Replay(hidden, self.clock)
-        for index in range(len(self.stack)):
-            self.stack[index] = replay
-        try:
+        with self._replaying(hidden):
             while remaining:
                 hit, store = self._pass(dict(remaining), "after the blocks")
                 if hit is None:
@@ -491,9 +538,6 @@ class BlockwiseEngine:
                         self._outside_unit(name, remaining.pop(name), None)
                     break
                 self._outside_unit(hit, remaining.pop(hit), store)
-        finally:
-            for index, block in enumerate(kept):
-                self.stack[index] = block
 
     def _outside_unit(self, name: str, layer: nn.Module, store: ActivationStore | None) -> None:
         parent_name, _, attribute = name.rpartition(".")

@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -52,10 +52,19 @@ from quark_brevitas.resolve import Resolver
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CONFIG_ATTRIBUTE", "Pipeline", "SavedStructure", "restrict_structure"]
+__all__ = ["CONFIG_ATTRIBUTE", "DataPlan", "Pipeline", "SavedStructure", "restrict_structure"]
 
 #: Attribute under which the pipeline leaves the Config on the quantized model (read by save_quantized).
 CONFIG_ATTRIBUTE = "quark_brevitas_config"
+
+
+class DataPlan(NamedTuple):
+    """What :meth:`Pipeline.prepare` found: the data the data phase reads (``None`` if no stage needs data),
+    whether activations need calibration, whether any stage needs data."""
+
+    data: CalibrationData | None
+    activations: bool
+    needs_data: bool
 
 
 def _algorithm_name(algo: Any) -> str:
@@ -212,7 +221,7 @@ class Pipeline:
         return [a.model_decoder_layers for a in [*self.config.pre_quant_opt_config, *self.config.algo_config]
                 if isinstance(getattr(a, "model_decoder_layers", None), str) and a.model_decoder_layers]
 
-    def _finish(self, model: nn.Module) -> nn.Module:
+    def finish(self, model: nn.Module) -> nn.Module:
         model.eval()
         setattr(model, CONFIG_ATTRIBUTE, copy.deepcopy(self.config))
         return model
@@ -226,20 +235,15 @@ class Pipeline:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # Resolve the hierarchy against the caller's model, before copying or changing anything: a
         # misspelt layer name fails here, and the plan says whether activations need calibration.
-        rows = self._checked_plan(model)
         if offload is not None and offload != "disk" and not isinstance(offload, str | os.PathLike):
             raise TypeError(f"offload must be None, 'disk' or a directory path, got {type(offload).__name__}")
-        data = CalibrationData.wrap(calib_loader, batch_to_inputs, shard=self._shard(distributed))
-        activations = self._require_data(rows, data)
-        needs_data = activations or any(a.needs_data for a in [*self.config.pre_quant_opt_config,
-                                                                 *self.config.algo_config])
-        self._check_shards(data, needs_data)
-        stack = self._block_stack(model, blocks, needs_data)
+        plan = self.prepare(model, calib_loader, batch_to_inputs=batch_to_inputs, distributed=distributed)
+        data, activations, needs_data = plan.data, plan.activations, plan.needs_data
+        stack = self.block_stack(model, blocks, needs_data)
         start = time.perf_counter()
         try:
             if stack is not None:
-                work = self._quantize_blockwise(model, stack, data if needs_data else None, inplace=inplace,
-                                                offload=offload)
+                work = self._quantize_blockwise(model, stack, data, inplace=inplace, offload=offload)
             else:
                 work = model if inplace else copy.deepcopy(model)
                 work = self._run_algorithms("pre_quant_opt_config", work, data)
@@ -258,7 +262,19 @@ class Pipeline:
                 ) from exc.__cause__
             raise
         logger.info("Quantization done in %.1f s", time.perf_counter() - start)
-        return self._finish(work)
+        return self.finish(work)
+
+    def prepare(self, model: nn.Module, calib_loader: Any = None, *, batch_to_inputs: BatchToInputs | None = None,
+                distributed: bool | None = None) -> DataPlan:
+        """The checks before any work (the plan resolved against ``model``, data present where needed) and
+        the calibration data as the data phase will read it (sharded under ``torch.distributed``)."""
+        rows = self._checked_plan(model)
+        data = CalibrationData.wrap(calib_loader, batch_to_inputs, shard=self._shard(distributed))
+        activations = self._require_data(rows, data)
+        needs_data = activations or any(a.needs_data for a in [*self.config.pre_quant_opt_config,
+                                                                 *self.config.algo_config])
+        self._check_shards(data, needs_data)
+        return DataPlan(data if needs_data else None, activations, needs_data)
 
     @staticmethod
     def _shard(distributed: bool | None) -> Shard | None:
@@ -287,7 +303,7 @@ class Pipeline:
                     f"divisible by {data.shard.world_size} (Brevitas averages equal shares); got {total}"
                 )
 
-    def _block_stack(self, model: nn.Module, blocks: str | bool | None, needs_data: bool) -> str | None:
+    def block_stack(self, model: nn.Module, blocks: str | bool | None, needs_data: bool) -> str | None:
         """The block stack for the block-by-block data phase, or ``None`` for the whole-model path."""
         if blocks is None and not needs_data:
             return None  # nothing runs on data: the whole model is converted in one step anyway
@@ -334,7 +350,7 @@ class Pipeline:
         work = self._restore_algorithms("pre_quant_opt_config", work, saved)
         work = self.replace_layers(work)
         work = self._restore_algorithms("algo_config", work, saved)
-        return self._finish(work)
+        return self.finish(work)
 
 
 def _has_submodule(model: nn.Module, name: str) -> bool:

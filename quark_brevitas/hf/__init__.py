@@ -1,0 +1,2 @@
+"""Hugging Face models: streaming a model folder block by block (:mod:`.streaming`), language-model helpers
+(:mod:`.lm`). Import the submodules; this package imports nothing so that ``transformers`` stays optional."""
