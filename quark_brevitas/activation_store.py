@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ActivationStore", "available_memory", "default_memory_budget", "detached", "nbytes"]
+__all__ = ["ActivationStore", "available_memory", "default_memory_budget", "detached", "map_tensors", "nbytes"]
 
 
 def available_memory() -> int | None:
@@ -61,19 +61,23 @@ def nbytes(value: Any) -> int:
     return 0
 
 
-def detached(value: Any, device: torch.device | str | None = "cpu") -> Any:
-    """The nest with every tensor detached (and moved to ``device`` unless it is ``None``); other values,
-    and the container types, unchanged (a Hugging Face ``ModelOutput`` becomes a plain tuple)."""
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to every tensor of a nest of tuples, lists and dicts; other values and the container
+    types unchanged, except a Hugging Face ``ModelOutput``, which becomes the tuple of its non-None fields."""
     if isinstance(value, torch.Tensor):
-        value = value.detach()
-        return value if device is None else value.to(device)
-    if hasattr(value, "to_tuple"):  # transformers' ModelOutput: its non-None fields, in order
-        return tuple(detached(v, device) for v in value.to_tuple())
+        return fn(value)
+    if hasattr(value, "to_tuple"):
+        return tuple(map_tensors(v, fn) for v in value.to_tuple())
     if isinstance(value, Mapping):
-        return {k: detached(v, device) for k, v in value.items()}
+        return {k: map_tensors(v, fn) for k, v in value.items()}
     if isinstance(value, tuple | list):
-        return type(value)(detached(v, device) for v in value)
+        return type(value)(map_tensors(v, fn) for v in value)
     return value
+
+
+def detached(value: Any, device: torch.device | str = "cpu") -> Any:
+    """The nest with every tensor detached and moved to ``device`` (see :func:`map_tensors`)."""
+    return map_tensors(value, lambda tensor: tensor.detach().to(device))
 
 
 class ActivationStore:

@@ -14,6 +14,7 @@ The supported Brevitas range is checked once, at import (:data:`SUPPORTED_BREVIT
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -528,26 +529,31 @@ def runtime_stats_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, kinds) and m.counter <= m.collect_stats_steps]
 
 
-def _reduce_runtime_stats(model: nn.Module, reduce: Reducer) -> int:
-    modules = runtime_stats_modules(model)
-    if not modules:
+def _mean_over_processes(entries: list[tuple[int, list[torch.Tensor], Callable[[int], None]]],
+                         reduce: Reducer) -> int:
+    """Statistics that are means: each entry is (how many items its tensors average here, the tensors, how to
+    record the new count). Entries without an item on any process are left alone."""
+    if not entries:
         return 0
-    totals = _counts([float(m.counter) for m in modules], modules[0].buffer.device, reduce)
+    totals = _counts([float(count) for count, _, _ in entries], entries[0][1][0].device, reduce)
     done = 0
-    for module, total in zip(modules, totals):
+    for (count, tensors, set_count), total in zip(entries, totals):
         if total > 0:
-            _weighted_mean([module.buffer], module.counter, total, reduce)
-            module.counter = int(total)
+            _weighted_mean(tensors, count, total, reduce)
+            set_count(int(total))
             done += 1
     return done
+
+
+def _reduce_runtime_stats(model: nn.Module, reduce: Reducer) -> int:
+    return _mean_over_processes([(m.counter, [m.buffer], functools.partial(setattr, m, "counter"))
+                                 for m in runtime_stats_modules(model)], reduce)
 
 
 def gpxq_optimizers(model: nn.Module) -> list[Any]:
     """The per-layer GPTQ / GPFQ objects of a GPxQ context running on ``model`` that still wait for their
     update, in module order: Brevitas keeps them in the context, and reaches them from the model only
     through the forward pre-hook each registers on its layer (a ``partial`` of its ``update_batch``)."""
-    import functools
-
     from brevitas.graph.gpxq import GPxQ
 
     found = []
@@ -563,27 +569,22 @@ def _reduce_gpxq(model: nn.Module, reduce: Reducer) -> int:
     from brevitas.graph.gpfq import GPFQ
     from brevitas.graph.gptq import GPTQ
 
-    optimizers = [o for o in gpxq_optimizers(model) if hasattr(o, "H")]
-    if not optimizers:
-        return 0
-    device = optimizers[0].H.device
-    # How much each layer collected here: GPTQ counts input rows, GPFQ sums (a non-zero H means data).
-    local = [float(o.nsamples) if isinstance(o, GPTQ) else float(bool(o.H.any())) for o in optimizers]
-    totals = _counts(local, device, reduce)
-    done = 0
-    for optimizer, total in zip(optimizers, totals):
-        if total == 0:
-            continue
-        if isinstance(optimizer, GPFQ):
-            reduce(optimizer.H, "sum")
-            reduce(optimizer.G, "sum")
-        elif isinstance(optimizer, GPTQ):
-            _weighted_mean([optimizer.H], optimizer.nsamples, total, reduce)
-            optimizer.nsamples = int(total)
-        else:
-            raise QuarkBrevitasError(f"distributed calibration cannot combine the statistics of "
-                                     f"{type(optimizer).__name__} (layer {optimizer.name})")
-        done += 1
+    pending = [o for o in gpxq_optimizers(model) if hasattr(o, "H")]
+    unknown = [o for o in pending if not isinstance(o, GPTQ | GPFQ)]
+    if unknown:
+        raise QuarkBrevitasError(f"distributed calibration cannot combine the statistics of "
+                                 f"{type(unknown[0]).__name__} (layer {unknown[0].name})")
+    # GPTQ's Hessian is a mean over input rows; GPFQ's H and G are sums over batches (a non-zero H means data).
+    done = _mean_over_processes([(o.nsamples, [o.H], functools.partial(setattr, o, "nsamples"))
+                                 for o in pending if isinstance(o, GPTQ)], reduce)
+    sums = [o for o in pending if isinstance(o, GPFQ)]
+    if sums:
+        totals = _counts([float(bool(o.H.any())) for o in sums], sums[0].H.device, reduce)
+        for optimizer, total in zip(sums, totals):
+            if total > 0:
+                reduce(optimizer.H, "sum")
+                reduce(optimizer.G, "sum")
+                done += 1
     return done
 
 
@@ -591,8 +592,6 @@ def equalization_statistics(model: nn.Module) -> list[tuple[Any, Any]]:
     """``(owner, key)`` of every per-channel input range layerwise activation equalization is collecting in
     ``model``: Brevitas wraps each layer in a ``KwargsForwardHook`` whose hook is a ``partial`` of the
     equalization object's ``forward_stats_hook``; the ranges live in that object's ``float_act_map[key]``."""
-    import functools
-
     from brevitas.utils.torch_utils import KwargsForwardHook
 
     found = []
@@ -620,13 +619,5 @@ def _reduce_norm_correction(model: nn.Module, reduce: Reducer) -> int:
     buffer) average their statistics over ``num_batches_tracked`` batches (momentum ``None``)."""
     layers = [m for m in model.modules()
               if isinstance(m, nn.modules.batchnorm._BatchNorm) and hasattr(m, "old_running_mean")]
-    if not layers:
-        return 0
-    totals = _counts([float(m.num_batches_tracked) for m in layers], layers[0].running_mean.device, reduce)
-    done = 0
-    for layer, total in zip(layers, totals):
-        if total > 0:
-            _weighted_mean([layer.running_mean, layer.running_var], int(layer.num_batches_tracked), total, reduce)
-            layer.num_batches_tracked.fill_(int(total))
-            done += 1
-    return done
+    return _mean_over_processes([(int(m.num_batches_tracked), [m.running_mean, m.running_var],
+                                  m.num_batches_tracked.fill_) for m in layers], reduce)

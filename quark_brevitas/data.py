@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quark_brevitas.activation_store import map_tensors
 from quark_brevitas.brevitas_adapter import StopFwdException, all_reduce_statistics
 from quark_brevitas.errors import CalibrationDataError, ModelError
 
@@ -350,16 +351,6 @@ def _as_is(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return batch
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, Mapping):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, tuple | list):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
-
-
 class _Batches:
     """A read-only sequence of ``count`` batches produced by ``get(position)``."""
 
@@ -413,7 +404,8 @@ class BlockInputs(CalibrationData):
         count = 0
         with torch.no_grad():
             for index, (args, kwargs) in self._progress(self.indexed(), desc):
-                output = call_model(model, _to_device(args, device), _to_device(kwargs, device), index,
+                output = call_model(model, map_tensors(args, lambda t: t.to(device)),
+                                    map_tensors(kwargs, lambda t: t.to(device)), index,
                                     f"{self.label} (on its cached input)")
                 if on_output is not None:
                     on_output(count, output)

@@ -207,6 +207,17 @@ class _ThreadAllReduce:
         return reduce
 
 
+def _run_shards(models: list[nn.Module], contexts: list, shards: list) -> list[int]:
+    """Enter each model's context, run its shard of batches, then reduce the statistics across the models
+    (if there are several); the contexts stay open."""
+    with torch.no_grad():
+        for context, model, shard in zip(contexts, models, shards):
+            context.__enter__()
+            for batch in shard:
+                model(batch)
+    return _reduce_in_threads(models) if len(models) > 1 else []
+
+
 def _reduce_in_threads(models: list[nn.Module]) -> list[int]:
     """``all_reduce_statistics`` on each model, one thread per model (one "process" each)."""
     import threading
@@ -239,16 +250,11 @@ def test_runtime_statistics_combine_as_one_calibration() -> None:
         for batch in _BATCHES:
             reference(batch)
     contexts = [adapter.calibration_mode(model) for model in halves]
+    modules = adapter.runtime_stats_modules(halves[0])
+    assert modules and all(hasattr(m, "buffer") for m in modules), "runtime-stats scale/zero point not found"
+    assert _run_shards(halves, contexts, list(_SHARDS)) == [2, 2]  # the scale and the zero point
+    assert [m.counter for m in modules] == [len(_BATCHES)] * len(modules)
     with torch.no_grad():
-        for context, model, shard in zip(contexts, halves, _SHARDS):
-            context.__enter__()
-            for batch in shard:
-                model(batch)
-        modules = adapter.runtime_stats_modules(halves[0])
-        assert modules and all(hasattr(m, "buffer") for m in modules), "runtime-stats scale/zero point not found"
-        assert [m.counter for m in modules] == [len(_SHARDS[0])] * len(modules)
-        assert _reduce_in_threads(halves) == [2, 2]  # the scale and the zero point
-        assert [m.counter for m in modules] == [len(_BATCHES)] * len(modules)
         for context in contexts:
             context.__exit__(None, None, None)
         expected = reference.input_quant(_BATCHES[0])
@@ -270,16 +276,13 @@ def test_gptq_hessians_combine_as_one_run() -> None:
         for model in models:
             adapter.init_weight_scales(model)
         modes = [adapter.gptq_mode(model, act_order=False) for model in models]
+        reduced = _run_shards(models, modes, shards)
         with torch.no_grad():
-            for mode, shard in zip(modes, shards):
-                mode.__enter__()
-                for batch in shard:
-                    mode.model(batch)
             optimizers = adapter.gpxq_optimizers(models[0])
             assert len(optimizers) == 1 and hasattr(optimizers[0], "H") and hasattr(optimizers[0], "nsamples"), \
                 "GPTQ's per-layer object is no longer reachable through its forward pre-hook"
             if len(models) > 1:
-                assert _reduce_in_threads(models) == [1, 1]
+                assert reduced == [1, 1]
                 assert optimizers[0].nsamples == sum(b.shape[0] for b in _BATCHES)
             for mode in modes:
                 mode.update()
@@ -301,14 +304,10 @@ def test_equalization_ranges_combine_as_maxima() -> None:
         for model in models[1:]:
             model.load_state_dict(models[0].state_dict())
         modes = [adapter.activation_equalization_mode(model, alpha=0.5) for model in models]
+        reduced = _run_shards(models, modes, shards)
+        assert len(adapter.equalization_statistics(models[0])) == 1, "equalization hooks not found"
+        assert reduced == ([1, 1] if len(models) > 1 else [])
         with torch.no_grad():
-            for mode, model, shard in zip(modes, models, shards):
-                mode.__enter__()
-                for batch in shard:
-                    model(batch)
-            assert len(adapter.equalization_statistics(models[0])) == 1, "equalization hooks not found"
-            if len(models) > 1:
-                assert _reduce_in_threads(models) == [1, 1]
             for mode in modes:
                 mode.__exit__(None, None, None)
         return [model[0].scale.weight.detach().clone() for model in models]
@@ -324,13 +323,8 @@ def test_norm_correction_statistics_combine_as_one_run() -> None:
     def corrected(shards: list[list[torch.Tensor]]) -> list[nn.Module]:
         models = [nn.Sequential(nn.BatchNorm2d(3)).eval() for _ in shards]
         modes = [adapter.norm_correction_mode(model) for model in models]
+        assert _run_shards(models, modes, shards) == ([1, 1] if len(models) > 1 else [])
         with torch.no_grad():
-            for mode, model, shard in zip(modes, models, shards):
-                mode.__enter__()
-                for batch in shard:
-                    model(batch)
-            if len(models) > 1:
-                assert _reduce_in_threads(models) == [1, 1]
             for mode in modes:
                 mode.__exit__(None, None, None)
         return [model[0] for model in models]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 transformers = pytest.importorskip("transformers")
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
-from quark_brevitas.checkpoint import load_quantized, save_quantized  # noqa: E402
+from quark_brevitas.checkpoint import load_quantized, read_weights, save_quantized  # noqa: E402
 from quark_brevitas.data import CalibrationData, Shard  # noqa: E402
 from quark_brevitas.errors import CalibrationDataError  # noqa: E402
 from quark_brevitas.intweights import integer_weights  # noqa: E402
@@ -95,6 +95,33 @@ def test_two_gloo_processes_equal_one(recipe: str, tmp_path) -> None:
     single = ModelQuantizer(config).quantize_model(model, _batches(), **kwargs)
     for rank in range(WORLD):
         _compare(single, load_quantized(model, tmp_path / f"rank{rank}"))
+
+
+def _stream_worker(rank: int, init_file: str, folder: str, out: str) -> None:
+    from quark_brevitas.hf.streaming import quantize_pretrained
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        quantize_pretrained(folder, RECIPES["w4a8_gptq"][0], _batches(), out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_processes_stream_a_folder(tmp_path) -> None:
+    """Both processes read the folder and take half of the batches; the first writes the checkpoint."""
+    pytest.importorskip("accelerate")
+    from quark_brevitas.hf.streaming import quantize_pretrained
+
+    _model().save_pretrained(tmp_path / "float")
+    torch.multiprocessing.spawn(_stream_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path / "float"),
+                                                      str(tmp_path / "two")), nprocs=WORLD, join=True)
+    quantize_pretrained(tmp_path / "float", RECIPES["w4a8_gptq"][0], _batches(), tmp_path / "one")
+    model = _model()
+    _compare(load_quantized(model, tmp_path / "one"), load_quantized(model, tmp_path / "two"))
+    assert read_weights(tmp_path / "one").keys() == read_weights(tmp_path / "two").keys()
+    assert not (tmp_path / "two" / ".progress").exists()
 
 
 def test_shards_split_batches_and_name_global_indices() -> None:
