@@ -329,7 +329,6 @@ class BlockwiseEngine:
         self.templates: ActivationStore | None = None
         self.hidden_key: str | None = None
         self.hidden_shapes: list[torch.Size] = []
-        self.outside_done: list[str] = []
         #: sha256 of the first block's captured hidden states (a resumed run checks it has the same inputs).
         self.first_inputs_digest = ""
         #: ``on_captured(digest)``: called once the first block's inputs are captured, before any block runs.
@@ -344,11 +343,11 @@ class BlockwiseEngine:
         return {row.name: modules[row.name] for row in rows
                 if row.quantized and row.name and not row.name.startswith(inside) and row.name != self.stack_name}
 
-    def run(self, *, start: int = 0, hidden: ActivationStore | None = None,
-            skip_outside: Sequence[str] = ()) -> nn.Module:
+    def run(self, *, start: int = 0, hidden: ActivationStore | None = None) -> nn.Module:
         """Quantize every block from ``start`` (earlier ones are done: ``hidden`` then holds block ``start``'s
-        cached inputs) and the layers outside the blocks not in ``skip_outside``; return the model."""
-        remaining = {k: v for k, v in self.outside_layers().items() if k not in skip_outside}
+        cached inputs) and the layers outside the blocks; return the model. Layers before the first block are
+        quantized again when resuming (from the same float weights and data: the same result)."""
+        remaining = self.outside_layers()
         count = len(self.stack)
         if self.data is None:
             return self._run_without_data(remaining, start)
@@ -551,4 +550,3 @@ class BlockwiseEngine:
         setattr(parent, attribute, getattr(solo, attribute))
         if store is not None:
             store.close()
-        self.outside_done.append(name)

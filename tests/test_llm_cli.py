@@ -129,3 +129,16 @@ def test_bad_arguments(tmp_path, capsys, args, message) -> None:
     filled = [a.format(dir=tmp_path, file=text) for a in args]
     assert main(["quantize", "--output", str(tmp_path / "out"), *filled]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_streaming_example_runs(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "llm_streaming.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    assert "model-block-00003.safetensors" in result.stdout and "quantized layers: 29" in result.stdout
+    assert list(tmp_path.iterdir()) == []
