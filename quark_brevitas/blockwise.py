@@ -131,6 +131,9 @@ class BlockSource:
     read and write them one at a time (a Hugging Face folder).
     """
 
+    #: Whether :meth:`finish` drops the block (the engine then frees its memory at once).
+    releases = False
+
     def load(self, index: int, current: nn.Module) -> nn.Module:
         """The float block ``index``, ready to quantize (``current`` is what the model holds there now)."""
         return current
@@ -361,7 +364,7 @@ class BlockwiseEngine:
                                  f"{len(self.templates)} calibration batches")
         for index in range(start, count):
             hidden = self._block(index, hidden)
-            gc.collect()  # a released block sits in reference cycles (Brevitas's quantizers): free it now
+            self._release()
             if self.on_block is not None:
                 self.on_block(index, count)
         self._after_blocks(remaining, hidden)
@@ -378,10 +381,16 @@ class BlockwiseEngine:
             block = self.source.load(index, self.stack[index])
             self.stack[index] = self.pipeline.quantize_unit(block, name, None)
             self.stack[index] = self.source.finish(index, self.stack[index])
-            gc.collect()
+            self._release()
             if self.on_block is not None:
                 self.on_block(index, count)
         return self.model
+
+    def _release(self) -> None:
+        """A dropped block sits in reference cycles (Brevitas's quantizers): collect them now, so that memory
+        stays at one block (a full collection takes a fraction of a second, so only when blocks are dropped)."""
+        if self.source.releases:
+            gc.collect()
 
     # ------------------------------------------------------------------ capture passes
     def _pass(self, targets: dict[str, nn.Module], label: str) -> tuple[str | None, ActivationStore]:
@@ -515,7 +524,7 @@ class BlockwiseEngine:
             self.stack[index] = block
             hidden = self._propagate(index, block, hidden)
             del block
-            gc.collect()
+            self._release()
         with self._replaying(hidden):
             self.clock.calls = 0
             self.data.forward(self.runner, desc, on_output=on_output)

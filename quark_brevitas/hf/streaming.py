@@ -215,6 +215,8 @@ class _FolderBlocks(BlockSource):
     """Blocks read from a float model folder just before they run; once finished, written out (if a writer
     is given) and dropped."""
 
+    releases = True
+
     def __init__(self, weights: FolderWeights, stack: str, writer: _Writer | None = None) -> None:
         self.weights, self.stack, self.writer = weights, stack, writer
 
@@ -471,6 +473,7 @@ class _CheckpointBlocks(BlockSource):
 
     def __init__(self, pipeline: Pipeline, directory: Path, stack: str, saved: SavedStructure, keep: bool) -> None:
         self.pipeline, self.directory, self.stack, self.saved, self.keep = pipeline, directory, stack, saved, keep
+        self.releases = not keep
 
     def load(self, index: int, current: nn.Module) -> nn.Module:
         name = f"{self.stack}.{index}"
