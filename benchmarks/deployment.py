@@ -198,7 +198,8 @@ def _session(path: pathlib.Path, threads: int) -> ort.InferenceSession:
 
 
 def latencies(
-    files: dict[str, pathlib.Path], example: np.ndarray, threads: int, runs: int, rounds: int = 10
+    files: dict[str, pathlib.Path], example: np.ndarray | dict[str, np.ndarray], threads: int, runs: int,
+    rounds: int = 10
 ) -> dict[str, float]:
     """Median latency (ms) of each file over at least ``runs`` runs, measured in ``rounds`` interleaved blocks.
 
@@ -212,7 +213,7 @@ def latencies(
     for r in range(rounds):
         for label in labels[r % len(labels):] + labels[: r % len(labels)]:
             session = _session(files[label], threads)
-            feed = {session.get_inputs()[0].name: example}
+            feed = example if isinstance(example, dict) else {session.get_inputs()[0].name: example}
             for _ in range(5):
                 session.run(None, feed)
             block_start = time.perf_counter()

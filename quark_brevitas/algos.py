@@ -9,10 +9,12 @@ through a registry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+from quark_brevitas.dtypes import resolve_dtype
 from quark_brevitas.errors import ConfigError
+from quark_brevitas.types import QSchemeType, QuantType, ScaleType
 
 
 @dataclass
@@ -166,6 +168,203 @@ class CalibrateBatchNorm(AlgoConfig):
     name: ClassVar[str] = "Calibrate Batch Norm"
 
 
+
+# ===================================================================== Quark's LLM algorithms (reference 002)
+#: The keys of one ``scaling_layers`` entry (Quark's format; names relative to a decoder layer).
+SCALING_LAYER_KEYS = ("prev_op", "layers", "inp", "module2inspect")
+
+
+def _verify_quark_name(algo: Any, path: str) -> None:
+    """Quark identifies these algorithms by ``name`` (its config files dispatch on it); another name would
+    make the written file unreadable, by Quark and by this library."""
+    default = next(f.default for f in fields(algo) if f.name == "name")
+    if algo.name != default:
+        raise ConfigError(f"{path}.name", f"must be {default!r} (Quark identifies {type(algo).__name__} by its "
+                                          f"name), got {algo.name!r}")
+
+
+def _verify_scaling_layers(entries: list[dict[str, Any]] | None, path: str) -> None:
+    """Quark's ``scaling_layers``: ``{"prev_op": name, "layers": [names], "inp": name, "module2inspect": name}``
+    per entry (``inp`` and ``module2inspect`` optional), names relative to a decoder layer."""
+    if entries is None:
+        return
+    for index, entry in enumerate(entries):
+        where = f"{path}.scaling_layers[{index}]"
+        unknown = sorted(set(entry) - set(SCALING_LAYER_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}", f"unknown key; allowed: {list(SCALING_LAYER_KEYS)}")
+        for key in ("prev_op", "inp", "module2inspect"):
+            value = entry.get(key)
+            if (key == "prev_op" or value is not None) and not (isinstance(value, str) and value):
+                raise ConfigError(f"{where}.{key}", f"must be a module name relative to a decoder layer (e.g. "
+                                                    f"'input_layernorm'), got {value!r}")
+        layers = entry.get("layers")
+        if not (isinstance(layers, list) and layers and all(isinstance(n, str) and n for n in layers)):
+            raise ConfigError(f"{where}.layers", "must be a non-empty list of module names relative to a decoder "
+                                                 f"layer (e.g. ['self_attn.q_proj']), got {layers!r}")
+        if entry.get("inp") is not None and entry["inp"] not in layers:
+            raise ConfigError(f"{where}.inp", f"must be one of layers {layers} (the layer whose input is measured), "
+                                              f"got {entry['inp']!r}")
+
+
+def _weight_specs(config: Any) -> list[tuple[str, Any]]:
+    """The weight specs an algorithm restating them must agree with: the global one and each layer type's
+    (layer-name entries are checked per layer when the algorithm runs)."""
+    specs = [("global_quant_config.weight", config.global_quant_config.weight)]
+    specs += [(f"layer_type_quant_config[{key!r}].weight", layer.weight)
+              for key, layer in config.layer_type_quant_config.items()]
+    return [(where, resolve_dtype(spec, where)) for where, spec in specs if spec is not None]
+
+
+def _verify_restated_weight_spec(algo: Any, config: Any, path: str) -> None:
+    """``bit``, ``sym`` and ``group_size`` restate the weight spec (Quark's fields): they must agree with it.
+
+    ``group_size=-1`` means no groups (AutoGPTQ's convention): per-channel or per-tensor weights.
+    """
+    what = type(algo).__name__
+    _uses_weights(config, path, what)
+    for where, spec in _weight_specs(config):
+        if spec.quant_type is not QuantType.int_quant:
+            raise ConfigError(path, f"{what} quantizes weights to integers; {where} is {spec.quant_type.name}. "
+                                    "Use an int weight spec (e.g. dtype uint4, per_group)")
+        if spec.qscheme is QSchemeType.per_group and spec.scale_type is ScaleType.pof2:
+            raise ConfigError(path, f"{what} does not support MX (per_group with pof2 scales) weights ({where}); "
+                                    "use scale_type=float")
+        if algo.bit != spec.bit_width:
+            raise ConfigError(f"{path}.bit", f"{algo.bit}, but {where} has bit_width {spec.bit_width}: {what}.bit "
+                                             f"restates the weight spec; set bit={spec.bit_width}")
+        if algo.sym != spec.symmetric:
+            raise ConfigError(f"{path}.sym", f"{algo.sym}, but {where} has symmetric={spec.symmetric}: {what}.sym "
+                                             f"restates the weight spec; set sym={spec.symmetric}")
+        grouped = spec.qscheme is QSchemeType.per_group
+        if grouped and algo.group_size != spec.group_size:
+            raise ConfigError(f"{path}.group_size", f"{algo.group_size}, but {where} is per_group with group_size "
+                                                    f"{spec.group_size}; set group_size={spec.group_size}")
+        if not grouped and algo.group_size != -1:
+            raise ConfigError(f"{path}.group_size", f"{algo.group_size}, but {where} is {spec.qscheme.name} (no "
+                                                    "groups); set group_size=-1, or use a per_group weight spec")
+
+
+def _verify_quark_weight_algorithm(algo: Any, config: Any, path: str) -> None:
+    """What AWQConfig and GPTQConfig share: Quark's name, the restated weight spec, the embedding layer names."""
+    _verify_quark_name(algo, path)
+    _verify_restated_weight_spec(algo, config, path)
+    _verify_names(algo.embedding_layers, f"{path}.embedding_layers")
+
+
+def _verify_names(names: list[str] | None, path: str) -> None:
+    if names is not None and not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(path, f"must be a list of module names, got {names!r}")
+
+
+@dataclass
+class SmoothQuantConfig(PreQuantOptConfig):
+    """SmoothQuant (Xiao et al.), Quark's ``SmoothQuantConfig``: per input channel j of each scaling group,
+    ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)`` (at least ``scale_clamp_min``) moves activation outliers
+    into the weights. The scales are folded into the preceding norm or linear layer, so the quantized model
+    (and its ONNX export) has no extra multiplication. Runs without FX tracing, on the float model.
+
+    - ``name``: Quark's identifier of the algorithm, ``"smoothquant"``.
+    - ``alpha``: migration strength, 0 (none) to 1 (all of the activation range into the weights).
+    - ``scale_clamp_min``: lower bound of the scales.
+    - ``scaling_layers``: Quark's list of ``{"prev_op", "layers", "inp", "module2inspect"}`` (names relative to a
+      decoder layer); ``None``: inferred for Llama, Mistral, Qwen2, OPT, GPT-2 and BERT (see ``plan``).
+    - ``embedding_layers``: the modules before the first decoder layer (informational; ``None``: inferred).
+    - ``model_decoder_layers``: the ModuleList of decoder layers (e.g. ``"model.layers"``); ``None``: inferred.
+    """
+
+    name: str = "smoothquant"
+    alpha: float = 1
+    scale_clamp_min: float = 1e-3
+    scaling_layers: list[dict[str, Any]] | None = None
+    embedding_layers: list[str] | None = None
+    model_decoder_layers: str | None = None
+
+    def verify(self, config: Any, path: str) -> None:
+        super().verify(config, path)
+        _verify_quark_name(self, path)
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"{path}.alpha", f"must be in [0, 1], got {self.alpha}")
+        if not self.scale_clamp_min > 0:
+            raise ConfigError(f"{path}.scale_clamp_min", f"must be > 0, got {self.scale_clamp_min}")
+        _verify_scaling_layers(self.scaling_layers, path)
+        _verify_names(self.embedding_layers, f"{path}.embedding_layers")
+
+
+@dataclass
+class AWQConfig(AlgoConfig):
+    """AWQ (Lin et al.), Quark's ``AWQConfig``: per scaling group, a grid search over ``ratio`` in [0, 1) for the
+    per-input-channel scales ``mean|X|^ratio`` that minimise the output error of the group's ``module2inspect`` (or
+    of its layers) with quantized weights; the best scales are folded into the preceding norm or linear layer; then
+    a search per weight group
+    for the clipping range (the group maximum shrunk by up to 50 %) that minimises each layer's output error.
+    Weight grids are Brevitas's own (the layer's weight quantizer).
+
+    - ``name``: Quark's identifier of the algorithm, ``"awq"``.
+    - ``bit`` / ``sym`` / ``group_size``: restate the weight spec (they must agree with it; ``group_size=-1``:
+      per-channel weights).
+    - ``scaling_layers``: as in SmoothQuantConfig; ``None``: inferred.
+    - ``model_decoder_layers``: the ModuleList of decoder layers; ``None``: inferred.
+    - ``embedding_layers``: the modules before the first decoder layer (informational; ``None``: inferred).
+    """
+
+    name: str = "awq"
+    bit: int = 4
+    sym: bool = False
+    group_size: int = 128
+    scaling_layers: list[dict[str, Any]] | None = None
+    model_decoder_layers: str | None = None
+    embedding_layers: list[str] | None = None
+
+    def verify(self, config: Any, path: str) -> None:
+        super().verify(config, path)
+        _verify_quark_weight_algorithm(self, config, path)
+        _verify_scaling_layers(self.scaling_layers, path)
+
+
+@dataclass
+class GPTQConfig(AlgoConfig):
+    """GPTQ (Frantar et al.), Quark's ``GPTQConfig``: per decoder layer, the Hessians of a group of layers are
+    collected in one pass over the layer's inputs, then each weight is rounded column by column onto its
+    Brevitas grid while the rounding error is compensated on the remaining columns (blocked, vectorised
+    update).
+
+    - ``name``: Quark's identifier of the algorithm, ``"gptq"``.
+    - ``bit`` / ``sym`` / ``group_size``: restate the weight spec (they must agree with it; ``group_size=-1``:
+      per-channel weights).
+    - ``damp_percent``: the dampening added to the Hessian's diagonal, as a fraction of its mean.
+    - ``desc_act``: process the columns by decreasing Hessian diagonal (act order).
+    - ``static_groups``: per-group scales from the weights before GPTQ (True), or from the error-updated weights
+      when GPTQ reaches a group's first column (False, AutoGPTQ's default).
+    - ``true_sequential``: within a decoder layer, quantize the groups of layers that read the same input (q/k/v,
+      o, gate/up, down) one after the other, each seeing the previous groups quantized; False: one pass.
+    - ``inside_layer_modules``: the layers of a decoder layer to run GPTQ on (names relative to it); ``None``:
+      every quantized Linear of the decoder layer.
+    - ``model_decoder_layers``: the ModuleList of decoder layers; ``None``: inferred (a model without decoder
+      layers is treated as one).
+    - ``embedding_layers``: the modules before the first decoder layer (informational; ``None``: inferred).
+    """
+
+    name: str = "gptq"
+    bit: int = 4
+    sym: bool = False
+    group_size: int = 128
+    damp_percent: float = 0.01
+    desc_act: bool = True
+    static_groups: bool = False
+    true_sequential: bool = True
+    inside_layer_modules: list[str] | None = None
+    model_decoder_layers: str | None = None
+    embedding_layers: list[str] | None = None
+
+    def verify(self, config: Any, path: str) -> None:
+        super().verify(config, path)
+        _verify_quark_weight_algorithm(self, config, path)
+        if not 0.0 < self.damp_percent < 1.0:
+            raise ConfigError(f"{path}.damp_percent", f"must be in (0, 1), got {self.damp_percent}")
+        _verify_names(self.inside_layer_modules, f"{path}.inside_layer_modules")
+
+
 def registered(base: type) -> list[type]:
     """All concrete algorithm classes deriving from ``base`` (for messages and deserialisation)."""
     found: list[type] = []
@@ -179,6 +378,8 @@ def registered(base: type) -> list[type]:
 
 
 __all__ = [
+    "SCALING_LAYER_KEYS",
+    "AWQConfig",
     "ActivationEqualization",
     "AlgoConfig",
     "BiasCorrection",
@@ -186,7 +387,9 @@ __all__ = [
     "GPFA2Q",
     "GPFQ",
     "GPTQ",
+    "GPTQConfig",
     "PreQuantOptConfig",
     "Preprocess",
+    "SmoothQuantConfig",
     "registered",
 ]

@@ -3,7 +3,8 @@
 A *layer map* says, for each float layer class, which Brevitas class replaces it and how that
 class's quantizer keyword arguments are built from a resolved :class:`QuantizationConfig`. The
 default map covers ``Linear``, ``Conv1d``, ``Conv2d``, ``ConvTranspose1d``, ``ConvTranspose2d`` and
-``MultiheadAttention``; users add their own layer types through the dependency-injection container
+``MultiheadAttention``, and Hugging Face's ``Conv1D`` (GPT-2) when transformers is installed; users add their
+own layer types through the dependency-injection container
 (:mod:`quark_brevitas.container`) without patching the library. Matching is on the exact class,
 as in Brevitas, so subclasses with different behaviour are not replaced by accident.
 
@@ -14,22 +15,34 @@ Which config each layer gets (global, per layer type, per layer name, excluded) 
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import brevitas.nn as qnn
+import torch
 from brevitas.graph.base import ModuleToModuleByInstance
 from brevitas.graph.utils import set_module
 from torch import nn
 
-from quark_brevitas.brevitas_adapter import EqualizedModule, ignore_missing_keys, init_weight_scales
+from quark_brevitas.brevitas_adapter import (
+    HALF_DTYPES,
+    EqualizedModule,
+    adopt_parameters,
+    float32_quantizer_kwargs,
+    ignore_missing_keys,
+    init_weight_scales,
+    keep_quantizers_float32,
+)
 from quark_brevitas.config import Config, QuantizationConfig
-from quark_brevitas.errors import ModelError
-from quark_brevitas.layers import QuantMultiheadAttention
+from quark_brevitas.errors import ConfigError, ModelError
+from quark_brevitas.layers import QuantConv1D, QuantMultiheadAttention
 from quark_brevitas.quantizers import build_quantizer
-from quark_brevitas.resolve import EXCLUDED, Resolver
+from quark_brevitas.resolve import EXCLUDED, GLOBAL, Resolver
+from quark_brevitas.types import QSchemeType
 
 logger = logging.getLogger(__name__)
 
@@ -77,26 +90,106 @@ def mha_kwargs(layer: QuantizationConfig) -> dict[str, Any]:
         # Separate q/k/v projections: Brevitas's packed projection handles self-attention only, and a
         # MultiheadAttention may be called with other keys and values (nn.TransformerDecoder's cross-attention).
         "packed_in_proj": False,
+        # Constructor arguments nn.MultiheadAttention does not keep as attributes, read from the float layer
+        # (Brevitas's replacement evaluates lambdas on it); without them a bias-free layer or one with
+        # add_bias_kv would not load into its quantized counterpart.
+        "bias": lambda module: module.in_proj_bias is not None,
+        "add_bias_kv": lambda module: module.bias_k is not None,
         "return_quant_tensor": False,
     }
 
 
+#: ``(module, merged config) -> (field, reason)`` if this layer instance cannot be quantized so, else ``None``;
+#: the field is a tensor role or a field of its spec (``"weight.qscheme"``).
+LayerCheck = Callable[[nn.Module, QuantizationConfig], "tuple[str, str] | None"]
+
+
+def transposed_conv_check(module: nn.Module, layer: QuantizationConfig) -> tuple[str, str] | None:
+    """Per-channel weights of a grouped transposed convolution have no per-axis layout.
+
+    Its weight is ``(in_channels, out_channels / groups, *kernel)``: output channel ``g * (out / groups) + j``
+    is column ``j`` of input-channel block ``g``, so one scale per output channel is not one scale per
+    index of any single weight axis, which is what Brevitas's per-channel quantizers (and ONNX
+    ``DequantizeLinear``) provide. Brevitas fails on such a layer with a shape error deep inside.
+    """
+    spec = layer.weight
+    if getattr(module, "groups", 1) == 1 or spec is None or spec.resolved().qscheme is not QSchemeType.per_channel:
+        return None
+    return "weight.qscheme", (
+        f"per_channel weights are not supported for a grouped {type(module).__name__} (groups={module.groups}): "
+        "each output channel's weights lie in one block of input channels, so there is no single weight axis "
+        "with one scale per output channel (as Brevitas and ONNX DequantizeLinear need). Give this layer "
+        "per_tensor or per_group weights (a layer_quant_config entry for it), exclude it, or use groups=1"
+    )
+
+
 @dataclass(frozen=True)
 class LayerMapping:
-    """How one float layer class is quantized: the replacing class and its kwargs builder."""
+    """How one float layer class is quantized: the replacing class, its kwargs builder and, optionally,
+    a check of each layer instance against its merged config (:data:`LayerCheck`), run by :meth:`plan`."""
 
     quant_class: type[nn.Module]
     build_kwargs: KwargsBuilder = wbiol_kwargs
+    check: LayerCheck | None = None
 
 
-DEFAULT_LAYER_MAP: dict[type[nn.Module], LayerMapping] = {
+#: Layer classes of optional packages, as ``(module, class name) -> mapping``: added to DEFAULT_LAYER_MAP when the
+#: map is first read, if the package is installed, so that importing quark_brevitas does not import them
+#: (transformers takes about 0.6 s to import). Hugging Face GPT-2 uses Conv1D for every projection.
+OPTIONAL_LAYER_MAP: dict[tuple[str, str], LayerMapping] = {
+    ("transformers.pytorch_utils", "Conv1D"): LayerMapping(QuantConv1D),
+}
+
+
+class _LayerMap(MutableMapping):
+    """A dict of layer mappings whose optional entries (:data:`OPTIONAL_LAYER_MAP`) are added on first read."""
+
+    def __init__(self, entries: Mapping[type[nn.Module], LayerMapping],
+                 optional: Mapping[tuple[str, str], LayerMapping]) -> None:
+        self._entries = dict(entries)
+        self._optional = dict(optional)
+
+    def _loaded(self) -> dict[type[nn.Module], LayerMapping]:
+        optional, self._optional = self._optional, {}
+        for (module_name, class_name), mapping in optional.items():
+            if importlib.util.find_spec(module_name.partition(".")[0]) is None:
+                continue
+            try:
+                cls = getattr(importlib.import_module(module_name), class_name)
+            except (ImportError, AttributeError) as exc:  # a broken optional package must not stop other models
+                logger.warning("%s.%s is not mapped for quantization: importing it failed (%s: %s)", module_name,
+                               class_name, type(exc).__name__, exc)
+                continue
+            self._entries.setdefault(cls, mapping)
+        return self._entries
+
+    def __getitem__(self, key: type[nn.Module]) -> LayerMapping:
+        return self._loaded()[key]
+
+    def __setitem__(self, key: type[nn.Module], value: LayerMapping) -> None:
+        self._loaded()[key] = value
+
+    def __delitem__(self, key: type[nn.Module]) -> None:
+        del self._loaded()[key]
+
+    def __iter__(self) -> Iterator[type[nn.Module]]:
+        return iter(self._loaded())
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+    def __repr__(self) -> str:
+        return repr(self._loaded())
+
+
+DEFAULT_LAYER_MAP: MutableMapping[type[nn.Module], LayerMapping] = _LayerMap({
     nn.Linear: LayerMapping(qnn.QuantLinear),
     nn.Conv1d: LayerMapping(qnn.QuantConv1d),
     nn.Conv2d: LayerMapping(qnn.QuantConv2d),
-    nn.ConvTranspose1d: LayerMapping(qnn.QuantConvTranspose1d),
-    nn.ConvTranspose2d: LayerMapping(qnn.QuantConvTranspose2d),
+    nn.ConvTranspose1d: LayerMapping(qnn.QuantConvTranspose1d, check=transposed_conv_check),
+    nn.ConvTranspose2d: LayerMapping(qnn.QuantConvTranspose2d, check=transposed_conv_check),
     nn.MultiheadAttention: LayerMapping(QuantMultiheadAttention, mha_kwargs),
-}
+}, OPTIONAL_LAYER_MAP)
 
 
 # Wrappers that pre-quantization steps put around a layer, and the attribute holding the layer:
@@ -211,13 +304,37 @@ class LayerwiseBackend:
         for name, alias, module, mapped in walked:
             if mapped:
                 resolution = resolver.resolve(alias, type(module))
+                self._check_layer(name, module, resolution.layer_config, resolution.sources)
                 rows.append(PlannedLayer(name, type(module).__name__, resolution.layer_config, resolution.sources))
             else:
                 rows.append(PlannedLayer(name, type(module).__name__, None))
         return rows
 
+    def _check_layer(self, name: str, module: nn.Module, layer: QuantizationConfig | None,
+                     sources: Mapping[str, str]) -> None:
+        """Raise :class:`ConfigError` at the config level that gave the spec a layer instance cannot take."""
+        check = self.layer_map[type(module)].check
+        refusal = check(module, layer) if check is not None and layer is not None else None
+        if refusal is None:
+            return
+        field_path, reason = refusal
+        source = sources.get(field_path.split(".")[0], GLOBAL)
+        path = f"{'global_quant_config' if source == GLOBAL else source}.{field_path}"
+        raise ConfigError(path, f"module {name or '(model)'!r}: {reason}")
+
     def require_targets(self, model: nn.Module, rows: Sequence[PlannedLayer]) -> None:
-        """Raise unless the plan quantizes at least one layer (a no-op quantization is a mistake)."""
+        """Raise unless the plan quantizes at least one layer (a no-op quantization is a mistake) and the
+        model's tensors have values (none on PyTorch's ``meta`` device)."""
+        empty = [name or "(model)" for name, module in model.named_modules()
+                 if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))]
+        if empty:
+            raise ModelError(
+                f"{type(model).__name__} has modules on the 'meta' device ({', '.join(empty[:3])}"
+                f"{', ...' if len(empty) > 3 else ''}): their weights have no values yet (a model built under "
+                "torch.device('meta') or init_empty_weights), and quantization computes scales from them. Load "
+                "the weights first (model.to_empty(device='cpu') followed by load_state_dict, or from_pretrained "
+                "without device_map='meta'); plan() works on such a model"
+            )
         if any(row.quantized for row in rows):
             return
         if any(row.sources for row in rows):
@@ -247,7 +364,15 @@ class LayerwiseBackend:
                 old = modules[row.name]
                 mapping = self.layer_map[type(old)]
                 kwargs = mapping.build_kwargs(row.layer_config)
+                # A float16/bfloat16 layer's quantizers hold and compute their state in float32 (see
+                # brevitas_adapter.keep_quantizers_float32); its weights and activations keep their dtype.
+                half = _floating_dtype(old) in HALF_DTYPES
+                if half:
+                    kwargs = float32_quantizer_kwargs(kwargs)
                 new = ModuleToModuleByInstance(old, mapping.quant_class, **kwargs).init_new_module(old, name=row.name)
+                adopt_parameters(new, old)  # tied weights stay tied (quark_brevitas.ties)
+                if half:
+                    keep_quantizers_float32(new)
                 if row.name == "":
                     model = new  # the model is itself a single supported layer
                 else:
@@ -261,6 +386,10 @@ class LayerwiseBackend:
         return model
 
 
+def _floating_dtype(model: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def _why_float(row: PlannedLayer) -> str:
     if not row.sources:
         return ""
@@ -269,10 +398,13 @@ def _why_float(row: PlannedLayer) -> str:
 
 __all__ = [
     "DEFAULT_LAYER_MAP",
+    "LayerCheck",
+    "OPTIONAL_LAYER_MAP",
     "LayerMapping",
     "LayerwiseBackend",
     "PlannedLayer",
     "mha_kwargs",
     "plan_table",
+    "transposed_conv_check",
     "wbiol_kwargs",
 ]

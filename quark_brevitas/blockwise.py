@@ -555,7 +555,7 @@ class BlockwiseEngine:
         if store is not None and self.data is not None:
             data = BlockInputs(store.__getitem__, len(store), self.data, name)
         logger.info("Layer outside the blocks: %s", name)
-        solo = self.pipeline.quantize_unit(solo, parent_name, data)
+        solo = self.pipeline.quantize_unit(solo, parent_name, data, block=False)
         setattr(parent, attribute, getattr(solo, attribute))
         if store is not None:
             store.close()

@@ -11,9 +11,10 @@ therefore stores the *recipe* and the *values* but no code:
   (:mod:`quark_brevitas.hf.streaming`) has several files instead, listed by
   ``model.safetensors.index.json`` (Hugging Face's sharded layout); loading reads either.
 - ``config.json``: the :class:`~quark_brevitas.config.Config` (algorithms included).
-- ``manifest.json``: format version, library/Brevitas/torch versions, the module names and types of
-  the quantized model (Brevitas quantizer internals excluded), the FX code of traced graphs, every
-  tensor's shape and dtype, the train/eval mode, frozen parameters and the example input's shapes.
+- ``manifest.json``: format version, library/Brevitas/torch versions, the model's dtype (its weights';
+  a float16/bfloat16 model's quantizer scales are float32), the module names and
+  types of the quantized model (Brevitas quantizer internals excluded), the FX code of traced graphs,
+  every tensor's shape and dtype, the train/eval mode, frozen parameters and the example input's shapes.
 - ``example_input.safetensors`` (optional): the example input given to :func:`save_quantized`, used
   for export from the command line.
 
@@ -60,6 +61,7 @@ from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
 from quark_brevitas.pipeline import CONFIG_ATTRIBUTE, Pipeline, SavedStructure
+from quark_brevitas.ties import untie_differing
 from quark_brevitas.version import __version__
 
 __all__ = [
@@ -140,11 +142,13 @@ def save_quantized(
         "versions": _versions(),
         "model_class": type(model).__name__,
         "training": model.training,
+        "dtype": _model_dtype_name(model),
         "modules": _structure(model),
         "graph_code": _graph_code(model),
         "tensors": {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in tensors.items()},
         "frozen_parameters": [n for n, p in model.named_parameters() if not p.requires_grad],
         "example_input": example[0] if example is not None else None,
+        "huggingface": huggingface_architecture(model),
     }
     from safetensors.torch import save_file
 
@@ -165,6 +169,21 @@ def save_quantized(
     return path
 
 
+def huggingface_architecture(model: nn.Module) -> dict[str, Any] | None:
+    """The class and config of a Hugging Face ``PreTrainedModel`` (``None`` for other models), recorded in the
+    manifest so that ``quark-brevitas export`` can rebuild the float architecture with ``Class(config)`` and no
+    ``--model`` argument; the attention implementation is kept (``sdpa`` / ``eager``)."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)) or not hasattr(type(model), "config_class"):
+        return None
+    values = config.to_dict()
+    attention = getattr(config, "_attn_implementation", None)
+    return {"class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "config_class": f"{type(config).__module__}.{type(config).__qualname__}",
+            "config": json.loads(json.dumps(values, default=str)),
+            "attn_implementation": attention if isinstance(attention, str) else None}
+
+
 def _write_atomic(target: Path, write: Any) -> None:
     tmp = target.with_name(target.name + ".tmp")
     try:
@@ -181,6 +200,13 @@ def _versions() -> dict[str, str]:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _model_dtype_name(model: nn.Module) -> str | None:
+    """The dtype of the model's weights (its first floating parameter): a float16/bfloat16 model keeps its
+    weights and activations in that dtype and its quantizers' scales and zero points in float32."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return _dtype_name(dtype) if dtype is not None else None
 
 
 def _state_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -353,6 +379,7 @@ def load_quantized(
     prefix = f"{where} does not fit {type(float_model).__name__}"
     _check_structure(model, info.manifest, prefix)
     _check_state(model, state, prefix)
+    untie_differing(model, state)  # ties an algorithm broke before saving (GPTQ on a tied lm_head)
     # Quantizers that were never initialised (e.g. an activation quantizer no calibration batch
     # reached) are absent from the state dict in both models; Brevitas accepts that only with this flag.
     try:

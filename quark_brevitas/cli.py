@@ -13,6 +13,10 @@ Subcommands:
   rebuilt PyTorch model.
 - ``plan``: which layers of the digits CNN a config quantizes, and how.
 - ``presets``: the named configs ``--preset`` accepts.
+- ``analyze``: where accuracy goes: the layer-by-layer comparison and the sensitivity ranking of a config,
+  printed and written as JSON, CSV and PNG (see :mod:`quark_brevitas.analysis`).
+- ``autoconfig``: a mixed-precision config (one candidate format per layer) under an average-weight-bits or
+  bytes budget or a metric target, written as YAML for ``quantize --config`` and ``plan --config``.
 
 Bad user input (any :class:`~quark_brevitas.errors.QuarkBrevitasError` or export error) is
 reported as ``error: <message>`` on stderr with exit status 2, without a traceback; anything else
@@ -31,6 +35,7 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,10 +146,11 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=EXPORT_FORMATS, default="qcdq", help="qcdq (default) or qonnx")
     export.add_argument("--output", metavar="FILE", required=True, help="the .onnx file to write")
     export.add_argument("--input-shape", metavar="SHAPE", type=_shape, default=None,
-                        help="example input shape such as 1,1,8,8 (random values; default: the checkpoint's "
-                             "stored example input)")
-    export.add_argument("--model", metavar="MODULE:CALLABLE", default=DEFAULT_MODEL,
-                        help=f"callable returning the float architecture (default {DEFAULT_MODEL})")
+                        help="example input shape such as 1,1,8,8 (random values; for a Hugging Face model "
+                             "BATCH,SEQUENCE of random token ids; default: the checkpoint's stored example input)")
+    export.add_argument("--model", metavar="MODULE:CALLABLE", default=None,
+                        help="callable returning the float architecture (default: the Hugging Face class and "
+                             f"config recorded in the checkpoint, else {DEFAULT_MODEL})")
     export.set_defaults(func=_cmd_export)
 
     plan = sub.add_parser("plan", parents=[verbosity, config_args], help="show which digits CNN layers get quantized")
@@ -152,7 +158,21 @@ def _build_parser() -> argparse.ArgumentParser:
 
     presets = sub.add_parser("presets", parents=[verbosity], help="list the presets")
     presets.set_defaults(func=_cmd_presets)
+    _add_analysis_commands(sub, verbosity, config_args)
     return parser
+
+
+def _plan_digits(config: Config, args: argparse.Namespace) -> list[Any]:
+    """The plan of the digits CNN; errors about the config (a layer name that matches nothing, ...)
+    name the config file they come from."""
+    from quark_brevitas.digits import DigitsCNN
+
+    try:
+        return ModelQuantizer(config).plan(DigitsCNN())
+    except ConfigError as exc:
+        if args.config is None or str(args.config) in str(exc):
+            raise
+        raise CLIError(f"{args.config}: {exc}") from exc
 
 
 def _resolve_config(args: argparse.Namespace) -> tuple[Config, str]:
@@ -243,10 +263,10 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         return _cmd_quantize_llm(args)
     if args.calib_text is not None:
         raise CLIError("--calib-text needs --model DIR (the digits CNN calibrates on its own data)")
-    from quark_brevitas.digits import DigitsCNN, evaluate, example_input, load_digits_data, train_digits_cnn
+    from quark_brevitas.digits import evaluate, example_input, load_digits_data, train_digits_cnn
 
     config, source = _resolve_config(args)  # before any work, so a bad config fails fast
-    ModelQuantizer(config).plan(DigitsCNN())  # layer names and types too, before training
+    _plan_digits(config, args)  # layer names and types too, before training
     output = Path(args.output)
     if output.exists() and not output.is_dir():
         raise CLIError(f"--output {str(output)!r} exists and is not a directory")
@@ -347,27 +367,71 @@ def _float_model(spec: str) -> nn.Module:
         raise CLIError(f"--model {spec!r}: expected MODULE:CALLABLE, e.g. {DEFAULT_MODEL}")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise CLIError(f"--model {spec!r}: cannot import it ({type(exc).__name__}: {exc})") from exc
-    model = factory()
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's module (ImportError, SyntaxError, ...)
+        raise CLIError(f"--model {spec!r}: cannot import it ({type(exc).__name__}: {_first_line(exc)})") from exc
+    if not callable(factory):
+        raise CLIError(f"--model {spec!r} is a {type(factory).__name__}, not a callable returning the float model")
+    try:
+        model = factory()
+    except Exception as exc:  # noqa: BLE001 - the user's factory failed; say so in one line
+        raise CLIError(f"--model {spec!r}: calling it failed ({type(exc).__name__}: {_first_line(exc)}); it must "
+                       "build the float architecture without arguments") from exc
     if not isinstance(model, nn.Module):
         raise CLIError(f"--model {spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+def _check_example(model: nn.Module, example: Any, source: str, where: str) -> None:
+    """A one-line error for an example input the model rejects (a wrong --input-shape)."""
+    if isinstance(example, dict):
+        inputs: tuple = tuple(example.values())
+        call = lambda: model(**example)  # noqa: E731
+    else:
+        inputs = tuple(example) if isinstance(example, tuple | list) else (example,)
+        call = lambda: model(*inputs)  # noqa: E731
+    try:
+        with torch.no_grad():
+            call()
+    except Exception as exc:  # noqa: BLE001 - any failure means the input does not fit the model
+        shapes = ", ".join(str(list(t.shape)) for t in inputs)
+        described = source if "shape" in source else f"{source}, shape {shapes}"
+        hint = "; pass the shape the model takes" if where == "--input-shape" else ""
+        raise CLIError(f"{where}: the model rejects the example input ({described}): "
+                       f"{type(exc).__name__}: {_first_line(exc)}{hint}") from exc
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from quark_brevitas.checkpoint import load_quantized, read_checkpoint
+    from quark_brevitas.export.hf import float_model_from_record, token_example
 
     info = read_checkpoint(args.checkpoint)
-    if args.input_shape is not None:
-        example: Any = torch.randn(args.input_shape, generator=torch.Generator().manual_seed(0))
+    record = info.manifest.get("huggingface")
+    if args.model is None and record:
+        float_model = float_model_from_record(record)
+        model_source = f"{record['class'].rsplit('.', 1)[-1]} from the checkpoint's config"
+    else:
+        float_model = _float_model(args.model or DEFAULT_MODEL)
+        model_source = args.model or DEFAULT_MODEL
+    tokens = token_example(float_model, args.input_shape) if args.input_shape is not None else None
+    if tokens is not None:
+        example: Any = tokens
+        example_source = f"random token ids, shape {list(args.input_shape)}"
+    elif args.input_shape is not None:
+        example = torch.randn(args.input_shape, generator=torch.Generator().manual_seed(0))
         example_source = f"random, shape {list(args.input_shape)}"
     elif info.example_input is not None:
         example = info.example_input
         example_source = "stored in the checkpoint"
     else:
         raise CLIError(f"checkpoint {args.checkpoint!r} stores no example input; pass --input-shape")
-    model = load_quantized(_float_model(args.model), args.checkpoint)
+    model = load_quantized(float_model, args.checkpoint)
+    where = "--input-shape" if args.input_shape is not None else f"checkpoint {args.checkpoint!r}"
+    _check_example(model, example, example_source, where)
     exporter = ModelExporter(args.output)
     start = time.perf_counter()
     if args.format == "qonnx":
@@ -378,10 +442,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
         label, checker = "ONNX QCDQ", "onnxruntime"
     rows = [
         ("checkpoint", str(args.checkpoint)),
+        ("model", model_source),
         ("format", f"{label}, opset {report.opset}"),
         ("file", f"{report.path}, {_kib(report.file_size)}"),
         ("example input", example_source),
-        (f"max |{checker} - PyTorch|", f"{report.max_abs_diff:.2e} (tolerance {report.tolerance:.2e})"),
+        (f"max |{checker} - PyTorch|", f"{report.max_abs_diff:.2e} (tolerance {report.tolerance:.2e}"
+                                        + ("" if getattr(report, "verified_by", "outputs") == "outputs" else
+                                           "; rounding flips, every quantizer verified pinned") + ")"),
         ("time", f"{time.perf_counter() - start:.1f} s"),
     ]
     width = max(len(name) for name, _ in rows)
@@ -391,15 +458,20 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 # ===================================================================== plan / presets
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from quark_brevitas.algorithms import describe_algorithms
     from quark_brevitas.backend import plan_table
-    from quark_brevitas.digits import DigitsCNN
 
     config, source = _resolve_config(args)
-    rows = ModelQuantizer(config).plan(DigitsCNN())
+    rows = _plan_digits(config, args)
     pre = ", ".join(type(a).__name__ for a in config.pre_quant_opt_config) or "-"
     post = ", ".join(type(a).__name__ for a in config.algo_config) or "-"
     print(f"DigitsCNN plan ({source}; pre-quant: {pre}; algorithms: {post})")
     print(plan_table(rows))
+    from quark_brevitas.digits import DigitsCNN
+
+    described = describe_algorithms(config, DigitsCNN())  # what the algorithms work on (inferred structure)
+    if described:
+        print("\n" + "\n".join(described))
     return 0
 
 
@@ -407,6 +479,147 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     width = max(len(name) for name in PRESETS)
     for name in PRESETS:
         print(f"{name:<{width}}  {DESCRIPTIONS[name]}")
+    return 0
+
+
+# ===================================================================== analyze / autoconfig
+DEFAULT_ANALYSIS_OUTPUT = "quark_brevitas_analysis"
+DEFAULT_AUTOCONFIG_OUTPUT = "quark_brevitas_autoconfig.yaml"
+
+
+def _add_analysis_commands(sub: Any, verbosity: argparse.ArgumentParser,
+                           config_args: argparse.ArgumentParser) -> None:
+    """The ``analyze`` and ``autoconfig`` subcommands. The model options (``--epochs``, ``--seed``) are those of
+    the built-in digits CNN; :func:`_analysis_subject` is the one place that builds the model and its data, so a
+    ``--model DIR`` (Hugging Face folder) option plugs in there."""
+    from quark_brevitas.analysis import DEFAULT_CANDIDATES
+
+    subject = argparse.ArgumentParser(add_help=False)
+    subject.add_argument("--epochs", type=_positive_int, default=15, help="training epochs (default 15)")
+    subject.add_argument("--seed", type=int, default=0, help="data split and training seed (default 0)")
+    subject.add_argument("--batches", type=_positive_int, default=4,
+                         help="calibration batches the measurements use (default 4; --exact: all)")
+    subject.add_argument("--exact", action="store_true",
+                         help="re-run the pipeline for every measurement instead of switching layers off (slower)")
+
+    analyze = sub.add_parser(
+        "analyze", parents=[verbosity, config_args, subject],
+        help="per-layer error report and sensitivity ranking of a config on the digits CNN",
+        description="Train the digits CNN, quantize it, compare it with the float model layer by layer (SQNR of "
+                    "weights, inputs, outputs) and rank the layers by sensitivity; prints the tables and writes "
+                    "layers.json/.csv/.png and sensitivity.json/.csv/.png.",
+    )
+    analyze.add_argument("--output", metavar="DIR", default=DEFAULT_ANALYSIS_OUTPUT,
+                         help=f"output directory (default {DEFAULT_ANALYSIS_OUTPUT})")
+    analyze.add_argument("--no-plots", action="store_true", help="skip the PNG files (no matplotlib needed)")
+    analyze.set_defaults(func=_cmd_analyze)
+
+    autoconfig = sub.add_parser(
+        "autoconfig", parents=[verbosity, subject],
+        help="choose a format per layer under a budget and write the config as YAML",
+        description="Measure every layer of the digits CNN with every candidate format, choose one per layer under "
+                    "the budget (knapsack on the measured output SQNR, refined by quantizing the best proposals "
+                    "for real) and write the Config as YAML (for 'quantize --config' and 'plan --config').",
+    )
+    budget = autoconfig.add_mutually_exclusive_group()
+    budget.add_argument("--budget-bits", type=float, metavar="BITS",
+                        help="average bits per weight, scales included (uniform W4 per-channel: about 4.1)")
+    budget.add_argument("--budget-bytes", type=float, metavar="BYTES", help="model size in bytes")
+    autoconfig.add_argument("--min-metric", type=float, metavar="DB",
+                            help="smallest assignment whose output SQNR reaches DB (alone or within a budget)")
+    autoconfig.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES), metavar="NAMES",
+                            help=f"comma-separated candidate formats (default {','.join(DEFAULT_CANDIDATES)})")
+    autoconfig.add_argument("--refine", type=_positive_int, default=4,
+                            help="proposals quantized for real to pick the best (default 4)")
+    autoconfig.add_argument("--output", metavar="FILE", default=DEFAULT_AUTOCONFIG_OUTPUT,
+                            help=f"the YAML config to write (default {DEFAULT_AUTOCONFIG_OUTPUT})")
+    autoconfig.set_defaults(func=_cmd_autoconfig)
+
+
+@dataclass(frozen=True)
+class _Subject:
+    """What the analysis commands work on: a float model, calibration batches, a test metric and their label."""
+
+    model: nn.Module
+    calib: Any
+    evaluate: Any
+    label: str
+
+
+def _analysis_subject(args: argparse.Namespace) -> _Subject:
+    """The built-in digits CNN, trained now, with its calibration batches and test accuracy."""
+    from quark_brevitas.digits import evaluate, load_digits_data, train_digits_cnn
+
+    data = load_digits_data(seed=args.seed)
+    model = train_digits_cnn(data, epochs=args.epochs, seed=args.seed)
+    return _Subject(model, data.calib, lambda m: evaluate(m, data.test), "digits CNN")
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from quark_brevitas import analysis
+
+    config, source = _resolve_config(args)
+    output = Path(args.output)
+    if output.exists() and not output.is_dir():
+        raise CLIError(f"--output {str(output)!r} exists and is not a directory")
+    subject = _analysis_subject(args)
+    ModelQuantizer(config).plan(subject.model)
+    quant = ModelQuantizer(config).quantize_model(subject.model, subject.calib)
+    layers = analysis.compare_layers(subject.model, quant, subject.calib, max_batches=args.batches)
+    ranking = analysis.sensitivity(subject.model, config, subject.calib, exact=args.exact,
+                                   max_batches=None if args.exact else args.batches)
+    written = [*analysis.write_rows(layers, output, "layers"), *analysis.write_rows(ranking, output, "sensitivity")]
+    if not args.no_plots:
+        written.append(analysis.plot_layer_sqnr(layers, output / "layers.png",
+                                                title=f"{subject.label}, {source}: error per layer"))
+        written.append(analysis.plot_sensitivity(ranking, output / "sensitivity.png",
+                                                 title=f"{subject.label}, {source}: sensitivity per layer"))
+    print(f"{subject.label}, {source}: float accuracy {subject.evaluate(subject.model):.2f} %, quantized "
+          f"{subject.evaluate(quant):.2f} %\n")
+    print(analysis.layer_table(layers), end="\n\n")
+    print(analysis.sensitivity_table(ranking), end="\n\n")
+    print("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+def _candidates(text: str) -> list[Any]:
+    from quark_brevitas.analysis import CANDIDATES
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CANDIDATES]
+    if unknown or not names:
+        raise CLIError(f"--candidates: unknown {unknown or 'empty list'}; allowed: {', '.join(CANDIDATES)}")
+    return [CANDIDATES[name] for name in names]
+
+
+def _cmd_autoconfig(args: argparse.Namespace) -> int:
+    from quark_brevitas import analysis
+    from quark_brevitas.backend import plan_table
+
+    if args.budget_bits is None and args.budget_bytes is None and args.min_metric is None:
+        raise CLIError("give a budget: --budget-bits, --budget-bytes or --min-metric")
+    candidates = _candidates(args.candidates)
+    output = Path(args.output)
+    if output.is_dir():
+        raise CLIError(f"--output {str(output)!r} is a directory; give a .yaml file name")
+    subject = _analysis_subject(args)
+    search = analysis.search_mixed_precision(
+        subject.model, candidates, subject.calib, budget_bits=args.budget_bits, budget_bytes=args.budget_bytes,
+        min_metric=args.min_metric, exact=args.exact, max_batches=None if args.exact else args.batches,
+        refine=args.refine)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(search.config.to_yaml())
+    quant = ModelQuantizer(search.config).quantize_model(subject.model, subject.calib)
+    size = analysis.model_size(subject.model, search.config)
+    print(f"{subject.label}: one format per layer from {args.candidates}")
+    print(analysis.format_table(search.rows(), [("name", "layer"), ("module_type", "type"), ("candidate", "format"),
+                                                ("average_weight_bits", "weight bits"),
+                                                ("alone_sqnr_db", "output SQNR alone (dB)")]))
+    print(f"\naverage weight bits {size.average_weight_bits:.3f}, model size {size.total_bytes:.0f} bytes; "
+          f"{search.metric_name} {search.metric:.2f} (measured on {len(search.tried)} proposals)")
+    print(f"test accuracy: float {subject.evaluate(subject.model):.2f} %, this config {subject.evaluate(quant):.2f} %")
+    print(f"\n{plan_table(ModelQuantizer(search.config).plan(subject.model))}\n")
+    print(f"wrote {output} (run it: quark-brevitas quantize --config {output})")
     return 0
 
 

@@ -6,7 +6,9 @@ defaults of ``quark.torch.extensions.brevitas.config`` (the enums are defined in
 :mod:`quark_brevitas.types` and re-exported here). ``Config`` also carries the hierarchy of Quark's
 general PyTorch config (references 001 and 002): ``layer_type_quant_config``, ``layer_quant_config``
 and ``exclude``, added after the Brevitas extension's fields so that positional construction keeps
-working. How the levels combine for one module is decided in :mod:`quark_brevitas.resolve`.
+working. How the levels combine for one module is decided in :mod:`quark_brevitas.resolve`. Quark's LLM
+algorithm configs (reference 002: ``SmoothQuantConfig``, ``AWQConfig``, ``GPTQConfig``, which Quark keeps in
+``quark.torch.quantization.config.config``) are defined in :mod:`quark_brevitas.algos` and re-exported here.
 
 This module holds data: the dataclasses, whose annotations are the one statement of each field's type,
 and thin methods that delegate to the modules doing the work:
@@ -33,6 +35,7 @@ from torch import nn
 
 from quark_brevitas import algos as _algos
 from quark_brevitas import verification as _verification
+from quark_brevitas.algos import AWQConfig, GPTQConfig, SmoothQuantConfig
 from quark_brevitas.dtypes import (
     DTYPE_FIELDS,
     MX_BLOCK_SIZE,
@@ -149,8 +152,9 @@ class Config:
     """Everything needed to quantize a model.
 
     - ``global_quant_config``: applied to every compute-heavy layer unless a level below overrides it.
-    - ``pre_quant_opt_config``: algorithms run on the float model before quantization, in order.
-    - ``algo_config``: algorithms run on the quantized model after calibration, in order.
+    - ``pre_quant_opt_config``: algorithms run on the float model before quantization, in order (one algorithm
+      without a list, or ``None``, is accepted as Quark writes them).
+    - ``algo_config``: algorithms run on the quantized model after calibration, in order (idem).
     - ``backend``: how layers are replaced (``Backend.layerwise``).
     - ``layer_type_quant_config``: per layer type; keys are ``nn.Module`` classes or their names
       (``nn.Conv2d``, ``"Conv2d"``, ``"torch.nn.Conv2d"``), stored as names (see :func:`layer_type_key`).
@@ -171,6 +175,15 @@ class Config:
     exclude: list[LayerName] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # Quark writes one algorithm without a list (``algo_config=GPTQConfig(...)``) and ``None`` for none.
+        for name in ("pre_quant_opt_config", "algo_config"):
+            value = getattr(self, name)
+            if value is None:
+                setattr(self, name, [])
+            elif isinstance(value, _algos.AlgorithmConfig):
+                setattr(self, name, [value])
+            elif isinstance(value, tuple):
+                setattr(self, name, list(value))
         # One spelling per layer type, so that a config equals its own round trip through a file.
         if isinstance(self.layer_type_quant_config, Mapping):
             self.layer_type_quant_config = _normalised_type_keys(self.layer_type_quant_config)
@@ -316,6 +329,7 @@ def _layer(layer: Any, path: str) -> QuantizationConfig:
 
 
 __all__ = [
+    "AWQConfig",
     "DTYPE_FIELDS",
     "FORMAT_VERSION",
     "HIERARCHY_LEVELS",
@@ -323,10 +337,12 @@ __all__ = [
     "MX_ELEMENT_DTYPES",
     "READABLE_FORMAT_VERSIONS",
     "REJECTED_DTYPES",
+    "SmoothQuantConfig",
     "TENSOR_ROLES",
     "Backend",
     "Config",
     "ConfigError",
+    "GPTQConfig",
     "ParamType",
     "QLayerConfig",
     "QTensorConfig",

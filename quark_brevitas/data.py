@@ -69,7 +69,8 @@ def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
 def _move(value: Any, device: torch.device, dtype: torch.dtype, index: int, where: str) -> Any:
     if isinstance(value, torch.Tensor):
         if value.is_floating_point():
-            if not torch.isfinite(value).all():
+            # An additive attention mask (0 or -inf, as nn.Transformer.generate_square_subsequent_mask) is data.
+            if not torch.isfinite(value).all() and not ((value == 0) | (value == float("-inf"))).all():
                 bad = int((~torch.isfinite(value)).sum())
                 raise CalibrationDataError(
                     f"calibration batch {index}: {where} contains {bad} NaN/Inf value(s); "
@@ -387,7 +388,14 @@ class BlockInputs(CalibrationData):
         self.loader = _Batches(get, count)
         self.batch_to_inputs = _as_is
         self.shard = parent.shard
+        self.parent = parent
         self.label = label
+
+    @classmethod
+    def of(cls, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], parent: CalibrationData,
+           label: str) -> BlockInputs:
+        """Block inputs held in a list of ``(args, kwargs)`` calls (recorded by hooks)."""
+        return cls(calls.__getitem__, len(calls), parent, label)
 
     def indexed(self) -> Iterator[tuple[int, Any]]:
         for position, batch in enumerate(self.loader):

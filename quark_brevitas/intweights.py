@@ -75,7 +75,8 @@ class IntegerWeight:
     exponent_bias: int | None = None
 
     def dequantize(self) -> torch.Tensor:
-        """``(int_weight - zero_point) * scale``: the layer's quantized weight, exactly."""
+        """``(int_weight - zero_point) * scale``: the layer's quantized weight, exactly (for a float16/bfloat16
+        model: exactly before the layer rounds it to its dtype)."""
         dtype = self.scale.dtype
         return (self.int_weight.to(dtype) - self.zero_point.to(dtype)) * self.scale
 
@@ -183,8 +184,9 @@ def integer_weights(model: nn.Module) -> dict[str, IntegerWeight]:
             else:
                 raise ModelError(f"weight quantizer of '{label}' returned a {type(qt).__name__}; integer_weights "
                                  "supports integer and minifloat quantizers")
-            if not torch.equal(entry.dequantize(), qt.value):
-                diff = (entry.dequantize() - qt.value).abs().max().item()
+            # A float16/bfloat16 model computes the quantized weight in float32 and rounds it to its dtype.
+            if not torch.equal(entry.dequantize().to(qt.value.dtype), qt.value):
+                diff = (entry.dequantize() - qt.value.float()).abs().max().item()
                 raise QuarkBrevitasError(f"integer weights of '{label}' ({entry.format}) do not reproduce its "
                                          f"quantized weight exactly (max difference {diff:.3g}); please report this")
             result[label] = entry

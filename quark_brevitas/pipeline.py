@@ -25,6 +25,7 @@ path copies one block at a time), and the config travels with the quantized mode
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import time
@@ -49,6 +50,7 @@ from quark_brevitas.container import Container
 from quark_brevitas.data import BatchToInputs, CalibrationData, Shard, model_device_dtype
 from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.resolve import Resolver
+from quark_brevitas.ties import run_untied
 
 logger = logging.getLogger(__name__)
 
@@ -159,14 +161,20 @@ class Pipeline:
         return unit, rows
 
     def _run_algorithms(self, stage: str, model: nn.Module, data: CalibrationData | None, *,
-                        data_driven: bool | None = None, log: int = logging.INFO) -> nn.Module:
+                        data_driven: bool | None = None, log: int = logging.INFO,
+                        unit: tuple[str, bool] | None = None) -> nn.Module:
         """The algorithms of ``stage`` in list order (only the data-driven ones, or only the data-free ones,
-        if ``data_driven`` says so)."""
+        if ``data_driven`` says so). ``unit``: ``(name, is_block)`` when ``model`` is one part of the model in
+        the block-by-block data phase (the handlers' ``apply_unit``)."""
         for algo in getattr(self.config, stage):
             if data_driven is not None and algo.needs_data != data_driven:
                 continue
             logger.log(log, "Applying %s", _algorithm_name(algo))
-            model = handler_for(algo).apply(algo, model, data if algo.needs_data else None)
+            handler = handler_for(algo)
+            apply = handler.apply if unit is None else \
+                functools.partial(_apply_unit, handler, name=unit[0], block=unit[1])
+            # Tied weights of quantized layers are untied only if the algorithm changes them (warning).
+            model = run_untied(model, _algorithm_name(algo), apply, algo, data if algo.needs_data else None)
         return model
 
     def _restore_algorithms(self, stage: str, model: nn.Module, saved: SavedStructure, *,
@@ -180,19 +188,22 @@ class Pipeline:
         return model
 
     # ------------------------------------------------------------------ one part of the model
-    def quantize_unit(self, unit: nn.Module, name: str, data: CalibrationData | None) -> nn.Module:
+    def quantize_unit(self, unit: nn.Module, name: str, data: CalibrationData | None, *,
+                      block: bool = True) -> nn.Module:
         """The data phase's stages on one part of the model: a block (``name`` its qualified name) or a
         layer outside the blocks (inside a holder module; ``name`` the holder's place, its parent's name).
 
         Data-driven pre-quantization algorithms, layer replacement (the config resolved with full names),
         activation calibration and the post-quantization algorithms run on ``unit`` alone, fed by ``data``
         (the unit's cached inputs; ``None`` when nothing needs data). Data-free pre-quantization steps ran
-        on the whole model before. Returns the unit (possibly a new module)."""
-        unit = self._run_algorithms("pre_quant_opt_config", unit, data, data_driven=True, log=logging.DEBUG)
+        on the whole model before. ``block``: whether ``unit`` is a block (algorithms that work on decoder
+        layers skip the layers outside). Returns the unit (possibly a new module)."""
+        unit = self._run_algorithms("pre_quant_opt_config", unit, data, data_driven=True, log=logging.DEBUG,
+                                    unit=(name, block))
         unit, rows = self._replace_unit_layers(unit, name)
         if data is not None and _has_activation_specs(rows):
             unit = self.container.calibrator()(unit, data)
-        return self._run_algorithms("algo_config", unit, data, log=logging.DEBUG)
+        return self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
 
     def rebuild_unit(self, unit: nn.Module, name: str, saved: SavedStructure) -> nn.Module:
         """:meth:`quantize_unit`'s structure without data (for loading a checkpoint one part at a time):
@@ -351,6 +362,11 @@ class Pipeline:
         work = self.replace_layers(work)
         work = self._restore_algorithms("algo_config", work, saved)
         return self.finish(work)
+
+
+def _apply_unit(handler: Any, algo: Any, unit: nn.Module, data: CalibrationData | None, *, name: str,
+                block: bool) -> nn.Module:
+    return handler.apply_unit(algo, unit, data, name, block=block)
 
 
 def _has_submodule(model: nn.Module, name: str) -> bool:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_brevitas.config import READABLE_FORMAT_VERSIONS, Config, type_name
-from quark_brevitas.serialization import VERSION_KEY, Hint, field_hints, to_plain
+from quark_brevitas.serialization import VERSION_KEY, Hint, field_hints, tag_default, to_plain
 
 __all__ = ["SCHEMA_PATH", "config_json_schema", "write_schema"]
 
@@ -105,11 +105,16 @@ def _define(hint: Hint, defs: dict[str, Any]) -> str:
         return cls.__name__
     tag = hint.polymorphic.tag
     # Only the library's own classes: the shipped file must not depend on what else was imported.
-    library = [c for name, c in hint.polymorphic.classes(cls).items() if c.__module__.partition(".")[0] == _PACKAGE]
+    classes = hint.polymorphic.classes(cls).values()  # a class found by two names (an alias) is listed once
+    library = list(dict.fromkeys(c for c in classes if c.__module__.partition(".")[0] == _PACKAGE))
     defs[cls.__name__] = {"oneOf": [{"$ref": f"#/$defs/{c.__name__}"} for c in library]}
     for sub in library:
         schema = _object_schema(sub, defs)
-        schema["properties"] = {tag: {"const": sub.__name__}, **schema["properties"]}
+        own = tag_default(sub, tag)  # Quark's LLM configs: the tag is their own field, e.g. name = "awq"
+        tag_schema = {"const": sub.__name__} if own is None else \
+            {**schema["properties"][tag], "enum": [own, sub.__name__]}
+        tag_schema.pop("type", None)
+        schema["properties"] = {tag: tag_schema, **{k: v for k, v in schema["properties"].items() if k != tag}}
         schema["required"] = [tag, *schema.get("required", [])]
         defs[sub.__name__] = schema
     return cls.__name__
@@ -144,7 +149,7 @@ def config_json_schema() -> dict[str, Any]:
     It lists the library's algorithms only; a config using an algorithm class defined elsewhere still
     loads with :meth:`Config.from_dict`, but an editor will flag it.
     """
-    from quark_brevitas.backend import DEFAULT_LAYER_MAP
+    from quark_brevitas.backend import DEFAULT_LAYER_MAP, OPTIONAL_LAYER_MAP
 
     defs: dict[str, Any] = {}
     root = _object_schema(Config, defs)
@@ -157,7 +162,9 @@ def config_json_schema() -> dict[str, Any]:
     }
     # Editors complete layer types from the layers the library knows how to quantize.
     type_keys = root["properties"]["layer_type_quant_config"]["propertyNames"]
-    type_keys["examples"] = sorted(type_name(cls) for cls in DEFAULT_LAYER_MAP)
+    # Optional packages' layers are listed whether or not the package is installed where the schema is generated.
+    optional = {".".join(key) for key in OPTIONAL_LAYER_MAP}
+    type_keys["examples"] = sorted({type_name(cls) for cls in DEFAULT_LAYER_MAP} | optional)
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "quark_brevitas Config",

@@ -50,6 +50,7 @@ __all__ = [
     "from_plain",
     "key_path",
     "parse_hint",
+    "tag_default",
     "to_plain",
     "with_version",
     "without_version",
@@ -73,8 +74,24 @@ class Polymorphic:
     tag: str = "name"
 
     def classes(self, base: type) -> dict[str, type]:
-        """The allowed classes by name, looked up at each use so that subclasses registered later count."""
-        return {cls.__name__: cls for cls in sorted(self.registered(base), key=lambda cls: cls.__name__)}
+        """The allowed classes by name, looked up at each use so that subclasses registered later count.
+
+        A class with a field named like the tag (Quark's LLM algorithm configs: ``name: str = "awq"``) is written
+        with that field's value as its tag, so it is found by the field's default too."""
+        found = {cls.__name__: cls for cls in sorted(self.registered(base), key=lambda cls: cls.__name__)}
+        for cls in list(found.values()):
+            alias = tag_default(cls, self.tag)
+            if alias is not None:
+                found.setdefault(alias, cls)
+        return found
+
+
+def tag_default(cls: type, tag: str) -> str | None:
+    """The default of ``cls``'s field named ``tag`` if it is a string (the class's own tag value), else ``None``."""
+    for f in dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ():
+        if f.name == tag and isinstance(f.default, str):
+            return f.default
+    return None
 
 
 @dataclass(frozen=True)
@@ -326,6 +343,7 @@ def _dataclass_from(hint: Hint, data: Any, path: str) -> Any:
             suggestion = did_you_mean(name, list(classes)) if isinstance(name, str) else ""
             raise ConfigError(tag_path, f"{_shown(name)} is not a {cls.__name__}; {suggestion}allowed: {list(classes)}")
         cls, extra = classes[name], [poly.tag]
+        # A class whose tag is one of its fields keeps that field at its default (the tag names the class).
         data = {key: value for key, value in data.items() if key != poly.tag}
     hints = field_hints(cls)
     allowed = [*extra, *(f.name for f, _ in hints)]

@@ -65,10 +65,12 @@ def _verify_algorithm_combinations(config: ConfigLike) -> None:
             "ActivationEqualization may appear once: a second pass would wrap the already wrapped layers, "
             "which Brevitas cannot run; use one entry with the alpha you want",
         )
-    post = [a for a in config.algo_config if isinstance(a, _algos.GPTQ | _algos.GPFQ | _algos.GPFA2Q)]
+    post = [a for a in config.algo_config
+            if isinstance(a, _algos.GPTQ | _algos.GPFQ | _algos.GPFA2Q | _algos.GPTQConfig)]
     if len({type(a) for a in post}) > 1:
         names = sorted({type(a).__name__ for a in post})
-        raise ConfigError("algo_config", f"use at most one of GPTQ, GPFQ, GPFA2Q (got {names})")
+        raise ConfigError("algo_config", f"use at most one of GPTQ, GPFQ, GPFA2Q, GPTQConfig (got {names}): each "
+                                         "rounds the weights again, undoing the one before")
 
 
 def _verify_specs(layer: LayerConfigLike, path: str) -> dict[str, Any]:

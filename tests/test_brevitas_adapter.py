@@ -6,6 +6,8 @@ here, clearly, rather than somewhere deep in a quantization run.
 
 from __future__ import annotations
 
+from typing import Any
+
 import brevitas
 import brevitas.nn as qnn
 import pytest
@@ -333,3 +335,245 @@ def test_norm_correction_statistics_combine_as_one_run() -> None:
     for got in corrected([images[0::2], images[1::2]]):
         torch.testing.assert_close(got.running_mean, expected.running_mean, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got.running_var, expected.running_var, rtol=1e-6, atol=1e-6)
+# ===================================================================== weight grids and activation re-calibration
+def _grid_specs():
+    from quark_brevitas.config import QTensorConfig
+    from quark_brevitas.types import Dtype, ParamType, QSchemeType, RoundType, ScaleType
+
+    return [
+        QTensorConfig(),
+        QTensorConfig(qscheme=QSchemeType.per_channel, bit_width=4),
+        QTensorConfig(bit_width=3, symmetric=False),
+        QTensorConfig(dtype=Dtype.uint4, qscheme=QSchemeType.per_group, group_size=4, symmetric=False),
+        QTensorConfig(qscheme=QSchemeType.per_group, group_size=4, bit_width=4, param_type=ParamType.mse),
+        QTensorConfig(qscheme=QSchemeType.per_channel, bit_width=4, round_method=RoundType.round,
+                      scale_type=ScaleType.pof2),
+    ]
+
+
+@pytest.mark.parametrize("spec", _grid_specs(), ids=lambda s: s.short())
+def test_weight_grid_repeats_int_quant_and_reinitialises_from_any_tensor(spec) -> None:
+    """Guards ``IntQuant`` (x / scale + zero point, float_to_int_impl, tensor_clamp_impl, min_int/max_int, then
+    (codes - zero point) * scale), the proxy's QuantTensor scale/zero point, and ``init_done`` plus the
+    parameter-from-stats value folding (x 1 for scales, + 0 for zero points) of weight scales and zero points."""
+    layer = _layer(spec)
+    grid = adapter.weight_grid(layer)
+    assert torch.equal(grid.quantize(layer.weight.detach()), layer.quant_weight().value)
+    other = torch.randn_like(layer.weight) * 3
+    fresh = _layer(spec)
+    with torch.no_grad():
+        fresh.weight.copy_(other)
+    expected = fresh.quant_weight().value  # a quantizer initialised from ``other`` the first time
+    for _ in range(2):  # re-initialising twice must give the same grid (no accumulation in the parameters)
+        grid = adapter.weight_grid(layer, other)
+    assert torch.equal(grid.quantize(other), expected)
+    with torch.no_grad():
+        layer.weight.copy_(grid.quantize(other))
+    assert torch.equal(layer.quant_weight().value, layer.weight), "values on the grid must stay where they are"
+    with adapter.quantization_disabled(layer):  # works while quantization is switched off too
+        assert torch.equal(adapter.weight_grid(layer, other).quantize(other), expected)
+
+
+def test_int_weight_format() -> None:
+    from quark_brevitas.config import QTensorConfig
+    from quark_brevitas.types import Dtype, QSchemeType
+
+    assert adapter.int_weight_format(_layer()) == adapter.IntWeightFormat(8, -1, True)
+    per_group = QTensorConfig(dtype=Dtype.uint4, qscheme=QSchemeType.per_group, group_size=4, symmetric=False)
+    assert adapter.int_weight_format(_layer(per_group)) == adapter.IntWeightFormat(4, 4, False)
+    assert adapter.int_weight_format(_layer(QTensorConfig(dtype=Dtype.fp8_e4m3))) is None
+    assert adapter.int_weight_format(nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_restart_activation_statistics_gives_a_fresh_calibration(symmetric: bool) -> None:
+    """Guards ``ParameterFromRuntimeStatsScaling`` / ``ParameterFromRuntimeZeroPoint``: ``counter``, ``buffer``
+    and ``value`` (1 for scales, 0 for zero points) are the whole calibration state."""
+    from quark_brevitas.calibration import calibrate
+    from quark_brevitas.config import QTensorConfig
+
+    act = QTensorConfig(symmetric=symmetric)
+    torch.manual_seed(1)
+    first = [torch.randn(16, 8) for _ in range(3)]
+    second = [torch.randn(16, 8) * 4 + 1 for _ in range(3)]
+    layer, reference = _layer(act=act), _layer(act=act)
+    calibrate(layer, first)
+    assert adapter.has_static_activation_quantizers(layer)
+    assert adapter.restart_activation_statistics(layer) >= 1
+    calibrate(layer, second)
+    calibrate(reference, second)
+    assert torch.equal(layer.input_quant.scale(), reference.input_quant.scale())
+    assert torch.equal(layer.input_quant.zero_point(), reference.input_quant.zero_point())
+
+
+# ===================================================================== analysis (quark_brevitas.analysis)
+def test_quantized_units_are_outermost_layers_and_equalized_wrappers() -> None:
+    from quark_brevitas.layers import QuantMultiheadAttention
+
+    attention = QuantMultiheadAttention(8, 2, batch_first=True, packed_in_proj=False)
+    model = nn.Sequential(adapter.wrap_equalized(_layer(), 8, [1, -1]), attention)
+    units = adapter.quantized_units(model, {qnn.QuantLinear, QuantMultiheadAttention})
+    assert list(units) == ["0", "1"], "EqualizedModule no longer keeps its layer as .layer, or the walk changed"
+    assert isinstance(units["0"], adapter.EqualizedModule) and units["1"] is attention
+
+
+def test_weight_pairs_are_the_float_and_quantized_weights_in_layout() -> None:
+    from quark_brevitas.config import QTensorConfig
+    from quark_brevitas.types import QSchemeType
+
+    grouped = _layer(QTensorConfig(bit_width=4, qscheme=QSchemeType.per_group, group_size=4))
+    ((float_weight, quant_weight),) = adapter.weight_quantization_pairs(grouped)
+    assert float_weight is not None and quant_weight.shape == grouped.weight.shape, \
+        "group-wise quant tensors' .value is no longer in the weight's layout"
+    assert torch.equal(float_weight, grouped.weight.detach())
+    import reference as ref
+
+    w = grouped.weight.detach()
+    expected = ref.int_qdq(w, ref.group_symmetric_scale(w, 4, 4), 0.0, 4, True, True)
+    assert torch.allclose(quant_weight, expected, atol=1e-6), "the quantized weight is not the group-wise qdq"
+    with adapter.weight_quant_disabled(grouped.weight_quant):
+        assert adapter.weight_quantization_pairs(grouped) == []
+
+
+def test_input_quantizer_hook_sees_the_quantized_input_and_runs_when_disabled() -> None:
+    from quark_brevitas.config import QTensorConfig
+
+    layer = _layer(act=QTensorConfig())
+    seen = []
+    adapter.input_quantizer(layer).register_forward_hook(lambda m, a, out: seen.append(adapter.plain_tensor(out)))
+    x = torch.randn(4, 8)
+    with adapter.calibration_mode(layer):
+        layer(x)
+    layer.eval()
+    layer(x)
+    step = (seen[-1] - x).abs().max()
+    assert isinstance(seen[-1], torch.Tensor) and 0 < step < x.abs().max() / 100, "input_quant output changed"
+    with adapter.quantization_disabled(layer):
+        layer(x)
+    assert torch.equal(seen[-1], x), "a disabled input quantizer no longer passes its input through (or is skipped)"
+
+
+def test_quantization_disabled_on_a_layer_restores_each_quantizer_state() -> None:
+    from quark_brevitas.config import QTensorConfig
+
+    model = nn.Sequential(_layer(act=QTensorConfig()), _layer(act=QTensorConfig())).eval()
+    model[0].input_quant.disable_quant = True  # a quantizer already off stays off afterwards
+    with adapter.quantization_disabled(model[0]):
+        assert not model[0].weight_quant.is_quant_enabled
+        assert model[1].weight_quant.is_quant_enabled, "disabling one layer reached another"
+    assert model[0].weight_quant.is_quant_enabled and model[0].input_quant.disable_quant is True
+
+
+# ===================================================================== half precision, ties, MSE, tracing (issue 13)
+def _half_layer(dtype: torch.dtype, kwargs_filter: Any = None) -> qnn.QuantLinear:
+    from quark_brevitas.backend import wbiol_kwargs
+    from quark_brevitas.config import QLayerConfig, QTensorConfig
+
+    kwargs = wbiol_kwargs(QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig(),
+                                       bias=QTensorConfig(bit_width=32)))
+    if kwargs_filter is not None:
+        kwargs = kwargs_filter(kwargs)
+    torch.manual_seed(0)
+    return qnn.QuantLinear(8, 4, bias=True, dtype=dtype, **kwargs)
+
+
+def test_weight_quantizers_take_their_dtype_from_the_weight_unless_the_injector_sets_it() -> None:
+    """SolveDtypeDeviceFromTrackedParameterList: a float16 weight gives a float16 scale; an explicit dtype in
+    the injector (float32_quantizer_kwargs) wins, also after the re-initialisation a state-dict load does."""
+    plain = _half_layer(torch.float16)
+    plain.quant_weight()
+    assert plain.weight_quant.tensor_quant.scaling_impl.value.dtype == torch.float16, \
+        "Brevitas no longer derives the weight scale's dtype from the weight: keep_quantizers_float32 may be obsolete"
+    wide = _half_layer(torch.float16, adapter.float32_quantizer_kwargs)
+    wide.quant_weight()
+    state = wide.state_dict()
+    assert wide.weight_quant.tensor_quant.scaling_impl.value.dtype == torch.float32
+    with adapter.ignore_missing_keys():
+        wide.load_state_dict(state)
+    assert wide.weight_quant.tensor_quant.scaling_impl.value.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_layers_mix_dtypes_without_float32_quantizers(dtype: torch.dtype) -> None:
+    """The failure keep_quantizers_float32 fixes: activation scales are float32, so a half layer's
+    quantized input is float32 and meets a half weight."""
+    layer = _half_layer(dtype)
+    with pytest.raises(RuntimeError, match="dtype|type"):
+        layer(torch.randn(2, 8, dtype=dtype))
+    fixed = _half_layer(dtype, adapter.float32_quantizer_kwargs)
+    adapter.keep_quantizers_float32(fixed)
+    out = fixed(torch.randn(2, 8, dtype=dtype))
+    assert out.dtype == dtype
+    assert all(t.dtype == torch.float32 for s in adapter.iter_quantizers(fixed, enabled_only=False)
+               for t in (*s.proxy.parameters(), *s.proxy.buffers()) if t.is_floating_point())
+
+
+def test_quant_tensors_keep_their_values_in_the_first_field() -> None:
+    from brevitas.quant_tensor import (
+        FloatQuantTensor,
+        GroupwiseFloatQuantTensor,
+        GroupwiseIntQuantTensor,
+        IntQuantTensor,
+    )
+
+    assert IntQuantTensor._fields[0] == "value" and FloatQuantTensor._fields[0] == "value"
+    assert GroupwiseIntQuantTensor._fields[0] == "value_" and GroupwiseFloatQuantTensor._fields[0] == "value_"
+
+
+def test_registering_a_weight_reinitialises_the_quantizer_and_swap_parameter_does_not() -> None:
+    layer = _layer()
+    layer.quant_weight()
+    scaling = layer.weight_quant.tensor_quant.scaling_impl
+    assert scaling.init_done
+    adapter.swap_parameter(layer, "weight", nn.Parameter(layer.weight.detach().clone()))
+    assert layer.weight_quant.tensor_quant.scaling_impl is scaling and scaling.init_done
+    layer.weight = nn.Parameter(layer.weight.detach().clone())
+    assert not layer.weight_quant.tensor_quant.scaling_impl.init_done, \
+        "QuantWeightMixin.register_parameter no longer re-initialises the quantizer: swap_parameter may be setattr"
+
+
+def test_adopt_parameters_keeps_the_float_layers_parameters() -> None:
+    from brevitas.graph.base import ModuleToModuleByInstance
+
+    old = nn.Linear(8, 4)
+    new = ModuleToModuleByInstance(old, qnn.QuantLinear).init_new_module(old)
+    assert new.weight is not old.weight, "Brevitas's replacement now keeps the Parameter objects itself"
+    adapter.adopt_parameters(new, old)
+    assert new.weight is old.weight and new.bias is old.bias
+    assert new.weight_quant.tracked_parameter_list[0] is old.weight
+
+
+def test_mse_stats_module_interface() -> None:
+    """sampled_activation_mse replaces MSE.mse_search per instance and MSE.mse_loss_fn per search."""
+    from brevitas.core.stats.stats_op import MSE
+
+    for name in ("mse_search", "mse_loss_fn", "evaluate_loss"):
+        assert callable(getattr(MSE, name, None)), f"brevitas MSE lost {name}"
+    from quark_brevitas.config import QTensorConfig
+    from quark_brevitas.types import ParamType
+
+    layer = _layer(act=QTensorConfig(param_type=ParamType.mse))
+    modules = [m for m in layer.modules() if isinstance(m, MSE)]
+    assert modules and all(m.stats_reduce_dim is None for m in modules)
+    with adapter.sampled_activation_mse(layer):
+        assert all("mse_search" in vars(m) for m in modules)
+    assert not any("mse_search" in vars(m) or "mse_loss_fn" in vars(m) for m in modules)
+
+
+def test_brevitas_tracer_still_warns_about_children_specs() -> None:
+    """Canary for the one filter in symbolic_trace: when Brevitas stops reading treespec.children_specs,
+    this fails and the filter can go."""
+    import warnings
+
+    from brevitas.fx import Tracer
+    from brevitas.fx.brevitas_tracer import _symbolic_trace
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    with warnings.catch_warnings(record=True) as raw:
+        warnings.simplefilter("always")
+        _symbolic_trace(Tracer(), model, None)
+    assert any(issubclass(w.category, FutureWarning) and "children_specs" in str(w.message) for w in raw)
+    with warnings.catch_warnings(record=True) as ours:
+        warnings.simplefilter("always")
+        adapter.symbolic_trace(model)
+    assert not any("children_specs" in str(w.message) for w in ours)

@@ -11,6 +11,7 @@ import copy
 import os
 import pathlib
 import sys
+from typing import Any
 
 import brevitas.nn as qnn
 import numpy as np
@@ -272,11 +273,14 @@ def test_4bit_per_channel_weights(tmp_path: pathlib.Path) -> None:
         act_quant=Int8ActPerTensorFloat,
         bias_quant=Int32Bias,
     )
-    report = export_onnx_qcdq(model, _x(), tmp_path / "w4.onnx")
-    assert report.opset == 13
+    default = export_onnx_qcdq(model, _x(), tmp_path / "w4_default.onnx")
+    assert default.opset == 13 and default.n_4bit_weights == 0  # W4A8 layers keep int8 codes: integer kernels
+    report = export_onnx_qcdq(model, _x(), tmp_path / "w4.onnx", int4_weights=True)
+    assert report.opset == 21  # INT4 initializers need opset 21
     assert report.formats == ("int32 bias", "int4 weight", "int8 act")
+    assert report.n_4bit_weights == 2
     weights = _weight_inits(report.path)
-    assert {w.data_type for w in weights} == {TensorProto.INT8}
+    assert {w.data_type for w in weights} == {TensorProto.INT4}  # stored in 4 bits, not as int8
     for w in weights:
         values = onnx.numpy_helper.to_array(w)
         assert np.abs(values).max() == 7  # narrow-range 4 bit, per-channel max reaches the limit
@@ -285,6 +289,26 @@ def test_4bit_per_channel_weights(tmp_path: pathlib.Path) -> None:
     assert report.max_abs_diff <= report.tolerance
     diff = np.abs(run_onnx(report.path, _x(seed=9))[0] - _torch_out(model, _x(seed=9))).max()
     assert diff <= report.tolerance
+    eight = _conv_net(weight_quant=Int8WeightPerChannelFloat, act_quant=Int8ActPerTensorFloat, bias_quant=Int32Bias)
+    int8_report = export_onnx_qcdq(eight, _x(), tmp_path / "w8.onnx")
+    w4_bytes = sum(len(w.raw_data) for w in weights)  # packed two codes per byte
+    w8_bytes = sum(len(w.raw_data) for w in _weight_inits(int8_report.path))
+    assert w4_bytes <= w8_bytes / 2 + 8 and report.file_size < int8_report.file_size
+
+
+def test_4bit_weight_only_layers_are_stored_in_4_bits_by_default(tmp_path: pathlib.Path) -> None:
+    from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
+    from quark_brevitas.types import QSchemeType
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    config = Config(QLayerConfig(weight=QTensorConfig(bit_width=4, qscheme=QSchemeType.per_channel)),
+                    pre_quant_opt_config=[])
+    model = ModelQuantizer(config).quantize_model(mlp)
+    report = export_onnx_qcdq(model, torch.randn(4, 32), tmp_path / "w4.onnx")
+    assert report.n_4bit_weights == 2 and report.opset == 21
+    assert {w.data_type for w in _weight_inits(report.path)} == {TensorProto.INT4}
+    assert report.max_abs_diff <= report.tolerance
 
 
 @pytest.mark.parametrize(
@@ -334,12 +358,16 @@ def test_mismatch_detected_via_perturbed_onnx_run(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
 ) -> None:
     model = _conv_net(weight_quant=Int8WeightPerTensorFloat, act_quant=Int8ActPerTensorFloat)
-    real_run = export_mod.run_onnx
+    real_run, real_run_proto = export_mod.run_onnx, export_mod.run_model_proto
 
     def perturbed(path: pathlib.Path, args: torch.Tensor) -> list[np.ndarray]:
         return [out + 0.5 for out in real_run(path, args)]
 
+    def perturbed_proto(proto: Any, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {name: out + 0.5 for name, out in real_run_proto(proto, feed).items()}
+
     monkeypatch.setattr(export_mod, "run_onnx", perturbed)
+    monkeypatch.setattr(export_mod, "run_model_proto", perturbed_proto)  # the runtime of the pinned check too
     with pytest.raises(ExportMismatchError) as info:
         export_onnx_qcdq(model, _x(), tmp_path / "bad.onnx")
     err = info.value
@@ -404,7 +432,7 @@ def test_dict_outputs_are_flattened_in_order(tmp_path: pathlib.Path) -> None:
     ("bad_args", "culprit"),
     [
         ("not a tensor", "str"),
-        ({"x": torch.zeros(1, *IMG)}, "dict"),
+        ({"x": "not a tensor"}, "args\\['x'\\]"),  # dicts are keyword inputs: each value must be a tensor
         ([torch.zeros(1, *IMG), 3], "args\\[1\\]"),
     ],
     ids=["str", "dict", "list-with-int"],

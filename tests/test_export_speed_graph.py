@@ -361,3 +361,36 @@ def test_float_bias_that_onnxruntime_would_round_is_kept_exact(tmp_path: pathlib
     x_new = torch.randn(64, 64, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert np.abs(run_onnx(report.path, x_new)[0] - quant(x_new).numpy()).max() <= report.tolerance
+
+
+def test_embedding_rows_are_gathered_before_dequantization(tmp_path: pathlib.Path) -> None:
+    """A QuantEmbedding's table is dequantized after the Gather (only the looked-up rows), exactly."""
+    from brevitas.nn import QuantEmbedding
+
+    from quark_brevitas import DEFAULT_LAYER_MAP, Container, LayerMapping
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(50, 16)
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.embedding(ids))
+
+    container = Container()
+    container.layer_map.override({**DEFAULT_LAYER_MAP, nn.Embedding: LayerMapping(QuantEmbedding)})
+    config = Config(QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig()),
+                    layer_type_quant_config={nn.Embedding: QLayerConfig(weight=QTensorConfig())},
+                    pre_quant_opt_config=[])
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (4, 7))
+    quant = ModelQuantizer(config, container=container).quantize_model(Tagger(), [ids])
+    rewritten = export_onnx_qcdq(quant, ids, tmp_path / "rewritten.onnx")
+    plain = export_onnx_qcdq(quant, ids, tmp_path / "plain.onnx", integer_kernels=False)
+    assert dict(rewritten.rewrites)["embedding rows gathered before dequantization"] == 1
+    graph = onnx.load(str(rewritten.path)).graph
+    gather = next(n for n in graph.node if n.op_type == "Gather")
+    assert gather.input[0] in _inits(graph) and _inits(graph)[gather.input[0]].dtype == np.int8  # int8 rows
+    other = torch.randint(0, 50, (3, 5))
+    assert np.array_equal(_run_unoptimized(rewritten.path, other), _run_unoptimized(plain.path, other))

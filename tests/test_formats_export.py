@@ -12,7 +12,7 @@ from torch import nn
 
 from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig
 from quark_brevitas.digits import example_input
-from quark_brevitas.export import ExportError, export_onnx_qcdq, run_onnx
+from quark_brevitas.export import ExportError, ExportMismatchError, export_onnx_qcdq, run_onnx, verify_onnx
 from quark_brevitas.types import Dtype, QSchemeType, RoundType, ZeroPointType
 
 PG = QSchemeType.per_group
@@ -160,3 +160,48 @@ def test_blocked_int8_weights_with_int8_activations_on_token_inputs(tmp_path):
     quant = ModelQuantizer(Config(layer, pre_quant_opt_config=[])).quantize_model(_mlp(), [x])
     report = export_onnx_qcdq(quant, x, tmp_path / "m.onnx")
     assert report.max_abs_diff <= report.tolerance and report.opset == 21
+
+
+# ------------------------------------------------------------------------ dynamic activations
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-tensor", "per-token"])
+@pytest.mark.parametrize("dtype", [None, Dtype.uint8], ids=["int8", "uint8"])
+def test_dynamic_linear_inputs_export_to_integer_matmuls(tmp_path, per_token, dtype):
+    scheme = {"qscheme": QSchemeType.per_channel} if per_token else {}
+    spec = QTensorConfig(dtype=dtype, is_dynamic=True, **scheme)
+    config = Config(QLayerConfig(weight=QTensorConfig(qscheme=QSchemeType.per_channel), input_tensors=spec),
+                    pre_quant_opt_config=[])
+    quant = ModelQuantizer(config).quantize_model(_mlp(), [torch.randn(4, 6, 48)])
+    x = torch.randn(3, 6, 48) * 2 + 0.4  # (batch, tokens, features): scales per token differ
+    report = export_onnx_qcdq(quant, x, tmp_path / "dyn.onnx")
+    assert report.max_abs_diff <= report.tolerance  # PyTorch (float matmul of dequantized values) is the reference
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "dyn.onnx")).graph.node]
+    assert ops.count("MatMulInteger") == sum(isinstance(m, torch.nn.Linear) for m in _mlp().modules())
+    assert "MatMul" not in ops and ("DynamicQuantizeLinear" in ops) == (dtype is not None and not per_token)
+    other = torch.randn(5, 6, 48) * 3  # another batch, other ranges: the scales are computed from it
+    with torch.no_grad():
+        expected = quant(other).numpy()
+    assert np.abs(run_onnx(report.path, other)[0] - expected).max() <= 2 * report.tolerance
+
+
+def test_fused_kernel_with_other_numerics_is_rejected(tmp_path):
+    """onnxruntime 1.32 fuses MatMulInteger -> Cast -> Mul(row scale x column scale) into MatMulIntegerToFloat
+    and computes wrong values for per-token scales; the exporter avoids that order, and the verification rejects
+    a file written with it."""
+    spec = QTensorConfig(is_dynamic=True, qscheme=QSchemeType.per_channel)
+    config = Config(QLayerConfig(weight=QTensorConfig(qscheme=QSchemeType.per_channel), input_tensors=spec),
+                    pre_quant_opt_config=[])
+    quant = ModelQuantizer(config).quantize_model(_mlp(), [torch.randn(4, 6, 48)])
+    x = torch.randn(3, 6, 48)
+    report = export_onnx_qcdq(quant, x, tmp_path / "dyn.onnx")
+    proto = onnx.load(str(report.path))
+    for node in proto.graph.node:  # Mul(Mul(acc, w_scale), row_scale) -> Mul(acc, Mul(row_scale, w_scale))
+        if node.op_type == "Mul" and node.name.endswith("input_quant/dequantized"):
+            inner = next(n for n in proto.graph.node if n.output[0] == node.input[0])
+            accumulated, weight_scale, row_scale = inner.input[0], inner.input[1], node.input[1]
+            inner.input[:] = [row_scale, weight_scale]
+            node.input[:] = [accumulated, inner.output[0]]
+    onnx.save(proto, str(tmp_path / "fused.onnx"))
+    with pytest.raises(ExportMismatchError, match="input_quant"):
+        verify_onnx(quant, x, tmp_path / "fused.onnx")

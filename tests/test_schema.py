@@ -87,4 +87,4 @@ def test_schema_documents_fields() -> None:
     assert "fnmatch" in schema["properties"]["layer_quant_config"]["description"]
     assert "Conv2d" in schema["properties"]["layer_type_quant_config"]["propertyNames"]["examples"]
     names = {ref["$ref"].rsplit("/", 1)[1] for ref in schema["$defs"]["AlgoConfig"]["oneOf"]}
-    assert names == {"BiasCorrection", "CalibrateBatchNorm", "GPFA2Q", "GPFQ", "GPTQ"}
+    assert names == {"AWQConfig", "BiasCorrection", "CalibrateBatchNorm", "GPFA2Q", "GPFQ", "GPTQ", "GPTQConfig"}

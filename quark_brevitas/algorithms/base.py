@@ -6,6 +6,25 @@ algorithm leaves structure behind (wrapped layers, a bias added to a bias-free l
 recreate that structure without data when a checkpoint is loaded. Adding an algorithm means a
 config dataclass plus one handler registered here with :func:`register`; the pipeline looks it up
 with :func:`handler_for` and never special-cases an algorithm.
+
+The contract between the pipeline and a handler:
+
+- ``apply(algo, model, data)`` runs the algorithm on the whole model; ``data`` is the pipeline's
+  :class:`CalibrationData` (``None`` when the config says ``needs_data = False``). Handlers never iterate a loader:
+  they call ``data.forward(module, desc)`` (with forward hooks for their statistics) and combine every statistic
+  with ``data.all_reduce(tensor, op)`` before using it, so sharded calibration gives every process the same result.
+- Block-wise handlers (:class:`quark_brevitas.algorithms.blocks.BlockwiseHandler`: SmoothQuantConfig, AWQConfig,
+  GPTQConfig) also offer ``blocks(algo, model)``, the qualified names of the decoder layers they run on, in order
+  (``[""]``: the model is one block), and ``apply_block(algo, block, data, name)``, which runs the algorithm on one
+  block whose inputs are the batches of ``data`` (each batch the ``(args, kwargs)`` of one call of the block, e.g.
+  :class:`~quark_brevitas.algorithms.blocks.BlockInputs`) and may be called in any process holding that block.
+  Names in the algorithm's config (scaling layers, ``inside_layer_modules``) are relative to the block; ``name`` is
+  only used in messages. ``inputs_context(model)`` says under which quantization state the earlier blocks compute
+  a block's inputs (GPTQ: quantized weights, float activations; AWQ: all float). Their ``apply`` does the block
+  walk itself (capture the first block's inputs, feed each processed block's outputs to the next): a block engine
+  calls ``apply_block`` directly, for each block in order, and feeds the processed block's outputs to the next.
+- ``describe(algo, model)`` returns the lines ``plan`` shows for the algorithm on ``model`` (what was inferred) and
+  raises :class:`ConfigError` if the algorithm cannot run on that model, before anything is changed.
 """
 
 from __future__ import annotations
@@ -19,7 +38,8 @@ from torch import nn
 from quark_brevitas.data import CalibrationData
 from quark_brevitas.errors import CalibrationDataError, ConfigError
 
-__all__ = ["AlgorithmHandler", "SavedStructure", "apply_algorithm", "handler_for", "register", "registered_handlers"]
+__all__ = ["AlgorithmHandler", "SavedStructure", "apply_algorithm", "describe_algorithms", "handler_for", "register",
+           "registered_handlers"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +78,13 @@ class AlgorithmHandler:
         only for algorithms whose config says ``needs_data = False``); return the model."""
         raise NotImplementedError
 
+    def apply_unit(self, algo: Any, unit: nn.Module, data: CalibrationData | None, name: str, *,
+                   block: bool) -> nn.Module:
+        """Run the algorithm on one part of the model in the block-by-block data phase: a block (``block``
+        true; ``name`` its qualified name) or a holder around a layer outside the blocks. By default the
+        part is treated as a model (:meth:`apply`)."""
+        return self.apply(algo, unit, data)
+
     def check(self, algo: Any, path: str) -> None:
         """Raise if the algorithm cannot run here at all (e.g. the installed Brevitas lacks it); called
         when the config is accepted, before any model is touched."""
@@ -66,6 +93,11 @@ class AlgorithmHandler:
         """Recreate, without data, the structure :meth:`apply` leaves in a model (wrappers, buffers,
         parameters), so that a saved state dict fits; the values come from the state dict."""
         return model
+
+    def describe(self, algo: Any, model: nn.Module) -> list[str]:
+        """Lines saying what the algorithm will work on in ``model`` (e.g. the inferred decoder and scaling
+        layers); raises :class:`ConfigError` if it cannot run on ``model``. Nothing to say by default."""
+        return []
 
 
 _HANDLERS: dict[type, AlgorithmHandler] = {}
@@ -101,6 +133,21 @@ def apply_algorithm(algo: Any, model: nn.Module, calib_loader: Any = None) -> nn
     if data is None and algo.needs_data:
         raise CalibrationDataError(f"{type(algo).__name__} needs calibration data: pass calib_loader")
     return handler_for(algo).apply(algo, model, data if algo.needs_data else None)
+
+
+def describe_algorithms(config: Any, model: nn.Module) -> list[str]:
+    """What each algorithm of ``config`` (a :class:`~quark_brevitas.config.Config`) will work on in ``model``, as
+    the lines ``plan`` prints after its table: ``pre_quant_opt_config[0] SmoothQuantConfig:`` then the handler's
+    indented lines (algorithms with nothing to say are left out)."""
+    lines: list[str] = []
+    for stage in ("pre_quant_opt_config", "algo_config"):
+        for index, algo in enumerate(getattr(config, stage)):
+            path = f"{stage}[{index}]"
+            described = handler_for(algo, path).describe(algo, model)
+            if described:
+                lines.append(f"{path} {type(algo).__name__}:")
+                lines += [f"  {line}" for line in described]
+    return lines
 
 
 def registered_handlers() -> dict[type, AlgorithmHandler]:

@@ -2,11 +2,16 @@
 
 Brevitas's GPxQ contexts need one pass over the calibration data per layer (each pass collects the
 inputs of the next layer to optimise); the data come from the pipeline (the whole model's batches, or
-the cached inputs of one block).
+the cached inputs of one block). A layer that sees fewer input vectors (tokens, or convolution patches) than
+it has input features gets a rank-deficient Hessian and may end up worse than rounding to nearest: the
+handlers count them and warn, saying how many are needed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,7 +20,8 @@ from tqdm.auto import tqdm
 
 from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, SavedStructure, register
-from quark_brevitas.brevitas_adapter import a2gpfq_available, a2gpfq_mode, gpfq_mode, gptq_mode
+from quark_brevitas.algorithms.gptq import warn_few_samples
+from quark_brevitas.brevitas_adapter import QuantLayer, a2gpfq_available, a2gpfq_mode, gpfq_mode, gptq_mode
 from quark_brevitas.data import CalibrationData
 from quark_brevitas.errors import UnsupportedAlgorithmError
 
@@ -23,10 +29,67 @@ from quark_brevitas.errors import UnsupportedAlgorithmError
 _FLOAT_WEIGHT_COPY = "weight_orig"
 
 
-def _run(mode: Any, data: CalibrationData, name: str) -> None:
+def _run(mode: Any, data: CalibrationData, name: str, counts: _SampleCounts) -> None:
     for _ in tqdm(range(mode.num_layers), desc=f"{name} layers", leave=False, disable=None):
-        data.forward(mode.model, name)
+        counts.this_pass.clear()
+        data.forward(mode.model, name, on_output=counts.batch_done)
         mode.update()
+
+
+def _features_and_samples(layer: nn.Module, inputs: tuple[Any, ...]) -> tuple[int, int] | None:
+    """``(input features, input vectors)`` of one call of a Linear or convolution: GPxQ's Hessian is features x
+    features and sums one outer product per vector (token, or convolution patch)."""
+    value = inputs[0] if inputs else None
+    if not isinstance(value, torch.Tensor):
+        return None
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, value.numel() // layer.in_features
+    if isinstance(layer, nn.Conv1d | nn.Conv2d | nn.Conv3d) and isinstance(layer.padding, tuple):
+        spatial = value.shape[-len(layer.kernel_size):]
+        patches = 1
+        for size, kernel, stride, pad, dilation in zip(spatial, layer.kernel_size, layer.stride, layer.padding,
+                                                       layer.dilation):
+            patches *= (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+        batch = value.numel() // (layer.in_channels * math.prod(spatial))
+        return layer.in_channels // layer.groups * math.prod(layer.kernel_size), batch * patches
+    return None
+
+
+class _SampleCounts:
+    """Input vectors per quantized layer in the pass that processes it (the most seen in one pass: GPxQ passes
+    stop after the layer they process). A layer called several times per batch (GPFQ runs each batch with and
+    without quantization) counts the batch once."""
+
+    def __init__(self) -> None:
+        self.features: dict[str, int] = {}
+        self.seen: dict[str, int] = {}
+        self.this_pass: dict[str, int] = {}
+        self.this_batch: dict[str, int] = {}
+
+    def layer_called(self, name: str, layer: nn.Module, inputs: tuple[Any, ...]) -> None:
+        shape = _features_and_samples(layer, inputs)
+        if shape is not None:
+            self.features[name] = shape[0]
+            self.this_batch[name] = max(self.this_batch.get(name, 0), shape[1])
+
+    def batch_done(self, _index: int, _output: Any) -> None:
+        for name, count in self.this_batch.items():
+            self.this_pass[name] = self.this_pass.get(name, 0) + count
+            self.seen[name] = max(self.seen.get(name, 0), self.this_pass[name])
+        self.this_batch.clear()
+
+    @contextlib.contextmanager
+    def counting(self, model: nn.Module, algorithm: str) -> Iterator[_SampleCounts]:
+        """Count while the context lasts, then warn about layers with fewer vectors than input features."""
+        handles = [module.register_forward_pre_hook(
+            lambda layer, inputs, name=name: self.layer_called(name, layer, inputs), prepend=True)
+            for name, module in model.named_modules() if isinstance(module, QuantLayer)]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+        warn_few_samples(algorithm, "", self.seen, self.features)
 
 
 def _drop_float_weight_copies(model: nn.Module) -> None:
@@ -43,8 +106,10 @@ class _GPxQHandler(AlgorithmHandler):
 
     def apply(self, algo: Any, model: nn.Module, data: CalibrationData | None) -> nn.Module:
         model.eval()
-        with torch.no_grad(), self.mode(algo, model) as mode:
-            _run(mode, data, algo.name)
+        # The counting hooks come after the mode's setup, which warns about hooks it finds; prepended, they still
+        # see each layer's input before the mode's hook stops the pass.
+        with torch.no_grad(), self.mode(algo, model) as mode, _SampleCounts().counting(model, algo.name) as counts:
+            _run(mode, data, algo.name, counts)
         _drop_float_weight_copies(model)
         return model
 

@@ -36,7 +36,12 @@ What the function guarantees on top of ``brevitas.export.export_onnx_qcdq``:
   data, and nothing but the ``.onnx`` file is written to the output directory (Brevitas and
   PyTorch work in a private temporary directory).
 * **Verification.** See :func:`export_onnx_qcdq` for the tolerance rule; a disagreement raises
-  :class:`ExportMismatchError`.
+  :class:`ExportMismatchError`. Deep models whose outputs differ by propagated rounding flips are accepted only
+  through the pinned check (every activation quantizer pinned to PyTorch's codes, :mod:`~quark_brevitas.export.pinned`).
+* **Hugging Face models.** Example inputs may be a tokenizer's dict (graph inputs named after its keys, dynamic
+  batch and sequence axes), SDPA attention exports at opset 14, decoder LMs without their cache.
+* **Dynamic int8 inputs** of Linear layers are written as their quantization and ``MatMulInteger``
+  (:mod:`~quark_brevitas.export.dynamic`); 4-bit weights of weight-only layers as ``INT4``/``UINT4``.
 
 :func:`run_onnx` / :func:`create_ort_session` run such files in onnxruntime (CPU) with the
 session settings they need. onnxruntime 1.31 mis-optimizes float8 QDQ graphs with its default
@@ -51,6 +56,8 @@ format checks, opset choice), :mod:`~quark_brevitas.export.runtime` (onnxruntime
 :mod:`~quark_brevitas.export.verify` (reference outputs, tolerance, comparison),
 :mod:`~quark_brevitas.export.passes` (ONNX graph passes), :mod:`~quark_brevitas.export.onnx_types` (ONNX
 element types), :mod:`~quark_brevitas.export.summary` (what a written file stores),
+:mod:`~quark_brevitas.export.pinned` (the pinned verification), :mod:`~quark_brevitas.export.dynamic` (dynamic
+activations), :mod:`~quark_brevitas.export.hf` (Hugging Face checkpoints on the export side),
 :mod:`~quark_brevitas.export.qcdq` (the QCDQ format), :mod:`~quark_brevitas.export.blocked` (per-group/MX/
 fp6/fp4 weights in ONNX) and :mod:`~quark_brevitas.export.qonnx` (the QONNX format). This package
 re-exports the public API only; the helpers are public names of those internal modules.

@@ -1,16 +1,20 @@
 """Argument handling shared by the exporters, the verification and the runners.
 
 The ``TensorArgs`` / ``PathLike`` type aliases, the type checks of the model and the output path,
-normalization of the example arguments (a tensor or a sequence of tensors) into a tuple, and the graph
-input names derived from their number. One place, so that every entry point rejects a wrong argument
-with the same :class:`~quark_brevitas.export.errors.ExportArgumentError` message.
+normalization of the example arguments into an :class:`Example` (a tensor, a sequence of positional
+tensors, or a mapping of keyword tensors such as a Hugging Face tokenizer's output), the graph input names
+derived from them, and the wrapper that lets the exporter call a keyword-argument model positionally. One
+place, so that every entry point rejects a wrong argument with the same
+:class:`~quark_brevitas.export.errors.ExportArgumentError` message.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -20,7 +24,7 @@ from torch import nn
 
 from quark_brevitas.export.errors import ExportArgumentError
 
-TensorArgs: TypeAlias = torch.Tensor | Sequence[torch.Tensor]
+TensorArgs: TypeAlias = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 PathLike: TypeAlias = str | os.PathLike[str]
 
 
@@ -51,6 +55,8 @@ def normalize_args(args: object, *, allow_numpy: bool = False) -> tuple[Any, ...
     """Return ``args`` as a non-empty tuple of tensors, or raise :class:`ExportArgumentError`."""
     allowed: tuple[type, ...] = (torch.Tensor, np.ndarray) if allow_numpy else (torch.Tensor,)
     what = "a torch.Tensor or a tuple/list of torch.Tensor" + (" / numpy.ndarray" if allow_numpy else "")
+    if not allow_numpy:
+        what += " (or a dict of keyword tensors, for exports)"
     if isinstance(args, allowed):
         return (args,)
     if isinstance(args, (tuple, list)) and not isinstance(args, QuantTensor):
@@ -68,3 +74,77 @@ def normalize_args(args: object, *, allow_numpy: bool = False) -> tuple[Any, ...
 def input_names(n: int) -> tuple[str, ...]:
     """Graph input names for ``n`` positional inputs: ``input``, or ``input_0``, ``input_1``, ..."""
     return ("input",) if n == 1 else tuple(f"input_{i}" for i in range(n))
+
+
+@dataclass(frozen=True)
+class Example:
+    """The example inputs of an export: tensors in graph-input order, their graph names, and whether the model
+    takes them as keyword arguments (a mapping such as a tokenizer's output) or positionally."""
+
+    tensors: tuple[torch.Tensor, ...]
+    names: tuple[str, ...]
+    keyword: bool = False
+
+
+def normalize_example(args: object) -> Example:
+    """``args`` (a tensor, a tuple/list of tensors, or a mapping of keyword tensors) as an :class:`Example`.
+
+    Mappings (dicts, Hugging Face ``BatchEncoding``) keep their key order; entries that are ``None`` are
+    dropped (the model's default is used). Graph inputs are named after the keys, positional inputs
+    ``input`` / ``input_0``, ``input_1``, ...
+    """
+    if isinstance(args, Mapping) and not isinstance(args, (torch.Tensor, QuantTensor)):
+        items = [(key, value) for key, value in args.items() if value is not None]
+        if not items:
+            raise ExportArgumentError(f"args is an empty {type_name(args)}; give the model's keyword tensors")
+        for key, value in items:
+            if not isinstance(key, str) or not key.isidentifier():
+                raise ExportArgumentError(f"args keys must be keyword names (str); got {key!r}")
+            if not isinstance(value, torch.Tensor):
+                raise ExportArgumentError(f"args[{key!r}] must be a torch.Tensor; got {type_name(value)}")
+        return Example(tuple(v for _, v in items), tuple(k for k, _ in items), keyword=True)
+    tensors = normalize_args(args)
+    return Example(tensors, input_names(len(tensors)))
+
+
+class KeywordInputs(nn.Module):
+    """Export wrapper calling ``model(**{name: tensor})`` with the positional tensors it is given (ONNX graphs
+    take positional inputs; Hugging Face models take keyword arguments). Make it with ``.eval()``:
+    ``torch.onnx.export`` restores the traced module's mode afterwards, and a fresh module is in train mode."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.names = tuple(names)
+        # A decoder LM returns its key/value cache (a Cache object, no tensor) unless told not to: export the
+        # plain forward pass unless the caller passes the cache explicitly.
+        self.extra = {"use_cache": False} if _takes(model, "use_cache") and "use_cache" not in self.names else {}
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return self.model(**dict(zip(self.names, args)), **self.extra)
+
+
+def _takes(model: nn.Module, keyword: str) -> bool:
+    try:
+        return keyword in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def dynamic_axes(example: Example, *, batch: bool, sequence: bool) -> dict[str, dict[int, str]] | None:
+    """The symbolic axes of the graph inputs: dimension 0 ``batch``; with ``sequence``, dimension 1 of token
+    inputs (rank-2 integer tensors: ``input_ids``, ``attention_mask``, ...) and of every other input of rank >= 2
+    whose dimension 1 has the tokens' length (``inputs_embeds``, float masks) is ``sequence``."""
+    if not batch and not sequence:
+        return None
+    tokens = {int(t.shape[1]) for t in example.tensors if t.ndim == 2 and not t.is_floating_point()}
+    axes: dict[str, dict[int, str]] = {}
+    for name, tensor in zip(example.names, example.tensors):
+        dims: dict[int, str] = {}
+        if batch and tensor.ndim > 0:
+            dims[0] = "batch"
+        if sequence and tensor.ndim >= 2 and int(tensor.shape[1]) in tokens:
+            dims[1] = "sequence"
+        if dims:
+            axes[name] = dims
+    return axes or None

@@ -48,6 +48,7 @@ from quark_brevitas.brevitas_adapter import (
 )
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.onnx_types import FLOAT8_ONNX_TYPES, TORCH_TO_ONNX
+from quark_brevitas.export.passes.graph import module_path
 
 __all__ = ["BLOCKED_OPSET", "PlannedWeight", "float_weights", "insert_dequantize", "needs_plan", "plan_weights",
            "weight_format"]
@@ -224,16 +225,26 @@ def _restore_weight(layer: nn.Module, data: torch.Tensor) -> None:
     layer.weight.data = data
 
 
+def four_bit_tensor(name: str, code_type: int, codes: np.ndarray) -> TensorProto:
+    """An ``INT4``/``UINT4`` initializer packed two codes per byte (first code in the low nibble), as the ONNX
+    spec stores them in ``raw_data`` (a list of values would be stored as one varint per pair)."""
+    nibbles = (np.asarray(codes).reshape(-1).astype(np.int16) & 0xF).astype(np.uint8)
+    if nibbles.size % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    packed = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
+    return onnx.helper.make_tensor(name, code_type, list(np.shape(codes)), packed.tobytes(), raw=True)
+
+
 def _code_tensor(plan: PlannedWeight, codes: np.ndarray, name: str) -> TensorProto:
     if plan.code_type in (TensorProto.INT4, TensorProto.UINT4):
-        return onnx.helper.make_tensor(name, plan.code_type, list(codes.shape), codes.reshape(-1).tolist())
+        return four_bit_tensor(name, plan.code_type, codes)
     if plan.code_type in FLOAT8_ONNX_TYPES:
         raw = np.ascontiguousarray(codes).tobytes()
         return onnx.helper.make_tensor(name, plan.code_type, list(codes.shape), raw, raw=True)
     return numpy_helper.from_array(np.ascontiguousarray(codes), name=name)
 
 
-def _to_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+def to_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     current = next(int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx"))
     if current >= opset:
         return model
@@ -247,7 +258,7 @@ def _to_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
 
 def insert_dequantize(model: onnx.ModelProto, plans: Sequence[PlannedWeight]) -> onnx.ModelProto:
     """Opset 21, and each planned weight's float initializer replaced by codes + ``DequantizeLinear``."""
-    model = _to_opset(model, BLOCKED_OPSET)
+    model = to_opset(model, BLOCKED_OPSET)
     graph = model.graph
     taken = {i.name for i in graph.initializer} | {n for node in graph.node for n in (*node.input, *node.output)}
     done: set[str] = set()
@@ -299,3 +310,69 @@ def insert_dequantize(model: onnx.ModelProto, plans: Sequence[PlannedWeight]) ->
         done.add(init.name)
     return model
 
+
+
+def pack_4bit_weights(model: onnx.ModelProto, weight_names: Sequence[str], *,
+                      integer_layers: bool) -> tuple[onnx.ModelProto, int]:
+    """Store the int8 codes of the 4-bit weight quantizers called ``weight_names`` (``<layer>.weight_quant``) as
+    ``INT4``/``UINT4`` (opset 21), with their zero points; returns the converted model and how many were packed.
+
+    ``integer_layers=False`` leaves the weights of layers whose activation input is quantized too (read through
+    a ``DequantizeLinear``) as int8: onnxruntime 1.32 runs such a layer on its integer kernels (QGemm,
+    QLinearConv, MatMulIntegerToFloat) only with 8-bit weights, and with INT4 ones dequantizes the weight on
+    every call instead.
+
+    Brevitas writes per-tensor / per-channel int2-4 weights as int8 codes (a file as large as an 8-bit one).
+    The codes of a b-bit quantizer lie in the 4-bit range, so the conversion is exact; a DequantizeLinear whose
+    codes do not fit (not expected) is left as it is. Matching uses the node names Brevitas gives the weight's
+    ``DequantizeLinear`` (``/<layer path>/weight_quant/export_handler/DequantizeLinear``); ``weight_names`` are
+    module paths in the exported module.
+    """
+    wanted = {f"{name}.export_handler.DequantizeLinear" for name in weight_names}
+    inits = {init.name: init for init in model.graph.initializer}
+    producers = {out: node for node in model.graph.node for out in node.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    def feeds_integer_layer(dq: onnx.NodeProto) -> bool:
+        for layer in consumers.get(dq.output[0], []):
+            data = producers.get(layer.input[0]) if layer.input else None
+            if data is not None and data.op_type == "DequantizeLinear" and data.input[0] not in inits:
+                return True
+        return False
+
+    targets = []
+    for node in model.graph.node:
+        if node.op_type != "DequantizeLinear" or module_path(node.name) not in wanted or node.input[0] not in inits:
+            continue
+        if not integer_layers and feeds_integer_layer(node):
+            continue
+        codes = numpy_helper.to_array(inits[node.input[0]])
+        low, high = (-8, 7) if codes.dtype == np.int8 else (0, 15)
+        if codes.dtype not in (np.int8, np.uint8) or codes.min(initial=0) < low or codes.max(initial=0) > high:
+            continue
+        targets.append(node)
+    if not targets:
+        return model, 0
+    model = to_opset(model, BLOCKED_OPSET)
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+    names = {n.name for n in targets}
+    converted: dict[str, str] = {}
+    for node in graph.node:
+        if node.name not in names:
+            continue
+        for position in (0, 2):
+            if len(node.input) <= position or not node.input[position] or node.input[position] not in inits:
+                continue
+            name = node.input[position]
+            if name not in converted:
+                values = numpy_helper.to_array(inits[name])
+                code_type = TensorProto.INT4 if values.dtype == np.int8 else TensorProto.UINT4
+                packed = f"{name}_4bit"
+                graph.initializer.append(four_bit_tensor(packed, code_type, values))
+                converted[name] = packed
+            node.input[position] = converted[name]
+    return model, len(targets)

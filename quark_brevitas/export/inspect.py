@@ -30,6 +30,7 @@ from quark_brevitas.export.blocked import (
     needs_plan,
     weight_format,
 )
+from quark_brevitas.export.dynamic import is_exportable_dynamic
 from quark_brevitas.export.errors import ExportArgumentError, ExportError
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class Quantizer:
     fmt: str
     is_float8: bool
     planned: bool = False  # a weight written by quark_brevitas.export.blocked (per-group, MX, fp6, fp4)
+    dynamic: bool = False  # a Linear input quantized at run time, written by quark_brevitas.export.dynamic
 
 
 def as_int(value: object) -> int | None:
@@ -96,11 +98,16 @@ def inspect_quantizers(model: nn.Module) -> list[Quantizer]:
         if role == "weight" and needs_plan(proxy):
             found.append(Quantizer(name=name, role=role, fmt=weight_format(proxy), is_float8=False, planned=True))
             continue
+        if role == "act" and is_exportable_dynamic(site.layer, site.attribute, proxy):
+            fmt = f"{'int8' if proxy.is_signed else 'uint8'} dynamic"
+            found.append(Quantizer(name=name, role=role, fmt=fmt, is_float8=False, dynamic=True))
+            continue
         if role == "act" and (is_groupwise(proxy) or is_dynamic_activation(proxy)):
             kind = "per-group / MX" if is_groupwise(proxy) else "dynamic"
             raise ExportError(
                 f"{kind} activation quantization ({where}) cannot be exported to {target('any')}: its scales are "
-                "computed from each input at run time, QuantizeLinear/DequantizeLinear take constant scales. "
+                "computed from each input at run time, QuantizeLinear/DequantizeLinear take constant scales; "
+                "dynamic activations are exported for the 8-bit integer inputs of Linear layers only. "
                 "Export with static per-tensor activations (is_dynamic None, qscheme per_tensor)"
             )
         rounding = _rounding_name(proxy)
@@ -210,3 +217,17 @@ def candidate_opsets(opset: int | None, quantizers: Sequence[Quantizer]) -> list
     if float8:
         return list(range(MIN_FLOAT8_OPSET, MAX_OPSET + 1))
     return [DEFAULT_INT_OPSET]
+
+
+def raise_opsets(opsets: Sequence[int], minimum: int, *, requested: int | None) -> list[int]:
+    """``opsets`` without those below ``minimum`` (an operation of the model needs it, e.g.
+    ``scaled_dot_product_attention``: 14); :class:`ExportError` if the caller asked for a lower opset."""
+    if not minimum or all(o >= minimum for o in opsets):
+        return list(opsets)
+    if requested is not None:
+        raise ExportError(
+            f"the model calls an operation (scaled_dot_product_attention) that exports to ONNX only from opset "
+            f"{minimum} on; opset {requested} was asked for: use opset={minimum} or None"
+        )
+    kept = [o for o in opsets if o >= minimum]
+    return kept or [minimum]

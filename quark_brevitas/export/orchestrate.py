@@ -13,11 +13,13 @@ about a mismatch, its report). Keeping one procedure keeps the guarantees of the
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import os
 import pathlib
+import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -28,16 +30,28 @@ from torch import nn
 
 from quark_brevitas.brevitas_adapter import require_onnxoptimizer, reset_export_mode
 from quark_brevitas.errors import QuarkBrevitasError
-from quark_brevitas.export.args import PathLike, TensorArgs, check_model, check_path, input_names, normalize_args
+from quark_brevitas.export.args import (
+    Example,
+    KeywordInputs,
+    PathLike,
+    TensorArgs,
+    check_model,
+    check_path,
+    normalize_example,
+)
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
+from quark_brevitas.export.pinned import PinnedSummary, check_pinned
+from quark_brevitas.export.precision import float32_for_export
 from quark_brevitas.export.runtime import forget_session
 from quark_brevitas.export.verify import (
-    FlatOutputs,
     Reference,
     VerificationResult,
-    compare,
+    accept,
     compute_reference,
     eval_mode,
+    exported_module,
+    measure,
+    mismatch_error,
     unique_names,
     validate_tolerance,
 )
@@ -78,8 +92,12 @@ class ExportFormat(abc.ABC, Generic[ReportT]):
     def prepare(self, model: nn.Module) -> None:  # noqa: B027 - an optional hook
         """Work that needs the model after its reference run."""
 
+    def require_opset(self, opset: int) -> None:  # noqa: B027 - an optional hook
+        """The reference run found an operation (e.g. ``scaled_dot_product_attention``) that exports only from
+        ``opset`` on: raise the format's opset to it, or raise :class:`ExportError` if the caller fixed a lower one."""
+
     @abc.abstractmethod
-    def write(self, model: nn.Module, args: tuple[torch.Tensor, ...], names: GraphNames,
+    def write(self, model: nn.Module, example: Example, names: GraphNames,
               workdir: pathlib.Path) -> onnx.ModelProto:
         """Let Brevitas export ``model`` (outputs already flat) inside ``workdir`` and post-process the graph."""
 
@@ -89,6 +107,14 @@ class ExportFormat(abc.ABC, Generic[ReportT]):
     @abc.abstractmethod
     def run(self, path: pathlib.Path, args: tuple[torch.Tensor, ...]) -> Sequence[np.ndarray]:
         """Execute the saved file on ``args`` with the format's runtime; outputs in graph order."""
+
+    #: Whether :meth:`run_proto` works, so that a file failing the output comparison gets the pinned check
+    #: of :mod:`~quark_brevitas.export.pinned`.
+    can_pin: ClassVar[bool] = False
+
+    def run_proto(self, proto: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Execute an in-memory variant of the file on named feeds (named outputs), as :meth:`run` does."""
+        raise NotImplementedError
 
     def recover(self, proto: onnx.ModelProto, mismatch: ExportMismatchError) -> bool:
         """After a failed verification: change ``proto`` so that it may pass (``True``: it is saved and
@@ -114,7 +140,8 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
     disagrees with PyTorch beyond the tolerance (the file is kept for inspection).
     """
     check_model(model)
-    example = normalize_args(args)
+    inputs = normalize_example(args)
+    example = inputs.tensors
     out_path = check_path(path)
     fmt.check_options()
     if out_path.is_dir():
@@ -122,25 +149,29 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
     tol = validate_tolerance(tolerance)
     fmt.require_tools()
     _require_brevitas_exporter()
+    # half-precision models export as float32
+    model, example = float32_for_export(model, example, tuple(inputs.names) if inputs.keyword else None)
 
     with eval_mode(model):
         fmt.inspect(model)
-        reference = compute_reference(model, example)
+        called = KeywordInputs(model, inputs.names).eval() if inputs.keyword else model
+        reference = compute_reference(called, example)
         fmt.prepare(model)
-        names = _graph_names(reference, len(example))
-        flat = model if _single_tensor(reference) else FlatOutputs(model)
+        fmt.require_opset(reference.min_opset)
+        names = _graph_names(reference, inputs)
+        flat = exported_module(called, reference)
 
         out_dir = out_path.parent
         before = set(os.listdir(out_dir)) if out_dir.is_dir() else set()
         with tempfile.TemporaryDirectory(prefix=fmt.temp_prefix) as tmp:
-            proto = fmt.write(flat, example, names, pathlib.Path(tmp))
+            proto = fmt.write(flat, inputs, names, pathlib.Path(tmp))
         fmt.check_written(proto, out_path)
         out_dir.mkdir(parents=True, exist_ok=True)
         save_model(proto, out_path)
         stray = sorted(set(os.listdir(out_dir)) - before - {out_path.name})
         if stray:
             logger.warning("files appeared in %s during export (not written by this export): %s", out_dir, stray)
-        result = _verify(fmt, proto, reference, example, out_path, tol)
+        result = _verify(fmt, proto, reference, flat, example, names, out_path, tol)
     return fmt.report(proto, out_path, result, names)
 
 
@@ -152,25 +183,27 @@ def _require_brevitas_exporter() -> None:
         raise ExportError(str(exc)) from exc
 
 
-def _single_tensor(reference: Reference) -> bool:
-    return len(reference.outputs) == 1 and reference.outputs[0][0] == "output"
+def _graph_names(reference: Reference, example: Example) -> GraphNames:
+    return GraphNames(example.names, unique_names([name for name, _ in reference.outputs], example.names))
 
 
-def _graph_names(reference: Reference, n_inputs: int) -> GraphNames:
-    inputs = input_names(n_inputs)
-    return GraphNames(inputs, unique_names([name for name, _ in reference.outputs], inputs))
-
-
-def _verify(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference, example: tuple[torch.Tensor, ...],
-            path: pathlib.Path, tolerance: float | None) -> VerificationResult:
+def _verify(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference, exported: nn.Module,
+            example: tuple[torch.Tensor, ...], names: GraphNames, path: pathlib.Path,
+            tolerance: float | None) -> VerificationResult:
+    """Compare the file's outputs with PyTorch; on a mismatch let the format change the graph (``recover``) and
+    compare again; if it still differs, the pinned check decides (see :mod:`~quark_brevitas.export.pinned`)."""
     try:
-        try:
-            return compare(reference, fmt.run(path, example), path, tolerance)
-        except ExportMismatchError as exc:
-            if not fmt.recover(proto, exc):
-                raise
-        save_model(proto, path)  # the format changed the graph: verify the new file once more
-        return compare(reference, fmt.run(path, example), path, tolerance)
+        result = measure(reference, fmt.run(path, example), path, tolerance)
+        if result.max_abs_diff <= result.tolerance:
+            return result
+        if fmt.recover(proto, mismatch_error(result, path)):
+            save_model(proto, path)  # the format changed the graph: verify the new file once more
+            result = measure(reference, fmt.run(path, example), path, tolerance)
+
+        def pin(tol: float) -> PinnedSummary:
+            return check_pinned(proto, exported, example, names.inputs, reference.outputs, tol, path, fmt.run_proto)
+
+        return accept(result, path, pin if fmt.can_pin else None)
     except ExportMismatchError as exc:
         explained = fmt.explain(exc)
         if explained is exc:
@@ -198,17 +231,52 @@ def brevitas_export(export: Callable[..., Any], manager: Any, model: nn.Module, 
     and becomes an :class:`ExportError` naming ``where`` it was exporting to.
     """
     try:
-        export(
-            model,
-            args=args[0] if len(args) == 1 else args,
-            export_path=str(target_path),
-            dynamo=False,
-            opset_version=opset,
-            input_names=list(names.inputs),
-            output_names=list(names.outputs),
-            keep_initializers_as_inputs=False,
-            **options,
-        )
+        with _native_output_to_log(where):
+            export(
+                model,
+                args=args[0] if len(args) == 1 else args,
+                export_path=str(target_path),
+                dynamo=False,
+                opset_version=opset,
+                input_names=list(names.inputs),
+                output_names=list(names.outputs),
+                keep_initializers_as_inputs=False,
+                **options,
+            )
     except Exception as exc:
         reset_export_mode(model, manager)
-        raise ExportError(f"Brevitas could not export the model to {where}: {type(exc).__name__}: {exc}") from exc
+        message = str(exc).strip().splitlines()
+        first = message[0] if message else ""
+        more = f" (and {len(message) - 1} more lines, logged at DEBUG level)" if len(message) > 1 else ""
+        logger.debug("full error of the export to %s: %s", where, exc)
+        raise ExportError(f"Brevitas could not export the model to {where}: {type(exc).__name__}: {first}{more}") \
+            from exc
+
+
+@contextlib.contextmanager
+def _native_output_to_log(where: str) -> Iterator[None]:
+    """Send what the exporter prints at the file-descriptor level to the DEBUG log instead of the terminal.
+
+    torch's TorchScript exporter dumps the whole Torch IR graph to stderr when a conversion fails (its ONNX
+    log switch is always on: ``setup_onnx_logging`` tests the function object instead of calling it), thousands
+    of lines for a transformer before the one-line error that matters.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sink.seek(0)
+            text = sink.read().decode("utf-8", errors="replace").strip()
+            if text:
+                logger.debug("output of the export to %s (%d lines):\n%s", where, text.count("\n") + 1, text)

@@ -21,17 +21,25 @@ from brevitas.export.onnx.standard.qcdq.manager import StdQCDQONNXManager
 from torch import nn
 
 from quark_brevitas.errors import QuarkBrevitasError
-from quark_brevitas.export.args import PathLike, TensorArgs
-from quark_brevitas.export.blocked import BLOCKED_OPSET, PlannedWeight, float_weights, insert_dequantize, plan_weights
+from quark_brevitas.export.args import Example, PathLike, TensorArgs, dynamic_axes
+from quark_brevitas.export.blocked import (
+    BLOCKED_OPSET,
+    PlannedWeight,
+    float_weights,
+    insert_dequantize,
+    pack_4bit_weights,
+    plan_weights,
+)
+from quark_brevitas.export.dynamic import DynamicInput, float_inputs, insert_dynamic_quantization, plan_dynamic
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
-from quark_brevitas.export.inspect import Quantizer, candidate_opsets, inspect_quantizers, target
+from quark_brevitas.export.inspect import Quantizer, candidate_opsets, inspect_quantizers, raise_opsets, target
 from quark_brevitas.export.onnx_types import uses_float8
 from quark_brevitas.export.orchestrate import ExportFormat, GraphNames, brevitas_export, export_verified
 from quark_brevitas.export.passes.float_bias import FLOAT_BIAS_REWRITE, move_float_biases_out
 from quark_brevitas.export.passes.folding import fold_constant_quantization
 from quark_brevitas.export.passes.graph import clean_graph, opset_of
 from quark_brevitas.export.passes.kernels import rewrite_for_integer_kernels
-from quark_brevitas.export.runtime import create_ort_session, run_onnx
+from quark_brevitas.export.runtime import create_ort_session, run_model_proto, run_onnx
 from quark_brevitas.export.summary import bias_dtypes, count_ops, float_initializer_bytes, weight_dtypes
 from quark_brevitas.export.verify import VerificationResult
 
@@ -66,6 +74,14 @@ class ExportReport:
             :func:`create_ort_session` / :func:`run_onnx`, see the module docstring).
         rewrites: The integer-kernel rewrites applied, as ``(description, count)`` pairs, e.g.
             ``("ReLUs moved into the integer domain", 3)``; empty with ``integer_kernels=False``.
+        dynamic_sequence: Whether dimension 1 of token inputs is symbolic (``"sequence"``).
+        verified_by: ``"outputs"`` (``max_abs_diff <= tolerance``) or ``"pinned"``: the outputs differed by more
+            (rounding flips propagated through a deep model) and the file was accepted because, with every
+            activation quantizer pinned to PyTorch's codes, every quantizer and output matched
+            (:mod:`quark_brevitas.export.pinned`); then ``max_abs_diff`` exceeds ``tolerance``.
+        rounding_ties: With ``verified_by == "pinned"``: elements whose code differed at a rounding tie.
+        n_4bit_weights: Weights of 2-4 bit per-tensor / per-channel quantizers stored as ``INT4``/``UINT4``
+            (two codes a byte; the file is then opset 21).
     """
 
     path: pathlib.Path
@@ -86,6 +102,10 @@ class ExportReport:
     dynamic_batch: bool = True
     uses_float8: bool = False
     rewrites: tuple[tuple[str, int], ...] = ()
+    dynamic_sequence: bool = True
+    verified_by: str = "outputs"
+    rounding_ties: int = 0
+    n_4bit_weights: int = 0
 
 
 class QCDQFormat(ExportFormat[ExportReport]):
@@ -93,35 +113,51 @@ class QCDQFormat(ExportFormat[ExportReport]):
 
     temp_prefix = "quark_brevitas_export_"
 
-    def __init__(self, *, opset: int | None, dynamic_batch: bool, integer_kernels: bool) -> None:
+    can_pin = True
+
+    def __init__(self, *, opset: int | None, dynamic_batch: bool, dynamic_sequence: bool,
+                 integer_kernels: bool, int4_weights: bool | None = None) -> None:
+        self.int4_weights = int4_weights
         self.requested_opset = opset
         self.dynamic_batch = dynamic_batch
+        self.dynamic_sequence = dynamic_sequence
         self.integer_kernels = integer_kernels
         self.quantizers: list[Quantizer] = []
         self.opsets: list[int] = []
         self.plans: list[PlannedWeight] = []
+        self.dynamic: list[DynamicInput] = []
+        self.packed = 0
+        self.model_modules: dict[str, nn.Module] = {}
         self.chosen_opset = 0
         self.folded = 0
         self.rewrites: Rewrites = ()
 
     def inspect(self, model: nn.Module) -> None:
         self.quantizers = inspect_quantizers(model)
+        self.model_modules = dict(model.named_modules())
         self.opsets = candidate_opsets(self.requested_opset, self.quantizers)
+
+    def require_opset(self, opset: int) -> None:
+        self.opsets = raise_opsets(self.opsets, opset, requested=self.requested_opset)
+
+    def run_proto(self, proto: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return run_model_proto(proto, feed)
 
     def prepare(self, model: nn.Module) -> None:
         try:
             self.plans = plan_weights(model, [q.name for q in self.quantizers if q.planned])
         except QuarkBrevitasError as exc:
             raise ExportError(f"cannot export to {target(BLOCKED_OPSET)}: {exc}") from exc
+        self.dynamic = plan_dynamic(model, [q.name for q in self.quantizers if q.dynamic])
 
-    def write(self, model: nn.Module, args: tuple[torch.Tensor, ...], names: GraphNames,
+    def write(self, model: nn.Module, example: Example, names: GraphNames,
               workdir: pathlib.Path) -> onnx.ModelProto:
         """Try the candidate opsets in turn; the first that exports (and, if there is a choice, loads in
         onnxruntime) wins."""
         errors: list[str] = []
         for candidate in self.opsets:
             try:
-                proto = self._write_at(candidate, model, args, names, workdir)
+                proto = self._write_at(candidate, model, example, names, workdir)
             except ExportError as exc:
                 errors.append(f"opset {candidate}: {exc}")
                 logger.debug("export attempt at opset %d failed: %s", candidate, exc)
@@ -133,22 +169,23 @@ class QCDQFormat(ExportFormat[ExportReport]):
             f"cannot export {', '.join(formats)} to {target('/'.join(map(str, self.opsets)))}: " + "; ".join(errors)
         )
 
-    def _write_at(self, opset: int, model: nn.Module, args: tuple[torch.Tensor, ...], names: GraphNames,
+    def _write_at(self, opset: int, model: nn.Module, example: Example, names: GraphNames,
                   workdir: pathlib.Path) -> onnx.ModelProto:
         raw_path = workdir / f"brevitas_opset{opset}.onnx"
-        dynamic_axes = (
-            {name: {0: "batch"} for name, arg in zip(names.inputs, args) if arg.ndim > 0}
-            if self.dynamic_batch
-            else None
-        )
+        args = example.tensors
+        axes = dynamic_axes(example, batch=self.dynamic_batch, sequence=self.dynamic_sequence)
         weight_q_node = any(q.is_float8 and q.role == "weight" for q in self.quantizers)
-        with float_weights(self.plans):
+        with float_weights(self.plans), float_inputs(self.dynamic):
             brevitas_export(_brevitas_export_onnx_qcdq, StdQCDQONNXManager, model, args, raw_path, opset=opset,
                             names=names, where=target(opset), export_weight_q_node=weight_q_node,
-                            dynamic_axes=dynamic_axes)
+                            dynamic_axes=axes)
             proto = onnx.load(str(raw_path))
         self.folded = fold_constant_quantization(proto.graph)
         self.rewrites = rewrite_for_integer_kernels(proto) if self.integer_kernels else ()
+        paths = {id(module): name for name, module in model.named_modules()}  # module paths in the traced module
+        if self.dynamic:
+            done = insert_dynamic_quantization(proto, self.dynamic, paths)
+            self.rewrites = (*self.rewrites, ("Linear inputs quantized dynamically (MatMulInteger)", done))
         clean_graph(proto.graph)
         if self.plans:
             try:
@@ -156,6 +193,17 @@ class QCDQFormat(ExportFormat[ExportReport]):
             except QuarkBrevitasError as exc:
                 raise ExportError(str(exc)) from exc
             clean_graph(proto.graph)
+        four_bit = [paths[id(self.model_modules[q.name])] for q in self.quantizers if q.role == "weight"
+                    and not q.planned and q.fmt in ("int2", "int3", "int4", "uint2", "uint3", "uint4")
+                    and id(self.model_modules.get(q.name)) in paths]
+        if four_bit and self.int4_weights is not False:
+            try:
+                proto, packed = pack_4bit_weights(proto, four_bit, integer_layers=self.int4_weights is True)
+            except QuarkBrevitasError as exc:
+                raise ExportError(f"cannot store the 4-bit weights as INT4 ({target(BLOCKED_OPSET)}): {exc}") from exc
+            self.packed = packed
+            if packed:
+                clean_graph(proto.graph)
         if len(self.opsets) > 1:  # "lowest working opset": onnxruntime must accept the file
             staged = workdir / f"staged_opset{opset}.onnx"
             onnx.save_model(proto, str(staged))
@@ -200,18 +248,23 @@ class QCDQFormat(ExportFormat[ExportReport]):
             input_names=tuple(i.name for i in graph.input),
             output_names=tuple(o.name for o in graph.output),
             dynamic_batch=self.dynamic_batch,
+            dynamic_sequence=self.dynamic_sequence,
             uses_float8=uses_float8(proto),
+            verified_by="pinned" if result.pinned is not None else "outputs",
+            rounding_ties=result.pinned.tie_elements if result.pinned is not None else 0,
+            n_4bit_weights=self.packed,
         )
         logger.info(
-            "exported %s (opset %d, %d bytes, weights %s): max |ORT - PyTorch| = %.3g <= %.3g",
+            "exported %s (opset %d, %d bytes, weights %s): max |ORT - PyTorch| = %.3g, %s tolerance %.3g",
             path,
             report.opset,
             report.file_size,
             ",".join(report.weight_dtypes) or "-",
             report.max_abs_diff,
+            "within" if report.verified_by == "outputs" else "rounding flips beyond (pinned check passed),",
             report.tolerance,
         )
-        if self.chosen_opset != report.opset and not self.plans:  # pragma: no cover - defensive
+        if self.chosen_opset != report.opset and not self.plans and not self.packed:  # pragma: no cover
             logger.warning("asked for opset %d, file declares %d", self.chosen_opset, report.opset)
         return report
 
@@ -225,17 +278,22 @@ def export_onnx_qcdq(
     tolerance: float | None = None,
     dynamic_batch: bool = True,
     integer_kernels: bool = True,
+    dynamic_sequence: bool = True,
+    int4_weights: bool | None = None,
 ) -> ExportReport:
     """Export a Brevitas-quantized model to a verified, self-contained ONNX QCDQ file.
 
     Args:
         model: The (calibrated) Brevitas-quantized model. It is run in eval mode under
             ``torch.no_grad()``; its training mode is restored afterwards.
-        args: Example input: a tensor or a tuple/list of tensors (positional model inputs).
+        args: Example input: a tensor or a tuple/list of tensors (positional model inputs), or a
+            mapping of keyword tensors, e.g. a Hugging Face tokenizer's output (the model is called
+            as ``model(**args)``; the graph inputs are named after the keys, in their order).
         path: Output ``.onnx`` file; its parent directory is created if missing. Only this file
             is written there.
-        opset: ONNX opset. Default: 13 for integer-only models, the lowest opset >= 19 that
-            exports and loads in onnxruntime when any float8 quantizer is present.
+        opset: ONNX opset. Default: 13 for integer-only models (14 if the model calls
+            ``scaled_dot_product_attention``, as Hugging Face models do by default), the lowest
+            opset >= 19 that exports and loads in onnxruntime when any float8 quantizer is present.
         tolerance: Largest accepted ``|onnxruntime - PyTorch|``. Default: one quantization step
             of the output, i.e.
 
@@ -248,12 +306,32 @@ def export_onnx_qcdq(
               ``(max - min) / 255`` over all (flattened) reference outputs;
 
             plus an epsilon of ``1e-6 * max(1, max |reference|)``.
+
+            **Deep models.** A float difference of one unit in the last place can move one
+            activation across a rounding boundary; deeper layers spread that step until a correct
+            file differs from PyTorch by many output steps. When the outputs differ by more than
+            the tolerance and the model quantizes activations, the file is run once more with the
+            output of every activation quantizer *pinned* to PyTorch's codes while the file's own
+            codes are recorded: it is accepted only if every quantizer's codes match PyTorch's
+            except at rounding ties (PyTorch's input within 1 % of a step of the midpoint) and the
+            pinned outputs are within the tolerance (``report.verified_by == "pinned"``). A wrong
+            scale, a dropped op or a kernel with other numerics is still rejected, naming the
+            first quantizer whose input it changed. See :mod:`quark_brevitas.export.pinned`.
         dynamic_batch: Make dimension 0 of every input symbolic (``"batch"``), so the file runs
             on other batch sizes than the example's.
         integer_kernels: Apply the exact graph rewrites that let onnxruntime run the 8-bit integer
             layers with its integer kernels (QGemm, QLinearConv, ...; see :mod:`quark_brevitas.export`;
             opset >= 13, graphs with control flow are left alone). ``False`` keeps the graph as
             Brevitas writes it (constant folding only). Either way the file is verified.
+        dynamic_sequence: Make dimension 1 of token inputs symbolic (``"sequence"``): rank-2
+            integer inputs such as ``input_ids`` / ``attention_mask``, and inputs of rank >= 2
+            whose dimension 1 has their length, so a padded batch of any length runs.
+        int4_weights: How per-tensor / per-channel 2-4 bit weights are stored. ``None`` (default):
+            as ``INT4``/``UINT4`` (two codes a byte, opset 21) in layers whose input is not
+            quantized (weight-only), as int8 codes where the input is 8-bit quantized, because
+            onnxruntime runs those layers on its integer kernels only with 8-bit weights. ``True``:
+            every such weight as INT4 (smallest file; W4A8 layers then run unfused). ``False``:
+            int8 codes everywhere.
 
     Returns:
         An :class:`ExportReport` with the file's path, opset, size, the verified difference and
@@ -270,5 +348,6 @@ def export_onnx_qcdq(
     are flattened in a deterministic order -- sequences in order, mappings in insertion order,
     ``None`` skipped -- and become the graph outputs in that order.
     """
-    fmt = QCDQFormat(opset=opset, dynamic_batch=dynamic_batch, integer_kernels=integer_kernels)
+    fmt = QCDQFormat(opset=opset, dynamic_batch=dynamic_batch, dynamic_sequence=dynamic_sequence,
+                     integer_kernels=integer_kernels, int4_weights=int4_weights)
     return export_verified(fmt, model, args, path, tolerance)

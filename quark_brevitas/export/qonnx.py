@@ -48,7 +48,7 @@ from brevitas.export.onnx.qonnx.manager import QONNXManager
 from torch import nn
 
 from quark_brevitas.brevitas_adapter import export_handler_proxy_types, is_groupwise, iter_quantizers
-from quark_brevitas.export.args import PathLike, TensorArgs, normalize_args, type_name
+from quark_brevitas.export.args import Example, PathLike, TensorArgs, normalize_args, type_name
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
 from quark_brevitas.export.inspect import DEFAULT_INT_OPSET
 from quark_brevitas.export.orchestrate import ExportFormat, GraphNames, brevitas_export, export_verified
@@ -254,11 +254,17 @@ class QONNXFormat(ExportFormat[QONNXExportReport]):
     def inspect(self, model: nn.Module) -> None:
         _check_quantizers(model)
 
-    def write(self, model: nn.Module, args: tuple[torch.Tensor, ...], names: GraphNames,
+    def require_opset(self, opset: int) -> None:
+        if opset > self.opset:
+            logger.info("the model calls scaled_dot_product_attention: QONNX export at opset %d instead of %d",
+                        opset, self.opset)
+            self.opset = opset
+
+    def write(self, model: nn.Module, example: Example, names: GraphNames,
               workdir: pathlib.Path) -> onnx.ModelProto:
         raw_path = workdir / "brevitas_qonnx.onnx"
-        brevitas_export(_brevitas_export_qonnx, QONNXManager, model, args, raw_path, opset=self.opset, names=names,
-                        where=f"{_TARGET} at opset {self.opset}")
+        brevitas_export(_brevitas_export_qonnx, QONNXManager, model, example.tensors, raw_path, opset=self.opset,
+                        names=names, where=f"{_TARGET} at opset {self.opset}")
         try:
             self.cleaned = _cleanup(self.modelwrapper.ModelWrapper(str(raw_path)))
         except Exception as exc:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import tempfile
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -136,26 +138,52 @@ def _feed_array(value: torch.Tensor | np.ndarray, ort_type: str) -> np.ndarray:
     return array
 
 
-def run_onnx(path: PathLike | ort.InferenceSession, args: TensorArgs | np.ndarray) -> list[np.ndarray]:
+def run_onnx(path: PathLike | ort.InferenceSession,
+             args: TensorArgs | np.ndarray | Mapping[str, torch.Tensor | np.ndarray]) -> list[np.ndarray]:
     """Run an ONNX file with onnxruntime (CPU) on ``args`` and return its outputs.
 
     ``args`` is a tensor (or numpy array) or a tuple/list of them, fed positionally to the graph
-    inputs. ``path`` may also be a session from :func:`create_ort_session`; for a file path the
+    inputs, or a mapping fed by graph input name (a tokenizer's output for a file exported from a
+    dict; keys the graph does not take, e.g. ``token_type_ids`` of a model that ignores them, are
+    an error). ``path`` may also be a session from :func:`create_ort_session`; for a file path the
     session is cached (keyed by path, mtime, size and inode) so evaluation loops stay cheap.
     Outputs come back in graph order, which for files of :func:`export_onnx_qcdq` is the
     flattening order of the model's output.
     """
-    inputs = normalize_args(args, allow_numpy=True)
     session = path if isinstance(path, ort.InferenceSession) else _cached_session(path)
     graph_inputs = session.get_inputs()
-    if len(graph_inputs) != len(inputs):
-        names = ", ".join(i.name for i in graph_inputs)
-        raise ExportArgumentError(
-            f"the ONNX graph takes {len(graph_inputs)} inputs ({names}); got {len(inputs)}"
-        )
-    feed = {gi.name: _feed_array(x, gi.type) for gi, x in zip(graph_inputs, inputs)}
+    names = ", ".join(i.name for i in graph_inputs)
+    if isinstance(args, Mapping):
+        given = {k: v for k, v in args.items() if v is not None}
+        missing = [gi.name for gi in graph_inputs if gi.name not in given]
+        extra = [k for k in given if k not in {gi.name for gi in graph_inputs}]
+        if missing or extra:
+            raise ExportArgumentError(f"the ONNX graph takes inputs {names}; got {', '.join(given)}")
+        feed = {gi.name: _feed_array(given[gi.name], gi.type) for gi in graph_inputs}
+    else:
+        inputs = normalize_args(args, allow_numpy=True)
+        if len(graph_inputs) != len(inputs):
+            raise ExportArgumentError(
+                f"the ONNX graph takes {len(graph_inputs)} inputs ({names}); got {len(inputs)}"
+            )
+        feed = {gi.name: _feed_array(x, gi.type) for gi, x in zip(graph_inputs, inputs)}
     try:
         outputs = session.run(None, feed)
     except Exception as exc:  # onnxruntime raises its own exception types
         raise ExportError(f"onnxruntime failed to run the ONNX graph: {exc}") from exc
     return [np.asarray(o) for o in outputs]
+
+
+def run_model_proto(proto: onnx.ModelProto, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run an in-memory model (a variant of an exported file, e.g. with extra outputs) in onnxruntime with the
+    session settings of :func:`create_ort_session`; outputs by name."""
+    with tempfile.TemporaryDirectory(prefix="quark_brevitas_run_") as tmp:
+        file = pathlib.Path(tmp) / "model.onnx"
+        onnx.save_model(proto, str(file), save_as_external_data=False)
+        session = create_ort_session(file)
+    inputs = {gi.name: gi.type for gi in session.get_inputs()}
+    try:
+        outputs = session.run(None, {name: _feed_array(value, inputs[name]) for name, value in feed.items()})
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ExportError(f"onnxruntime failed to run the ONNX graph: {exc}") from exc
+    return {o.name: np.asarray(v) for o, v in zip(session.get_outputs(), outputs)}

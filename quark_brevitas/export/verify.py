@@ -9,23 +9,29 @@ disagreement; :func:`verify_onnx` is the public entry point.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import pathlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
+import onnx
 import torch
 from brevitas.nn.mixin.base import QuantLayerMixin
 from brevitas.quant_tensor import QuantTensor
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from quark_brevitas.brevitas_adapter import float8_dtype, is_float_quantizer, quantizer_kind
-from quark_brevitas.export.args import PathLike, TensorArgs, check_model, normalize_args, type_name
+from quark_brevitas.export.args import KeywordInputs, PathLike, TensorArgs, check_model, normalize_example, type_name
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
 from quark_brevitas.export.inspect import as_int, safe_call
-from quark_brevitas.export.runtime import run_onnx
+from quark_brevitas.export.pinned import PinnedSummary, check_pinned
+from quark_brevitas.export.runtime import run_model_proto, run_onnx
+
+logger = logging.getLogger(__name__)
 
 #: Relative epsilon added to every tolerance so that float rounding of an exact one-step
 #: difference does not count as a mismatch.
@@ -33,12 +39,17 @@ _TOLERANCE_EPS = 1e-6
 
 
 class VerificationResult(NamedTuple):
-    """Outcome of comparing an ONNX file with its PyTorch model (see :func:`verify_onnx`)."""
+    """Outcome of comparing an ONNX file with its PyTorch model (see :func:`verify_onnx`).
+
+    ``pinned`` is set when the outputs differed by more than the tolerance and the file was accepted by the
+    pinned check instead (:mod:`~quark_brevitas.export.pinned`): then ``max_abs_diff`` exceeds ``tolerance``.
+    """
 
     max_abs_diff: float
     tolerance: float
     tolerance_source: str
     per_output: tuple[tuple[str, float], ...]
+    pinned: Any = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,6 +136,7 @@ class Reference:
     last_quant_layer: str | None
     output_step: float | None
     output_step_source: str
+    min_opset: int = 0
 
 
 def _float8_top_step(proxy: Any) -> float | None:
@@ -170,6 +182,24 @@ def _output_step(layer_name: str, layer: nn.Module) -> tuple[float | None, str]:
     return step, f"largest scale of the output quantizer of '{layer_name}'"
 
 
+#: Functions the TorchScript ONNX exporter handles only from an opset on (``scaled_dot_product_attention``: 14;
+#: Hugging Face models call it with ``attn_implementation="sdpa"``, their default).
+_MIN_OPSETS: dict[Any, int] = {torch.nn.functional.scaled_dot_product_attention: 14}
+
+
+class _CalledFunctions(TorchFunctionMode):
+    """Records which of the :data:`_MIN_OPSETS` functions a forward pass calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.functions: set[Any] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _MIN_OPSETS:
+            self.functions.add(func)
+        return func(*args, **(kwargs or {}))
+
+
 def compute_reference(model: nn.Module, args: tuple[torch.Tensor, ...]) -> Reference:
     """Run ``model`` (already in eval mode) on ``args`` and record what the tolerance needs."""
     order: list[str] = []
@@ -179,7 +209,7 @@ def compute_reference(model: nn.Module, args: tuple[torch.Tensor, ...]) -> Refer
         for name, m in layers.items()
     ]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _CalledFunctions() as called:
             output = model(*args)
     finally:
         for hook in hooks:
@@ -197,7 +227,17 @@ def compute_reference(model: nn.Module, args: tuple[torch.Tensor, ...]) -> Refer
         last_quant_layer=last,
         output_step=step,
         output_step_source=source,
+        min_opset=max((opset for fn, opset in _MIN_OPSETS.items() if fn in called.functions), default=0),
     )
+
+
+def exported_module(model: nn.Module, reference: Reference) -> nn.Module:
+    """The module the exporter traces: ``model`` itself for a single tensor output, else wrapped in
+    :class:`FlatOutputs` (made in eval mode: ``torch.onnx.export`` restores the traced module's mode afterwards,
+    and a fresh module is in train mode, which would switch the model's dropout on)."""
+    if len(reference.outputs) == 1 and reference.outputs[0][0] == "output":
+        return model
+    return FlatOutputs(model).eval()
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -220,11 +260,12 @@ def _default_tolerance(ref: Reference) -> tuple[float, str]:
     return span / 255.0 + eps, f"one 8-bit step (max - min) / 255 of the reference output ({reason})"
 
 
-def compare(
+def measure(
     ref: Reference, onnx_outputs: Sequence[np.ndarray], path: pathlib.Path, tolerance: float | None
 ) -> VerificationResult:
-    """Check ``onnx_outputs`` against the reference; :class:`ExportMismatchError` beyond the tolerance
-    (``None``: the default rule, one output quantization step)."""
+    """``max |onnx - reference|`` per output and the tolerance it is judged against (``None``: the default rule,
+    one output quantization step). Raises :class:`ExportMismatchError` only for outputs of the wrong number or
+    shape; whether the difference is acceptable is :func:`compare`'s (or the pinned check's) business."""
     if tolerance is None:
         tol, source = _default_tolerance(ref)
     else:
@@ -254,16 +295,52 @@ def compare(
         diff = np.where(np.isnan(diff), np.inf, diff)
         per_output.append((name, float(diff.max()) if diff.size else 0.0))
     max_diff = max(d for _, d in per_output)
-    if not max_diff <= tol:
-        worst = ", ".join(f"{n}: {d:.6g}" for n, d in per_output)
-        raise ExportMismatchError(
-            f"ONNX file {path} disagrees with PyTorch: max |onnxruntime - PyTorch| = {max_diff:.6g} > "
-            f"tolerance {tol:.6g} ({source}); per output: {worst}. The file was kept for inspection.",
-            max_abs_diff=max_diff,
-            tolerance=tol,
-            path=path,
-        )
     return VerificationResult(max_diff, tol, source, tuple(per_output))
+
+
+def mismatch_error(result: VerificationResult, path: pathlib.Path) -> ExportMismatchError:
+    """The error for a result beyond its tolerance."""
+    worst = ", ".join(f"{n}: {d:.6g}" for n, d in result.per_output)
+    return ExportMismatchError(
+        f"ONNX file {path} disagrees with PyTorch: max |onnxruntime - PyTorch| = {result.max_abs_diff:.6g} > "
+        f"tolerance {result.tolerance:.6g} ({result.tolerance_source}); per output: {worst}. The file was kept for "
+        "inspection.",
+        max_abs_diff=result.max_abs_diff,
+        tolerance=result.tolerance,
+        path=path,
+    )
+
+
+def compare(
+    ref: Reference, onnx_outputs: Sequence[np.ndarray], path: pathlib.Path, tolerance: float | None
+) -> VerificationResult:
+    """Check ``onnx_outputs`` against the reference; :class:`ExportMismatchError` beyond the tolerance
+    (``None``: the default rule, one output quantization step)."""
+    result = measure(ref, onnx_outputs, path, tolerance)
+    if not result.max_abs_diff <= result.tolerance:
+        raise mismatch_error(result, path)
+    return result
+
+
+def accept(result: VerificationResult, path: pathlib.Path,
+           pin: Callable[[float], PinnedSummary] | None) -> VerificationResult:
+    """``result`` if within its tolerance; else the pinned check ``pin`` (``None``: not available) decides whether
+    the difference is rounding flips propagated through the model (see :mod:`~quark_brevitas.export.pinned`)."""
+    if result.max_abs_diff <= result.tolerance:
+        return result
+    mismatch = mismatch_error(result, path)
+    if pin is None or not math.isfinite(result.max_abs_diff):
+        raise mismatch
+    logger.info("%s; checking the file with every activation quantizer pinned to PyTorch's codes", mismatch)
+    try:
+        summary = pin(result.tolerance)
+    except ExportMismatchError as pinned:
+        raise ExportMismatchError(f"{mismatch} Rounding flips propagated through the model do not explain it: "
+                                  f"{pinned}", max_abs_diff=result.max_abs_diff, tolerance=result.tolerance,
+                                  path=path) from pinned
+    if summary.pinned == 0:
+        raise mismatch
+    return result._replace(tolerance_source=f"{result.tolerance_source}; {summary.describe()}", pinned=summary)
 
 
 def validate_tolerance(tolerance: float | None) -> float | None:
@@ -280,15 +357,25 @@ def validate_tolerance(tolerance: float | None) -> float | None:
 def verify_onnx(
     model: nn.Module, args: TensorArgs, path: PathLike, *, tolerance: float | None = None
 ) -> VerificationResult:
-    """Compare an ONNX file with ``model`` on ``args`` (same rules as :func:`export_onnx_qcdq`).
+    """Compare an ONNX file with ``model`` on ``args`` (same rules as :func:`export_onnx_qcdq`, the pinned check of
+    deep models included; ``args`` as there: a tensor, a tuple of tensors or a dict of keyword tensors).
 
-    Raises :class:`ExportMismatchError` when ``|onnxruntime - PyTorch|`` exceeds the tolerance.
-    The model's training mode is restored afterwards.
+    Raises :class:`ExportMismatchError` when the file disagrees with the model. The model's training mode is
+    restored afterwards.
     """
     check_model(model)
-    example = normalize_args(args)
+    example = normalize_example(args)
     tol = validate_tolerance(tolerance)
-    with eval_mode(model):
-        reference = compute_reference(model, example)
     file = pathlib.Path(path)
-    return compare(reference, run_onnx(file, example), file, tol)
+    with eval_mode(model):
+        called = KeywordInputs(model, example.names).eval() if example.keyword else model
+        reference = compute_reference(called, example.tensors)
+        result = measure(reference, run_onnx(file, example.tensors), file, tol)
+        exported = exported_module(called, reference)
+
+        def pin(tolerance: float) -> PinnedSummary:
+            proto = onnx.load(str(file))
+            return check_pinned(proto, exported, example.tensors, [i.name for i in proto.graph.input],
+                                reference.outputs, tolerance, file, run_model_proto)
+
+        return accept(result, file, pin)

@@ -34,6 +34,12 @@ def attr(node: onnx.NodeProto, name: str, default: int) -> int:
     return default
 
 
+def module_path(node_name: str) -> str:
+    """A node name of torch's exporter as a dotted path: ``/encoder/layer.0/fc/MatMul`` -> ``encoder.layer.0.fc.
+    MatMul`` (scopes are joined by ``/``, list items by ``.``), comparable with ``named_modules`` names."""
+    return node_name.lstrip("/").replace("/", ".")
+
+
 def single_output(node: onnx.NodeProto) -> bool:
     """Whether the node produces exactly one (named) output, so moving it around moves one tensor."""
     return sum(1 for name in node.output if name) == 1

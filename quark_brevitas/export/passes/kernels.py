@@ -27,7 +27,12 @@ from quark_brevitas.export.inspect import DEFAULT_INT_OPSET
 from quark_brevitas.export.passes.bias import drop_zero_bias_zero_points, fold_unfusable_bias
 from quark_brevitas.export.passes.clips import drop_noop_integer_clips, integer_relu, sink_integer_clips
 from quark_brevitas.export.passes.graph import GraphIndex, has_subgraphs, opset_of, topological_sort
-from quark_brevitas.export.passes.layout import hoist_quantize, sink_dequantize, transpose_weights_offline
+from quark_brevitas.export.passes.layout import (
+    gather_before_dequantize,
+    hoist_quantize,
+    sink_dequantize,
+    transpose_weights_offline,
+)
 from quark_brevitas.export.passes.unsigned import unsigned_activations
 
 logger = logging.getLogger(__name__)
@@ -55,6 +60,7 @@ INTEGER_KERNEL_REWRITES: tuple[Rewrite, ...] = (
     Rewrite("integer Clips moved below MaxPool", sink_integer_clips),
     Rewrite("int8 activations stored as uint8", unsigned_activations),
     Rewrite("zero bias zero points dropped", drop_zero_bias_zero_points),
+    Rewrite("embedding rows gathered before dequantization", gather_before_dequantize),
 )
 
 

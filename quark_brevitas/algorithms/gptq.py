@@ -1,0 +1,250 @@
+"""GPTQ (Quark's ``GPTQConfig``): Hessians of a group of layers in one pass, a vectorised column update on
+Brevitas's own weight grid.
+
+Per decoder layer (block): the layers that read the same input (q/k/v, o, gate/up, down) form a group, found on
+the first batch from the objects the layers are called with; one pass of the block's inputs collects the
+Hessians ``H = X^T X / n`` of a whole group, then each layer's weight is rounded column by column, the rounding
+error being compensated on the columns not yet rounded with the inverse Hessian (Frantar et al., in AutoGPTQ's
+blocked form: rank-1 updates inside blocks of 128 columns, one matrix product between blocks). With
+``true_sequential`` the next group's Hessians are collected with the previous groups already quantized.
+
+Columns are rounded with the layer's own Brevitas weight quantizer's scale and zero point
+(:func:`quark_brevitas.brevitas_adapter.weight_grid`), so the result lies exactly on the grid Brevitas uses at
+inference: after GPTQ, the layer's quantized weight equals GPTQ's output bit for bit. ``static_groups=False``
+takes each group's scale from the error-updated weights when GPTQ reaches the group's first column (AutoGPTQ's
+default); with ``desc_act`` AutoGPTQ would also regroup the columns in processing order, which needs a
+column-to-group index that Brevitas and ONNX do not have, so groups stay consecutive input channels, as the
+weight spec says.
+
+A layer that sees fewer calibration tokens than it has input features has a rank-deficient Hessian, and GPTQ
+may then do worse than rounding to nearest: a warning says how many tokens it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from quark_brevitas import algos
+from quark_brevitas.algorithms.base import register
+from quark_brevitas.algorithms.blocks import BlockwiseHandler
+from quark_brevitas.algorithms.scaling import layer_inputs, linear_weight, set_linear_weight
+from quark_brevitas.brevitas_adapter import WeightGrid, quantization_disabled, weight_grid
+from quark_brevitas.data import CalibrationData
+from quark_brevitas.errors import ModelError
+from quark_brevitas.hf.structure import is_linear
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GPTQConfigHandler", "GPTQResult", "gptq_columns", "warn_few_samples"]
+
+#: Columns per lazy-update block (AutoGPTQ's default).
+BLOCK_SIZE = 128
+
+
+class GPTQResult(NamedTuple):
+    """``quantized``: the rounded weight (``[out, in]``, original column order); ``scale_source``: the tensor the
+    quantizer's grid was last initialised from (for static groups the weight before GPTQ); ``loss``: the sum of
+    GPTQ's per-column losses; ``on_grid``: whether the quantizer's final grid is the one the columns were rounded
+    on (False when a group's scale depends on the other groups' values, e.g. MSE scales, with dynamic groups)."""
+
+    quantized: torch.Tensor
+    scale_source: torch.Tensor
+    loss: float
+    on_grid: bool = True
+
+
+def _inverse_hessian_factor(hessian: torch.Tensor, damp_percent: float) -> torch.Tensor:
+    """The upper Cholesky factor of ``(H + damp I)^-1``, with ``damp = damp_percent * mean(diag H)`` raised
+    tenfold (up to three times) if ``H`` is still not positive definite."""
+    damp = damp_percent * torch.mean(torch.diag(hessian))
+    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
+    for attempt in range(4):
+        factor, info = torch.linalg.cholesky_ex(hessian + damp * eye)
+        if int(info) == 0:
+            inverse = torch.cholesky_inverse(factor)
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if int(info) == 0:
+                return upper
+        logger.warning("GPTQ: the dampened Hessian is not positive definite (damp %.3g); retrying with %.3g",
+                       float(damp), float(damp * 10))
+        damp = damp * 10 if attempt < 3 else damp
+    raise ModelError("GPTQ: the layer's Hessian is not positive definite even with 1000x the dampening; its inputs "
+                     "are degenerate (give more, and more varied, calibration data)")
+
+
+def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, grid_for: Any, *, damp_percent: float,
+                 act_order: bool, group_size: int, static_groups: bool, block_size: int = BLOCK_SIZE) -> GPTQResult:
+    """GPTQ on one ``[out, in]`` weight with the Hessian of its inputs; ``grid_for(tensor) -> WeightGrid``
+    initialises the layer's quantizer from ``tensor`` and returns its grid (see the module docstring)."""
+    work = weight.detach().float().clone()
+    hessian = hessian.detach().float().clone()
+    columns = work.shape[1]
+    dead = torch.diag(hessian) == 0
+    hessian[dead, dead] = 1
+    work[:, dead] = 0
+    dynamic = group_size > 0 and not static_groups
+    first: WeightGrid = grid_for(work)
+    scale_source = work.clone()
+    perm = torch.argsort(torch.diag(hessian), descending=True) if act_order else torch.arange(columns)
+    inverse_perm = torch.argsort(perm)
+    work, hessian = work[:, perm], hessian[perm][:, perm]
+    grid = first._replace(scale=first.scale[:, perm].clone(), zero_point=first.zero_point[:, perm].clone())
+    factor = _inverse_hessian_factor(hessian, damp_percent)
+    quantized = torch.zeros_like(work)
+    losses = torch.zeros(work.shape[0], dtype=work.dtype, device=work.device)
+    groups_started: set[int] = set()
+    for start in range(0, columns, block_size):
+        stop = min(start + block_size, columns)
+        block = work[:, start:stop].clone()
+        block_error = torch.zeros_like(block)
+        block_factor = factor[start:stop, start:stop]
+        for offset in range(stop - start):
+            column = start + offset
+            if dynamic:
+                group = int(perm[column]) // group_size
+                if group not in groups_started:
+                    groups_started.add(group)
+                    current = work.clone()
+                    current[:, column:stop] = block[:, offset:]
+                    current = current[:, inverse_perm]
+                    fresh = grid_for(current)
+                    members = torch.arange(group * group_size, min((group + 1) * group_size, columns))
+                    grid.scale[:, inverse_perm[members]] = fresh.scale[:, members]
+                    grid.zero_point[:, inverse_perm[members]] = fresh.zero_point[:, members]
+                    scale_source[:, members] = current[:, members]
+            values = block[:, offset]
+            rounded = grid.quantize(values[:, None], slice(column, column + 1))[:, 0]
+            quantized[:, column] = rounded
+            diagonal = block_factor[offset, offset]
+            losses += (values - rounded) ** 2 / diagonal ** 2 / 2
+            error = (values - rounded) / diagonal
+            block[:, offset:] -= error[:, None] * block_factor[offset, offset:][None, :]
+            block_error[:, offset] = error
+        work[:, stop:] -= block_error @ factor[start:stop, stop:]
+    on_grid = True
+    if dynamic:  # the quantizer keeps the grid the groups were rounded on, if groups' scales are independent
+        final = grid_for(scale_source)
+        on_grid = torch.equal(final.scale[:, perm], grid.scale) and torch.equal(final.zero_point[:, perm],
+                                                                                 grid.zero_point)
+    return GPTQResult(quantized[:, inverse_perm], scale_source, float(losses.sum()), on_grid)
+
+
+def warn_few_samples(algorithm: str, where: str, samples: dict[str, int], features: dict[str, int]) -> None:
+    """Warn (once, listing the layers) when layers saw fewer calibration samples (tokens, or patches of a
+    convolution) than they have input features: their Hessian is rank-deficient."""
+    short = {name: (samples.get(name, 0), need) for name, need in features.items() if samples.get(name, 0) < need}
+    if not short:
+        return
+    need = max(need for _, need in short.values())
+    listed = ", ".join(f"{name} ({seen} < {need_})" for name, (seen, need_) in list(short.items())[:6])
+    more = f" and {len(short) - 6} more" if len(short) > 6 else ""
+    logger.warning("%s%s: %d layer(s) saw fewer calibration samples (input vectors: tokens, or convolution "
+                   "patches) than they have input features: %s%s. Their input Hessian is rank-deficient and the "
+                   "result may be worse than rounding to nearest; give at least %d samples (several times more is "
+                   "better), e.g. more or longer calibration sequences", algorithm, f" on {where}" if where else "",
+                   len(short), listed, more, need)
+
+
+@dataclass
+class _Pass:
+    """What one pass over a block's inputs collects: per-layer Hessian sums and sample counts. On the first batch
+    it records the order in which layers are first called and the object each is called with, which decides the
+    group of layers this pass is for (``sequential``: the layers sharing the first layer's input; otherwise all);
+    from the second batch on only that group's Hessians are accumulated."""
+
+    sequential: bool
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    first_calls: list[tuple[str, Any]] = field(default_factory=list)
+    group: list[str] | None = None
+
+    def add(self, name: str, rows: torch.Tensor, raw: Any) -> None:
+        if self.group is None:
+            if name not in self.counts:
+                self.first_calls.append((name, raw))
+        elif name not in self.group:
+            return
+        product = rows.t() @ rows
+        if name in self.hessians:
+            self.hessians[name] += product
+        else:
+            self.hessians[name] = product
+        self.counts[name] = self.counts.get(name, 0) + rows.shape[0]
+
+    def batch_done(self, _index: int, _output: Any) -> None:
+        if self.group is None and self.first_calls:
+            first = self.first_calls[0][1]
+            self.group = [name for name, raw in self.first_calls if raw is first or not self.sequential]
+            self.first_calls.clear()  # the inputs of the first batch need not be kept alive any longer
+            for name in [n for n in self.hessians if n not in self.group]:
+                del self.hessians[name], self.counts[name]
+
+
+@register(algos.GPTQConfig)
+class GPTQConfigHandler(BlockwiseHandler):
+    """GPTQ block by block; see the module docstring."""
+
+    def inputs_context(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Earlier blocks run with their (GPTQ-rounded) quantized weights and float activations."""
+        return quantization_disabled(model, act=True, weight=False, bias=False)
+
+    def describe(self, algo: Any, model: nn.Module) -> list[str]:
+        lines = super().describe(algo, model)
+        names = self.blocks(algo, model)
+        block = model.get_submodule(names[0]) if names[0] else model
+        layers = algo.inside_layer_modules or [n for n, m in block.named_modules() if n and is_linear(m)]
+        how = "given" if algo.inside_layer_modules else "inferred: the Linear-like layers of a block"
+        order = "groups of layers reading the same input, one after the other" if algo.true_sequential else \
+            "all at once"
+        return [*lines, f"layers per block ({how}; {order}): {', '.join(layers) or '-'}"]
+
+    def _quantize(self, algo: Any, name: str, layer: nn.Module, hessian: torch.Tensor) -> float:
+        weight = linear_weight(layer).detach().clone()
+
+        def run(static_groups: bool) -> GPTQResult:
+            return gptq_columns(weight, hessian, lambda tensor: weight_grid(layer, tensor),
+                                damp_percent=algo.damp_percent, act_order=algo.desc_act, group_size=algo.group_size,
+                                static_groups=static_groups)
+
+        result = run(algo.static_groups)
+        if not result.on_grid:
+            logger.warning("GPTQConfig: %s's weight quantizer computes each group's scale from the other groups too "
+                           "(e.g. MSE scales), so static_groups=False cannot keep the grid GPTQ rounds on; using "
+                           "static groups (scales from the weight before GPTQ) for it", name)
+            result = run(True)
+        set_linear_weight(layer, result.quantized)
+        return result.loss
+
+    def apply_block(self, algo: Any, block: nn.Module, data: CalibrationData, name: str) -> nn.Module:
+        where = f"decoder layer {name!r}" if name else type(block).__name__
+        block.eval()
+        remaining = self.quantized_layers(algo, block, where, algo.inside_layer_modules, "inside_layer_modules")
+        features = {n: int(linear_weight(m).shape[1]) for n, m in remaining.items()}
+        start = time.perf_counter()
+        samples: dict[str, int] = {}
+        with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False):
+            while remaining:
+                collected = _Pass(algo.true_sequential)
+                with layer_inputs(remaining, collected.add):
+                    data.forward(block, f"{algo.name}: Hessians of {name or where}", on_output=collected.batch_done)
+                if not collected.group:
+                    raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
+                for layer_name in collected.group:
+                    count = torch.tensor(float(collected.counts[layer_name]))
+                    data.all_reduce(count, "sum")
+                    hessian = data.all_reduce(collected.hessians[layer_name], "sum") / count
+                    samples[layer_name] = int(count)
+                    loss = self._quantize(algo, layer_name, remaining.pop(layer_name), hessian)
+                    logger.debug("GPTQConfig %s.%s: loss %.4g", name, layer_name, loss)
+                if remaining and not algo.true_sequential:
+                    raise ModelError(f"GPTQConfig on {where}: {', '.join(remaining)} was not called by the block")
+        warn_few_samples("GPTQConfig", where, samples, features)
+        logger.info("GPTQConfig: %s done in %.2f s", name or where, time.perf_counter() - start)
+        return block

@@ -1,0 +1,234 @@
+"""Dynamic int8 activations of Linear layers in ONNX: scales computed from each input, integer MatMul kernels.
+
+Brevitas's QCDQ exporter has no form for activation quantizers whose scale is computed at run time, and
+``QuantizeLinear`` takes a per-tensor or per-axis scale, not one per token. So the exporter writes them itself
+(the recipe onnxruntime users know from ``quantize_dynamic``):
+
+1. :func:`plan_dynamic` finds the ``QuantLinear`` layers whose input quantizer is dynamic 8-bit integer
+   (per tensor or per token, symmetric int8 or asymmetric uint8);
+2. :func:`float_inputs` lets Brevitas export those layers with their input unquantized (a float ``MatMul`` /
+   ``Gemm`` on ``DequantizeLinear`` of the int8 weight);
+3. :func:`insert_dynamic_quantization` replaces each such ``MatMul``/``Gemm`` by the quantization of its input,
+   computed as Brevitas computes it, and an integer product: ``MatMulInteger(codes, W_int8)`` (exact int32
+   sums), minus ``zero point x column sums of W`` for asymmetric rows (int32, exact), cast to float and
+   scaled by the input scale(s) and the weight scale(s).
+
+Scales as Brevitas computes them: symmetric ``max|x| / 127`` (codes in +-127), asymmetric
+``(max(max x, 0) - min(min x, 0)) / 255`` with zero point ``round(-min(min x, 0) / scale)`` and codes
+``clip(round(x / scale + zero point), 0, 255)``; per tensor over the whole input, per token over its last
+dimension. Asymmetric per-tensor inputs use onnxruntime's fused ``DynamicQuantizeLinear`` (same scale and
+zero point; it rounds before adding the zero point, which differs only at exact ties). The code-producing node
+of each layer is named after the quantizer (``.../input_quant/export_handler/DynamicQuantize``), so the pinned
+verification (:mod:`quark_brevitas.export.pinned`) pins it like a static quantizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+from torch import nn
+
+from quark_brevitas.brevitas_adapter import (
+    injector_value,
+    is_dynamic_activation,
+    is_float_quantizer,
+    is_groupwise,
+    weight_quant_disabled,
+)
+from quark_brevitas.export.errors import ExportError
+from quark_brevitas.export.passes.graph import GraphIndex, attr, module_path, topological_sort
+
+#: Suffix of the node producing a dynamic quantizer's codes (after the proxy's module path).
+CODE_NODE = "export_handler/DynamicQuantize"
+
+
+@dataclass
+class DynamicInput:
+    """A Linear layer whose input is quantized dynamically, and how."""
+
+    layer: nn.Module
+    proxy_name: str
+    per_token: bool
+    signed: bool
+
+    @property
+    def fmt(self) -> str:
+        return f"{'int8' if self.signed else 'uint8'} dynamic per-{'token' if self.per_token else 'tensor'}"
+
+
+def is_exportable_dynamic(layer: nn.Module, attribute: str, proxy: nn.Module) -> bool:
+    """Whether a dynamic activation quantizer is one this module writes: the 8-bit integer input quantizer of a
+    Linear layer (not per-group / MX, not float) whose weight is quantized to integers of at most 8 bits per
+    tensor or channel (the integer product needs integer weights)."""
+    if attribute != "input_quant" or not is_dynamic_activation(proxy) or is_groupwise(proxy):
+        return False
+    if is_float_quantizer(proxy) or not isinstance(layer, nn.Linear):
+        return False
+    weight = getattr(layer, "weight_quant", None)
+    if weight is None or not weight.is_quant_enabled or is_groupwise(weight) or is_float_quantizer(weight):
+        return False
+    bits, weight_bits = injector_value(proxy, "bit_width"), injector_value(weight, "bit_width")
+    return bits is not None and int(bits) == 8 and weight_bits is not None and int(weight_bits) <= 8
+
+
+def plan_dynamic(model: nn.Module, proxy_names: Sequence[str]) -> list[DynamicInput]:
+    """The dynamic inputs called ``proxy_names`` (``<layer>.input_quant``); :class:`ExportError` for a layer that
+    also quantizes its bias (an integer bias would need the run-time input scale)."""
+    modules = dict(model.named_modules())
+    plans = []
+    for name in proxy_names:
+        layer_name = name.rsplit(".", 1)[0]
+        layer, proxy = modules[layer_name], modules[name]
+        bias_quant = getattr(layer, "bias_quant", None)
+        if layer.bias is not None and bias_quant is not None and bias_quant.is_quant_enabled:
+            raise ExportError(f"layer '{layer_name}' quantizes its bias with a dynamic input quantizer ({name}): the "
+                              "bias scale would change with every input; export with bias=None (float bias)")
+        per_token = injector_value(proxy, "stats_reduce_dim") is not None  # per tensor: statistics over everything
+        plans.append(DynamicInput(layer, name, per_token, bool(proxy.is_signed)))
+    return plans
+
+
+@contextlib.contextmanager
+def float_inputs(plans: Sequence[DynamicInput]) -> Iterator[None]:
+    """While Brevitas exports: the planned layers take their input unquantized."""
+    with contextlib.ExitStack() as stack:
+        for plan in plans:
+            stack.enter_context(weight_quant_disabled(plan.layer.input_quant))  # flips the proxy's disable_quant
+        yield
+
+
+def _weight(index: GraphIndex, node: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray, str] | None:
+    """The (K, N) int8 weight codes, their per-column scales and the name of the codes, of a MatMul/Gemm."""
+    dq = index.producer.get(node.input[1])
+    transposed = dq is not None and dq.op_type == "Transpose" and list(next(
+        (a.ints for a in dq.attribute if a.name == "perm"), [1, 0])) == [1, 0]
+    if transposed:  # integer_kernels=False keeps Brevitas's DQ -> Transpose -> MatMul
+        dq = index.producer.get(dq.input[0])
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in index.inits:
+        return None
+    codes, scale = index.const(dq.input[0]), index.const(dq.input[1])
+    zero_point = index.const(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
+    if codes is None or scale is None or codes.dtype != np.int8 or codes.ndim != 2 or \
+            (zero_point is not None and np.any(zero_point)):
+        return None
+    axis = attr(dq, "axis", 1) % 2
+    if transposed:
+        codes, axis = codes.T, 1 - axis
+    if node.op_type == "Gemm":
+        if attr(node, "transA", 0) or not attr(node, "transB", 0):
+            return None
+        codes, axis = codes.T, 1 - axis
+    if scale.ndim == 1 and axis != 1:
+        return None
+    return np.ascontiguousarray(codes), scale.astype(np.float32).reshape(-1), dq.input[0]
+
+
+def insert_dynamic_quantization(model: onnx.ModelProto, plans: Sequence[DynamicInput],
+                                layer_paths: dict[int, str]) -> int:
+    """Replace the float MatMul/Gemm of every planned layer by dynamic quantization and an integer product.
+
+    ``layer_paths`` maps ``id(layer)`` to the layer's module path in the exported module (the node name prefix
+    Brevitas's exporter gives its ops). Returns the number of layers rewritten; :class:`ExportError` if a planned
+    layer is not found.
+    """
+    graph = model.graph
+    index = GraphIndex(graph)
+    count = 0
+    for plan in plans:
+        path = layer_paths[id(plan.layer)]
+        node = next((n for n in graph.node if n.op_type in ("MatMul", "Gemm") and
+                     module_path(n.name) in (f"{path}.MatMul", f"{path}.Gemm")), None)
+        weight = _weight(index, node) if node is not None else None
+        if node is None or weight is None:
+            raise ExportError(f"cannot find the int8 MatMul/Gemm of layer '{layer_paths[id(plan.layer)]}' "
+                              f"({plan.fmt} input) in the exported graph")
+        codes, w_scale, _ = weight
+        proxy_path = "/" + path + "/input_quant"
+        _rewrite(index, node, plan, codes, w_scale, proxy_path)
+        count += 1
+    _drop_dead_nodes(graph)
+    topological_sort(graph)
+    return count
+
+
+def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
+    """Remove nodes none of whose outputs is read (the replaced layers' weight DequantizeLinear / Transpose)."""
+    while True:
+        used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+        dead = [node for node in graph.node if not any(name in used for name in node.output if name)]
+        if not dead:
+            return
+        for node in dead:
+            graph.node.remove(node)
+
+
+def _rewrite(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput, codes: np.ndarray, w_scale: np.ndarray,
+             proxy_path: str) -> None:
+    graph = index.graph
+    new: list[onnx.NodeProto] = []
+
+    def op(op_type: str, inputs: list[str], hint: str, **attrs: object) -> str:
+        out = index.fresh_name(f"{proxy_path}/{hint}")
+        new.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+        return out
+
+    def const(value: np.ndarray, hint: str) -> str:
+        return index.add_initializer(value, f"{proxy_path}/{hint}")
+
+    x = node.input[0]
+    axes = {"axes": [-1], "keepdims": 1} if plan.per_token else {"keepdims": 0}
+    code_name = index.fresh_name(f"{proxy_path}/{CODE_NODE}")
+    correction = None
+    if plan.signed:  # symmetric: scale max|x| / 127, codes round(x / scale) (never beyond +-127)
+        scale = op("Div", [op("ReduceMax", [op("Abs", [x], "abs")], "max_abs", **axes),
+                           const(np.array(127.0, np.float32), "qmax")], "scale")
+        rounded = op("Round", [op("Div", [x, scale], "x_over_scale")], "round")
+        # Stored as uint8 with zero point 128 (exact: the codes are within +-127): onnxruntime's int8 x int8
+        # MatMulInteger is several times slower than its uint8 x int8 kernel (MiniLM per token: 0.3x float speed).
+        shifted = op("Add", [rounded, const(np.array(128.0, np.float32), "offset")], "shifted")
+        new.append(helper.make_node("Cast", [shifted], [code_name], name=code_name, to=TensorProto.UINT8))
+        correction = const(np.array(128, np.uint8), "zero_point")
+    elif not plan.per_token:  # asymmetric per tensor: onnxruntime's DynamicQuantizeLinear
+        scale, zero_point = index.fresh_name(f"{proxy_path}/scale"), index.fresh_name(f"{proxy_path}/zero_point")
+        new.append(helper.make_node("DynamicQuantizeLinear", [x], [code_name, scale, zero_point], name=code_name))
+        correction = zero_point
+    else:  # asymmetric per token: range containing 0, zero point round(-min / scale), codes round(x/s + zp)
+        zero = const(np.array(0.0, np.float32), "zero")
+        low = op("Min", [op("ReduceMin", [x], "min", **axes), zero], "min_or_zero")
+        high = op("Max", [op("ReduceMax", [x], "max", **axes), zero], "max_or_zero")
+        scale = op("Div", [op("Sub", [high, low], "range"), const(np.array(255.0, np.float32), "levels")], "scale")
+        zp_float = op("Round", [op("Div", [op("Neg", [low], "neg_min"), scale], "zp_unrounded")], "zp")
+        shifted = op("Add", [op("Div", [x, scale], "x_over_scale"), zp_float], "x_shifted")
+        clipped = op("Clip", [op("Round", [shifted], "round"), zero, const(np.array(255.0, np.float32), "top")],
+                     "clip")
+        new.append(helper.make_node("Cast", [clipped], [code_name], name=code_name, to=TensorProto.UINT8))
+        correction = op("Cast", [zp_float], "zp_int32", to=TensorProto.INT32)
+    weight_codes = const(codes, "weight_codes")
+    if correction is not None and (plan.signed or not plan.per_token):  # one zero point: MatMulInteger takes it
+        product = op("MatMulInteger", [code_name, weight_codes, correction], "matmul_integer")
+    else:
+        product = op("MatMulInteger", [code_name, weight_codes], "matmul_integer")
+    if correction is not None and plan.per_token and not plan.signed:  # (q - zp) @ W = q @ W - zp * sums of W
+        column_sums = const(codes.astype(np.int32).sum(axis=0).astype(np.int32), "weight_column_sums")
+        product = op("Sub", [product, op("Mul", [correction, column_sums], "zp_times_sums")], "product")
+    accumulated = op("Cast", [product], "product_float", to=TensorProto.FLOAT)
+    if plan.per_token:
+        # Weight scale first, then the row scales: onnxruntime 1.32 fuses MatMulInteger -> Cast -> Mul into
+        # MatMulIntegerToFloat and, given the product of per-row and per-column scales, computes wrong values
+        # (the pinned verification caught it); a constant per-column scale it fuses correctly.
+        output = op("Mul", [op("Mul", [accumulated, const(w_scale, "weight_scale")], "times_weight_scale"), scale],
+                    "dequantized")
+    else:  # the pattern of onnxruntime's quantize_dynamic (Cast -> Mul by input x weight scale), which it fuses
+        output = op("Mul", [accumulated, op("Mul", [scale, const(w_scale, "weight_scale")], "scales")],
+                    "dequantized")
+    if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]:
+        output = op("Add", [output, node.input[2]], "bias")
+    new[-1].output[0] = node.output[0]
+    graph.node.remove(node)
+    graph.node.extend(new)
+

@@ -1,0 +1,82 @@
+"""Tiny Hugging Face language models built from transformers configs (nothing is downloaded), and token batches.
+
+The models are a few layers deep and 64 wide, randomly initialised; :func:`with_outliers` scales a few channels of
+every norm so that activations have the outlier channels SmoothQuant and AWQ exist for (as trained LLMs do).
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from torch import nn
+
+VOCAB = 128
+
+#: Quark's scaling layers for Llama, as its documentation writes them (names relative to a decoder layer).
+LLAMA_SCALING_LAYERS = [
+    {"prev_op": "input_layernorm", "layers": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+     "inp": "self_attn.q_proj", "module2inspect": "self_attn"},
+    {"prev_op": "self_attn.v_proj", "layers": ["self_attn.o_proj"], "inp": "self_attn.o_proj"},
+    {"prev_op": "post_attention_layernorm", "layers": ["mlp.gate_proj", "mlp.up_proj"], "inp": "mlp.gate_proj",
+     "module2inspect": "mlp"},
+    {"prev_op": "mlp.up_proj", "layers": ["mlp.down_proj"], "inp": "mlp.down_proj"},
+]
+
+
+def with_outliers(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Scale 4 channels of every norm weight by 8 (activation outliers), in place."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, nn.Parameter) and weight.dim() == 1 and "norm" in type(module).__name__.lower():
+                channels = torch.randperm(weight.numel(), generator=generator)[:4]
+                weight[channels] *= 8
+    return model
+
+
+def tiny_llama(layers: int = 2, kv_heads: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64)
+    return with_outliers(transformers.LlamaForCausalLM(config).eval())
+
+
+def tiny_opt(layers: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=layers,
+                                    num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=64)
+    return with_outliers(transformers.OPTForCausalLM(config).eval())
+
+
+def tiny_gpt2(layers: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    return with_outliers(transformers.GPT2LMHeadModel(config).eval())
+
+
+def tiny_bert(layers: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                     num_attention_heads=4, max_position_embeddings=64)
+    return with_outliers(transformers.BertModel(config).eval())
+
+
+def token_batches(count: int = 4, batch: int = 4, length: int = 32, seed: int = 0) -> list[torch.Tensor]:
+    """Batches of token ids (``[batch, length]``), as a Quark LLM calibration DataLoader yields them."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, length), generator=generator) for _ in range(count)]
+
+
+def logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        output = model(tokens)
+    return (output.logits if hasattr(output, "logits") else output[0]).float()
+
+
+def relative_error(model: nn.Module, reference: nn.Module, batches: list[torch.Tensor]) -> float:
+    """``||model - reference|| / ||reference||`` over the main outputs of ``batches``."""
+    errors = [(logits(model, b) - logits(reference, b)).norm() ** 2 for b in batches]
+    norms = [logits(reference, b).norm() ** 2 for b in batches]
+    return float((sum(errors) / sum(norms)) ** 0.5)
