@@ -12,6 +12,7 @@ package.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,8 @@ class ModelQuantizer:
         return self.pipeline.plan(model)
 
     def quantize_model(self, model: nn.Module, calib_loader: Any = None, *, inplace: bool = False,
-                       batch_to_inputs: BatchToInputs | None = None) -> nn.Module:
+                       batch_to_inputs: BatchToInputs | None = None, blocks: str | bool | None = None,
+                       offload: str | os.PathLike[str] | None = None, distributed: bool | None = None) -> nn.Module:
         """Return a quantized copy of ``model`` (in eval mode).
 
         - ``calib_loader``: batches (a DataLoader, a list, or a generator, which is read once and kept):
@@ -63,8 +65,21 @@ class ModelQuantizer:
           then modified, also if an error occurs part-way).
         - ``batch_to_inputs``: ``batch -> (args, kwargs)`` for batches the default conventions read
           wrongly, e.g. ``lambda b: ((b[0], b[1]), {})`` for a model with two positional inputs.
+        - ``blocks``: calibrate a model made of repeated blocks one block at a time on cached block inputs
+          (work linear in depth; see :mod:`quark_brevitas.blockwise`). ``None`` (default): when the
+          model's stack is known (Hugging Face decoder/encoder stacks, or an algorithm's
+          ``model_decoder_layers``); ``False``: always the whole model; a name such as ``"model.layers"``:
+          that ``nn.ModuleList``. Block by block, the caller's model is copied one block at a time.
+        - ``offload``: where cached block inputs go: ``None`` (memory, spilling to a temporary directory
+          beyond half of the available memory), ``"disk"`` (a temporary directory) or a directory path.
+          To quantize a model larger than memory, start from its folder:
+          :func:`quark_brevitas.hf.streaming.quantize_pretrained`.
+        - ``distributed``: shard the calibration batches over ``torch.distributed`` processes (``None``:
+          when a process group of several processes is initialised); statistics are combined so every
+          process ends with the same model.
         """
-        return self.pipeline.quantize(model, calib_loader, inplace=inplace, batch_to_inputs=batch_to_inputs)
+        return self.pipeline.quantize(model, calib_loader, inplace=inplace, batch_to_inputs=batch_to_inputs,
+                                      blocks=blocks, offload=offload, distributed=distributed)
 
 
 class ModelExporter:

@@ -272,7 +272,7 @@ class LayerwiseBackend:
         The config name is the name the hierarchy is resolved with: the module's own, except for a
         layer inside a pre-quantization wrapper, which keeps the wrapper's (see ``_WRAPPED_LAYER``)."""
         if not prefix and type(module) in self.layer_map:
-            yield "", "", module, True
+            yield "", alias, module, True
             return
         wrapped = _WRAPPED_LAYER.get(type(module))
         for name, child in module.named_children():
@@ -283,14 +283,18 @@ class LayerwiseBackend:
             if not mapped:
                 yield from self._walk(child, full, child_alias)
 
-    def plan(self, model: nn.Module, config: Config, *, check_names: bool = True) -> list[PlannedLayer]:
+    def plan(self, model: nn.Module, config: Config, *, check_names: bool = True, prefix: str = ""
+             ) -> list[PlannedLayer]:
         """Which modules get quantized, and with which config (does not modify the model).
 
         With ``check_names`` every layer name, pattern, exclude entry and layer type of the config
         must match the model (:meth:`quark_brevitas.resolve.Resolver.check_model`); the pipeline turns
         it off on the pre-processed copy, whose BatchNorm layers may have been merged away.
+        ``prefix``: ``model`` is the submodule of that qualified name in a larger model (one block of the
+        block-by-block data phase); the config is resolved with the full names, the rows keep the names
+        relative to ``model``.
         """
-        walked = list(self._walk(model))
+        walked = list(self._walk(model, "", prefix))
         resolver = Resolver(config, self.layer_map)
         if check_names:
             names = [alias for _, alias, _, _ in walked] + [name for name, _ in model.named_modules()]
@@ -344,9 +348,10 @@ class LayerwiseBackend:
             f"{supported}. Register a LayerMapping for your layer type in the container's layer_map."
         )
 
-    def quantize(self, model: nn.Module, config: Config, *, check_names: bool = True) -> nn.Module:
-        """Replace the planned layers of ``model`` in place and return it (``check_names``: see :meth:`plan`)."""
-        rows = self.plan(model, config, check_names=check_names)
+    def quantize(self, model: nn.Module, config: Config, *, check_names: bool = True, prefix: str = "") -> nn.Module:
+        """Replace the planned layers of ``model`` in place and return it (``check_names``, ``prefix``: see
+        :meth:`plan`)."""
+        rows = self.plan(model, config, check_names=check_names, prefix=prefix)
         self.require_targets(model, rows)
         targets = {row.name for row in rows if row.layer_config is not None}
         modules = dict(model.named_modules())
@@ -376,7 +381,8 @@ class LayerwiseBackend:
         kept = [f"{r.name} ({r.module_type}{_why_float(r)})" for r in rows
                 if r.layer_config is None and not any(r.name.startswith(t + ".") for t in targets)
                 and (r.sources or not list(modules[r.name].children()))]
-        logger.info("Quantized %d layers; kept in float: %s", len(targets), ", ".join(kept) if kept else "none")
+        logger.log(logging.DEBUG if prefix else logging.INFO, "Quantized %d layers%s; kept in float: %s", len(targets),
+                   f" of {prefix}" if prefix else "", ", ".join(kept) if kept else "none")
         return model
 
 

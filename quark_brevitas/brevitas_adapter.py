@@ -14,6 +14,7 @@ The supported Brevitas range is checked once, at import (:data:`SUPPORTED_BREVIT
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -55,18 +56,22 @@ __all__ = [
     "QuantLayer",
     "QuantizerSite",
     "StopFwdException",
+    "Reducer",
     "WeightGrid",
     "a2gpfq_mode",
     "activation_equalization_mode",
+    "all_reduce_statistics",
     "bias_correction_mode",
     "brevitas_version",
     "calibration_mode",
     "export_handler_proxy_types",
+    "equalization_statistics",
     "float8_dtype",
     "full_state_dict",
     "gpfq_mode",
     "generative_quantizers",
     "gptq_mode",
+    "gpxq_optimizers",
     "groupwise_parts",
     "has_static_activation_quantizers",
     "ignore_missing_keys",
@@ -87,6 +92,7 @@ __all__ = [
     "quantizer_names",
     "require_onnxoptimizer",
     "reset_export_mode",
+    "runtime_stats_modules",
     "restart_activation_statistics",
     "scale_impl",
     "scale_parameters",
@@ -491,6 +497,150 @@ def require_onnxoptimizer() -> None:
         ) from exc
 
 
+# ===================================================================== statistics across processes
+#: ``reduce(tensor, op)``: combine ``tensor`` in place with the same tensor of every other process (``op``:
+#: ``"sum"`` or ``"max"``) and return it; :meth:`quark_brevitas.data.CalibrationData.all_reduce`.
+Reducer = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def all_reduce_statistics(model: nn.Module, reduce: Reducer) -> int:
+    """Combine the statistics Brevitas accumulated inside ``model`` during a pass over this process's share
+    of the calibration data with those of the other processes; return how many were combined.
+
+    Brevitas keeps these statistics in its own objects, which only this module may touch:
+
+    - activation calibration: each runtime-statistics scale / zero point averages per-batch statistics
+      (``buffer`` over ``counter`` batches) -> the batch-weighted mean over the processes;
+    - GPTQ: each layer's Hessian ``H`` is a mean over ``nsamples`` input rows -> the sample-weighted mean;
+    - GPFQ (and accumulator-aware GPFQ): ``H`` and ``G`` are sums over batches -> the sum;
+    - layerwise activation equalization: per-channel input ranges are maxima -> the maximum;
+    - BatchNorm re-estimation: running statistics averaged over ``num_batches_tracked`` batches -> the
+      batch-weighted mean.
+
+    Bias correction synchronises itself (Brevitas's ``bias_correction_mode`` all-reduces its correction
+    when ``torch.distributed`` is initialised). Every process must run the same model, so the objects are
+    found in the same order everywhere; the result is the single-process statistic up to float summation
+    order.
+    """
+    return (_reduce_runtime_stats(model, reduce) + _reduce_gpxq(model, reduce)
+            + _reduce_equalization(model, reduce) + _reduce_norm_correction(model, reduce))
+
+
+def _weighted_mean(tensors: list[torch.Tensor], local: int, total: float, reduce: Reducer) -> None:
+    """Replace each tensor, a mean over ``local`` items here, by the mean over all processes' items."""
+    for tensor in tensors:
+        combined = reduce(tensor.detach().to(torch.float64) * local, "sum") / total
+        tensor.detach().copy_(combined.to(tensor.dtype))
+
+
+def _counts(values: list[float], device: torch.device, reduce: Reducer) -> list[float]:
+    counts = torch.tensor(values, dtype=torch.float64, device=device)
+    return reduce(counts, "sum").tolist()
+
+
+def runtime_stats_modules(model: nn.Module) -> list[nn.Module]:
+    """The runtime-statistics scales and zero points of ``model`` still collecting statistics (Brevitas's
+    ``ParameterFromRuntimeStatsScaling`` / ``ParameterFromRuntimeZeroPoint`` whose ``counter`` has not passed
+    ``collect_stats_steps``): the activation quantizers calibration is initialising."""
+    from brevitas.core.scaling.standalone import ParameterFromRuntimeStatsScaling
+    from brevitas.core.zero_point import ParameterFromRuntimeZeroPoint
+
+    kinds = (ParameterFromRuntimeStatsScaling, ParameterFromRuntimeZeroPoint)
+    return [m for m in model.modules() if isinstance(m, kinds) and m.counter <= m.collect_stats_steps]
+
+
+def _mean_over_processes(entries: list[tuple[int, list[torch.Tensor], Callable[[int], None]]],
+                         reduce: Reducer) -> int:
+    """Statistics that are means: each entry is (how many items its tensors average here, the tensors, how to
+    record the new count). Entries without an item on any process are left alone."""
+    if not entries:
+        return 0
+    totals = _counts([float(count) for count, _, _ in entries], entries[0][1][0].device, reduce)
+    done = 0
+    for (count, tensors, set_count), total in zip(entries, totals):
+        if total > 0:
+            _weighted_mean(tensors, count, total, reduce)
+            set_count(int(total))
+            done += 1
+    return done
+
+
+def _reduce_runtime_stats(model: nn.Module, reduce: Reducer) -> int:
+    return _mean_over_processes([(m.counter, [m.buffer], functools.partial(setattr, m, "counter"))
+                                 for m in runtime_stats_modules(model)], reduce)
+
+
+def gpxq_optimizers(model: nn.Module) -> list[Any]:
+    """The per-layer GPTQ / GPFQ objects of a GPxQ context running on ``model`` that still wait for their
+    update, in module order: Brevitas keeps them in the context, and reaches them from the model only
+    through the forward pre-hook each registers on its layer (a ``partial`` of its ``update_batch``)."""
+    from brevitas.graph.gpxq import GPxQ
+
+    found = []
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            owner = getattr(hook.func, "__self__", None) if isinstance(hook, functools.partial) else None
+            if isinstance(owner, GPxQ):
+                found.append(owner)
+    return found
+
+
+def _reduce_gpxq(model: nn.Module, reduce: Reducer) -> int:
+    from brevitas.graph.gpfq import GPFQ
+    from brevitas.graph.gptq import GPTQ
+
+    pending = [o for o in gpxq_optimizers(model) if hasattr(o, "H")]
+    unknown = [o for o in pending if not isinstance(o, GPTQ | GPFQ)]
+    if unknown:
+        raise QuarkBrevitasError(f"distributed calibration cannot combine the statistics of "
+                                 f"{type(unknown[0]).__name__} (layer {unknown[0].name})")
+    # GPTQ's Hessian is a mean over input rows; GPFQ's H and G are sums over batches (a non-zero H means data).
+    done = _mean_over_processes([(o.nsamples, [o.H], functools.partial(setattr, o, "nsamples"))
+                                 for o in pending if isinstance(o, GPTQ)], reduce)
+    sums = [o for o in pending if isinstance(o, GPFQ)]
+    if sums:
+        totals = _counts([float(bool(o.H.any())) for o in sums], sums[0].H.device, reduce)
+        for optimizer, total in zip(sums, totals):
+            if total > 0:
+                reduce(optimizer.H, "sum")
+                reduce(optimizer.G, "sum")
+                done += 1
+    return done
+
+
+def equalization_statistics(model: nn.Module) -> list[tuple[Any, Any]]:
+    """``(owner, key)`` of every per-channel input range layerwise activation equalization is collecting in
+    ``model``: Brevitas wraps each layer in a ``KwargsForwardHook`` whose hook is a ``partial`` of the
+    equalization object's ``forward_stats_hook``; the ranges live in that object's ``float_act_map[key]``."""
+    from brevitas.utils.torch_utils import KwargsForwardHook
+
+    found = []
+    for module in model.modules():
+        hook = getattr(module, "hook_fn", None)
+        if isinstance(module, KwargsForwardHook) and isinstance(hook, functools.partial):
+            owner = getattr(hook.func, "__self__", None)
+            if owner is not None and hasattr(owner, "float_act_map"):
+                found.append((owner, hook.keywords["name"]))
+    return found
+
+
+def _reduce_equalization(model: nn.Module, reduce: Reducer) -> int:
+    done = 0
+    for owner, key in equalization_statistics(model):
+        value = owner.float_act_map.get(key)
+        if value is not None:
+            reduce(value, "max")
+            done += 1
+    return done
+
+
+def _reduce_norm_correction(model: nn.Module, reduce: Reducer) -> int:
+    """BatchNorm layers inside Brevitas's ``norm_correction_mode`` (marked by its ``old_running_mean``
+    buffer) average their statistics over ``num_batches_tracked`` batches (momentum ``None``)."""
+    layers = [m for m in model.modules()
+              if isinstance(m, nn.modules.batchnorm._BatchNorm) and hasattr(m, "old_running_mean")]
+    return _mean_over_processes([(int(m.num_batches_tracked), [m.running_mean, m.running_var],
+                                  m.num_batches_tracked.fill_) for m in layers], reduce)
 # ===================================================================== weight grids and statistics (LLM algorithms)
 class WeightGrid(NamedTuple):
     """The integer grid a layer's weight quantizer puts its weight on, per weight element.

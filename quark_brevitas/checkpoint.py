@@ -7,7 +7,9 @@ therefore stores the *recipe* and the *values* but no code:
 
 - ``model.safetensors``: the quantized model's ``state_dict`` -- weights, biases and every
   initialised quantizer parameter (scales, zero points). Brevitas leaves uninitialised quantizer
-  values out of its state dict; so do we.
+  values out of its state dict; so do we. A checkpoint written one block at a time
+  (:mod:`quark_brevitas.hf.streaming`) has several files instead, listed by
+  ``model.safetensors.index.json`` (Hugging Face's sharded layout); loading reads either.
 - ``config.json``: the :class:`~quark_brevitas.config.Config` (algorithms included).
 - ``manifest.json``: format version, library/Brevitas/torch versions, the model's dtype (its weights';
   a float16/bfloat16 model's quantizer scales are float32), the module names and
@@ -69,6 +71,7 @@ __all__ = [
     "ExampleInput",
     "load_quantized",
     "read_checkpoint",
+    "read_weights",
     "save_quantized",
 ]
 
@@ -77,6 +80,7 @@ logger = logging.getLogger(__name__)
 FORMAT = "quark_brevitas.checkpoint"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 EXAMPLE_FILE = "example_input.safetensors"
@@ -152,6 +156,8 @@ def save_quantized(
     # Each file is written under a temporary name and renamed, so an interrupted save never leaves a
     # checkpoint whose files disagree with each other.
     _write_atomic(path / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": FORMAT}))
+    if (path / WEIGHTS_INDEX_FILE).exists():
+        (path / WEIGHTS_INDEX_FILE).unlink()  # the index of an earlier sharded checkpoint would take precedence
     if example is not None:
         _write_atomic(path / EXAMPLE_FILE, lambda p: save_file(example[1], str(p), metadata={"format": FORMAT}))
     elif (path / EXAMPLE_FILE).exists():
@@ -284,6 +290,23 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
 
 
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint: ``model.safetensors``, or the files its sharded index lists."""
+    index = directory / WEIGHTS_INDEX_FILE
+    if not index.is_file():
+        return _read_safetensors(directory / WEIGHTS_FILE)
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index} has no weight_map (written by quark_brevitas.hf.streaming)")
+    state: dict[str, torch.Tensor] = {}
+    for name in sorted(set(weight_map.values())):
+        state.update(_read_safetensors(directory / name))
+    missing = sorted(set(weight_map) - set(state))
+    if missing:
+        raise CheckpointError(f"{index} lists tensor {missing[0]!r} in {weight_map[missing[0]]}, which lacks it")
+    return state
+
+
 def read_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo:
     """Read and check a checkpoint's config, manifest and example input (not the weights)."""
     path = Path(directory)
@@ -351,7 +374,7 @@ def load_quantized(
         warnings.warn("load_quantized(example_input=...) is ignored: checkpoints record the structure that "
                       "data-driven algorithms leave, so rebuilding needs no input", DeprecationWarning, stacklevel=2)
     _warn_versions(info)
-    state = _read_safetensors(info.directory / WEIGHTS_FILE)
+    state = read_weights(info.directory)
     model = _rebuild(float_model, info, container, state)
     prefix = f"{where} does not fit {type(float_model).__name__}"
     _check_structure(model, info.manifest, prefix)

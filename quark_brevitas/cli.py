@@ -6,6 +6,9 @@ Subcommands:
   it to ONNX QCDQ, run the file in onnxruntime on the test set and print a results table; the
   numbers also go to ``OUTPUT/report.json`` and the config used to ``OUTPUT/config.json``;
   ``--save-checkpoint DIR`` also saves the quantized model (see :mod:`quark_brevitas.checkpoint`).
+  With ``--model DIR --calib-text FILE``: quantize a Hugging Face folder (a causal LM or an encoder)
+  into the checkpoint ``OUTPUT`` instead, block by block when it is made of blocks, and report
+  perplexity (or embedding cosine) before and after on held-out text (:mod:`quark_brevitas.hf.lm`).
 - ``export``: rebuild a saved checkpoint and export it to ONNX QCDQ or QONNX, verified against the
   rebuilt PyTorch model.
 - ``plan``: which layers of the digits CNN a config quantizes, and how.
@@ -112,6 +115,24 @@ def _build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--seed", type=int, default=0, help="data split and training seed (default 0)")
     quantize.add_argument("--save-checkpoint", metavar="DIR", default=None,
                           help="also save the quantized model as a checkpoint directory (for 'export' and reloading)")
+    llm = quantize.add_argument_group("a Hugging Face model instead of the digits CNN")
+    llm.add_argument("--model", metavar="DIR", default=None,
+                     help="a Hugging Face model folder (from_pretrained, safetensors): quantize it into the "
+                          "checkpoint --output, block by block when it is made of blocks")
+    llm.add_argument("--calib-text", metavar="FILE", default=None, help="plain-text calibration file (with --model)")
+    llm.add_argument("--eval-text", metavar="FILE", default=None,
+                     help="held-out text for perplexity / embedding cosine (default: the last tenth of --calib-text)")
+    llm.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per sequence (default 128)")
+    llm.add_argument("--batch-size", type=_positive_int, default=4, help="sequences per batch (default 4)")
+    llm.add_argument("--calib-sequences", type=_positive_int, default=128,
+                     help="calibration sequences (default 128)")
+    llm.add_argument("--eval-sequences", type=_positive_int, default=32, help="evaluation sequences (default 32)")
+    llm.add_argument("--prompt", default=None, help="also generate a continuation of this prompt (causal LMs)")
+    llm.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens to generate (default 32)")
+    llm.add_argument("--offload", choices=("disk",), default=None,
+                     help="keep cached activations on disk instead of in memory")
+    llm.add_argument("--no-resume", action="store_true",
+                     help="start over even if --output holds an interrupted run of the same job")
     quantize.set_defaults(func=_cmd_quantize)
 
     export = sub.add_parser(
@@ -203,7 +224,45 @@ def _check_onnx(path: Path, quant_model: nn.Module, loader: Any) -> tuple[float,
     return accuracy, 100.0 * counts["agree"] / counts["total"], counts["total"]
 
 
+def _read_text(path: str, option: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CLIError(f"{option} {path!r}: cannot read it as UTF-8 text ({exc})") from exc
+
+
+def _cmd_quantize_llm(args: argparse.Namespace) -> int:
+    from quark_brevitas.hf.lm import quantize_folder
+
+    if args.calib_text is None:
+        raise CLIError("--model needs --calib-text FILE (plain text to calibrate on)")
+    if args.save_checkpoint is not None:
+        raise CLIError("--save-checkpoint does not apply to --model: --output is the checkpoint")
+    if not (Path(args.model) / "config.json").is_file():
+        raise CLIError(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
+    config, source = (None, "default (int4 per-group 128 + GPTQ)")
+    if args.config is not None or args.preset is not None:
+        config, source = _resolve_config(args)
+    output = Path(args.output)
+    if output.exists() and not output.is_dir():
+        raise CLIError(f"--output {str(output)!r} exists and is not a directory")
+    report = quantize_folder(
+        args.model, _read_text(args.calib_text, "--calib-text"), output, config=config, config_source=source,
+        eval_text=_read_text(args.eval_text, "--eval-text") if args.eval_text is not None else None,
+        seq_len=args.seq_len, batch_size=args.batch_size, calib_sequences=args.calib_sequences,
+        eval_sequences=args.eval_sequences, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+        resume=not args.no_resume, offload=args.offload)
+    rows = report.rows()
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+    return 0
+
+
 def _cmd_quantize(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return _cmd_quantize_llm(args)
+    if args.calib_text is not None:
+        raise CLIError("--calib-text needs --model DIR (the digits CNN calibrates on its own data)")
     from quark_brevitas.digits import evaluate, example_input, load_digits_data, train_digits_cnn
 
     config, source = _resolve_config(args)  # before any work, so a bad config fails fast

@@ -17,25 +17,39 @@ Batch conventions (one batch = one forward call):
 
 Floating-point tensors are cast to the model's floating dtype; integer tensors (token ids,
 attention masks) keep their dtype. Everything moves to the model's device.
+
+Two more kinds of calibration data serve the block-by-block data phase and distributed calibration:
+
+- :class:`Shard`: under ``torch.distributed`` each process takes every ``world_size``-th batch. Its
+  :meth:`CalibrationData.all_reduce` is ``torch.distributed.all_reduce``, and at the end of every
+  :meth:`~CalibrationData.forward` pass the statistics Brevitas accumulated inside the model
+  (activation ranges, GPTQ/GPFQ Hessians, activation-equalization ranges) are combined across the
+  processes (:func:`quark_brevitas.brevitas_adapter.all_reduce_statistics`), so every process ends
+  with the same quantized model.
+- :class:`BlockInputs`: the cached inputs of one block (or of one layer outside the blocks), which the
+  block-by-block engine (:mod:`quark_brevitas.blockwise`) gives the algorithms instead of the user's
+  loader. Its batches are the block's ``(args, kwargs)``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quark_brevitas.brevitas_adapter import StopFwdException
+from quark_brevitas.activation_store import map_tensors
+from quark_brevitas.brevitas_adapter import StopFwdException, all_reduce_statistics
 from quark_brevitas.errors import CalibrationDataError, ModelError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ALLOWED_BATCHES", "BatchToInputs", "CalibrationData", "model_device_dtype", "prepare_batch",
-           "run_batches", "split_batch"]
+__all__ = ["ALLOWED_BATCHES", "BatchToInputs", "BlockInputs", "CalibrationData", "Shard", "model_device_dtype",
+           "prepare_batch", "run_batches", "split_batch"]
 
 ALLOWED_BATCHES = "a tensor, an (inputs, target) tuple/list, or a dict of keyword arguments"
 
@@ -44,9 +58,10 @@ BatchToInputs = Callable[[Any], "tuple[tuple[Any, ...], dict[str, Any]]"]
 
 
 def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
-    """Device and floating dtype of the model, taken from its first floating parameter or buffer."""
+    """Device and floating dtype of the model, taken from its first floating parameter or buffer that holds
+    values (a model whose blocks are not loaded yet keeps them on the ``meta`` device)."""
     for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.is_floating_point():
+        if tensor.is_floating_point() and not tensor.is_meta:
             return tensor.device, tensor.dtype
     raise ModelError(f"{type(model).__name__} has no floating-point parameters or buffers: nothing to quantize")
 
@@ -126,6 +141,44 @@ def _is_one_shot(loader: Any) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This process's share of calibration data sharded over ``torch.distributed`` processes: the batches
+    whose index is ``rank`` modulo ``world_size``. ``group``: the process group (``None``: the default one)."""
+
+    rank: int
+    world_size: int
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"Shard: rank must be in [0, world_size), got rank {self.rank}, world_size "
+                             f"{self.world_size}")
+
+    @classmethod
+    def current(cls) -> Shard | None:
+        """The shard of this process if a ``torch.distributed`` process group of more than one process is
+        initialised (``torchrun``), else ``None``."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    def owns(self, index: int) -> bool:
+        return index % self.world_size == self.rank
+
+    def global_index(self, local: int) -> int:
+        """The index in the whole loader of this process's ``local``-th batch."""
+        return local * self.world_size + self.rank
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
+
 class CalibrationData:
     """The user's calibration loader as the pipeline feeds it: re-iterable, checked, one loop.
 
@@ -134,12 +187,16 @@ class CalibrationData:
     - A bare tensor is rejected: iterating it would feed the model one row at a time.
     - ``batch_to_inputs``: optional ``batch -> (args, kwargs)`` for batches the default conventions
       read wrongly (e.g. a tuple of two positional inputs).
+    - ``shard``: this process's share of data sharded over ``torch.distributed`` processes (see
+      :class:`Shard`); every process must hold at least one batch.
 
-    Iterating a CalibrationData yields the raw batches.
+    Iterating a CalibrationData yields the raw batches (of this process's shard).
     """
 
-    def __init__(self, loader: Iterable[Any], batch_to_inputs: BatchToInputs | None = None) -> None:
+    def __init__(self, loader: Iterable[Any], batch_to_inputs: BatchToInputs | None = None, *,
+                 shard: Shard | None = None) -> None:
         if isinstance(loader, CalibrationData):
+            shard = shard if shard is not None else loader.shard
             loader, batch_to_inputs = loader.loader, batch_to_inputs or loader.batch_to_inputs
         if isinstance(loader, torch.Tensor):
             raise CalibrationDataError(
@@ -165,45 +222,81 @@ class CalibrationData:
             loader = list(loader)
         self.loader = loader
         self.batch_to_inputs = batch_to_inputs
+        self.shard = shard
+        if shard is not None and hasattr(loader, "__len__") and len(loader) < shard.world_size:
+            raise CalibrationDataError(
+                f"calib_loader has {len(loader)} batch(es) for {shard.world_size} processes; every process needs "
+                "at least one batch (use smaller batches, or fewer processes)"
+            )
 
     @classmethod
-    def wrap(cls, loader: Any, batch_to_inputs: BatchToInputs | None = None) -> CalibrationData | None:
+    def wrap(cls, loader: Any, batch_to_inputs: BatchToInputs | None = None, *,
+             shard: Shard | None = None) -> CalibrationData | None:
         """``loader`` as CalibrationData (``None`` stays ``None``: the pipeline says who needs data)."""
         if loader is None:
             if batch_to_inputs is not None:
                 raise CalibrationDataError("batch_to_inputs was given without a calib_loader")
             return None
-        return cls(loader, batch_to_inputs)
+        return cls(loader, batch_to_inputs, shard=shard)
+
+    def indexed(self) -> Iterator[tuple[int, Any]]:
+        """``(index, batch)`` for every batch of this process, ``index`` counting every batch of the loader
+        (the number error messages name)."""
+        for index, batch in enumerate(self.loader):
+            if self.shard is None or self.shard.owns(index):
+                yield index, batch
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
+        for _, batch in self.indexed():
+            yield batch
 
     def __len__(self) -> int:
-        """The number of batches, if the loader knows it (a list, a DataLoader); ``TypeError`` otherwise."""
-        return len(self.loader)
+        """The number of batches (of this process), if the loader knows it (a list, a DataLoader);
+        ``TypeError`` otherwise."""
+        total = len(self.loader)
+        if self.shard is None:
+            return total
+        return len(range(self.shard.rank, total, self.shard.world_size))
 
     def inputs(self, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
         """Every batch as checked ``(args, kwargs)`` on ``device`` / ``dtype``."""
-        for index, batch in enumerate(self.loader):
+        for index, batch in self.indexed():
             yield prepare_batch(batch, index, device, dtype, self.batch_to_inputs)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Combine a statistic an algorithm collected on these batches with the same statistic collected by
         the other processes on theirs, in place (``op``: ``"sum"`` or ``"max"``), and return it.
 
-        A no-op here: this object holds all the data. Data sharded over ``torch.distributed`` processes
-        override it, so that every algorithm that reduces its statistics through it (activation ranges,
-        Hessians, ...) ends with the same result on every process.
+        A no-op unless the data are sharded over ``torch.distributed`` processes (``shard``); then every
+        algorithm that reduces its statistics through it (activation ranges, Hessians, ...) ends with the
+        same result on every process. Every process must make the same calls in the same order.
         """
         if op not in ("sum", "max"):
             raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
-        return tensor
+        if self.shard is None:
+            return tensor
+        return self.shard.all_reduce(tensor, op)
+
+    def _synchronise(self, model: nn.Module) -> None:
+        """After a pass over sharded data: combine the statistics Brevitas accumulated in ``model``."""
+        if self.shard is not None:
+            count = all_reduce_statistics(model, self.all_reduce)
+            logger.debug("combined %d statistics across %d processes", count, self.shard.world_size)
+
+    def _progress(self, iterable: Iterable[Any], desc: str) -> Iterable[Any]:
+        """A progress bar on the first process only."""
+        quiet = self.shard is not None and self.shard.rank != 0
+        try:
+            total: int | None = len(self)
+        except TypeError:
+            total = None
+        return tqdm(iterable, desc=desc, total=total, leave=False, disable=True if quiet else None)
 
     def accepted_by(self, model: nn.Module, index: int) -> bool:
         """Whether ``model`` runs batch ``index`` without an error (used to tell whether a batch that a
         quantized model rejected is at fault, or the quantization)."""
         device, dtype = model_device_dtype(model)
-        for position, batch in enumerate(self.loader):
+        for position, batch in self.indexed():
             if position != index:
                 continue
             args, kwargs = prepare_batch(batch, index, device, dtype, self.batch_to_inputs)
@@ -218,36 +311,117 @@ class CalibrationData:
     def forward(self, model: nn.Module, desc: str, *, on_output: Callable[[int, Any], None] | None = None) -> int:
         """Run every batch through ``model`` without gradients; return the number of batches.
 
-        ``on_output(index, output)`` sees each output. Raises :class:`CalibrationDataError` for an
-        empty loader and for bad batches (naming the batch index and the cause).
+        ``on_output(position, output)`` sees each output (``position`` counts this process's batches
+        from 0). Raises :class:`CalibrationDataError` for an empty loader and for bad batches (naming the
+        batch index and the cause). Over sharded data, the statistics Brevitas accumulated in ``model``
+        during the pass are combined across the processes before this returns.
         """
         device, dtype = model_device_dtype(model)
         count = 0
         with torch.no_grad():
-            batches = enumerate(tqdm(self.loader, desc=desc, leave=False, disable=None))
-            for index, batch in batches:
+            for index, batch in self._progress(self.indexed(), desc):
                 args, kwargs = prepare_batch(batch, index, device, dtype, self.batch_to_inputs)
                 output = call_model(model, args, kwargs, index)
                 if on_output is not None:
-                    on_output(index, output)
+                    on_output(count, output)
                 count += 1
         if count == 0:
             raise CalibrationDataError(f"{desc}: the calibration loader yielded no batches")
         logger.debug("%s: %d batches", desc, count)
+        self._synchronise(model)
         return count
 
 
-def call_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
+def call_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], index: int,
+               who: str = "the model") -> Any:
     """``model(*args, **kwargs)``; a failure is re-raised as a :class:`CalibrationDataError` naming the
-    batch index (the pipeline decides whether the data or the quantized model is at fault)."""
+    batch index (the pipeline decides whether the data or the quantized model is at fault) and ``who``
+    rejected it."""
     try:
         return model(*args, **kwargs)
     except StopFwdException:
         raise  # Brevitas's GPxQ algorithms stop the forward pass on purpose.
     except Exception as exc:
         raise CalibrationDataError(
-            f"calibration batch {index}: the model rejected it ({type(exc).__name__}: {exc})", batch_index=index
+            f"calibration batch {index}: {who} rejected it ({type(exc).__name__}: {exc})", batch_index=index
         ) from exc
+
+
+def _as_is(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The ``batch_to_inputs`` of cached inputs: each batch already is ``(args, kwargs)``."""
+    return batch
+
+
+class _Batches:
+    """A read-only sequence of ``count`` batches produced by ``get(position)``."""
+
+    def __init__(self, get: Callable[[int], Any], count: int) -> None:
+        self.get, self.count = get, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, position: int) -> Any:
+        if not 0 <= position < self.count:
+            raise IndexError(position)
+        return self.get(position)
+
+    def __iter__(self) -> Iterator[Any]:
+        for position in range(self.count):
+            yield self.get(position)
+
+
+class BlockInputs(CalibrationData):
+    """The cached inputs of one part of the model (a block, or a layer outside the blocks) as calibration
+    data: what the block-by-block engine gives the calibrator and every algorithm handler.
+
+    - Each batch is the part's ``(args, kwargs)``, exactly as the enclosing model called it (keyword
+      inputs such as attention masks and rotary position embeddings included); the tensors were checked
+      and converted when the user's batch entered the model, so they are only moved to the part's device.
+    - ``get(position)`` returns this process's ``position``-th batch, ``count`` says how many there are.
+    - ``parent``: the user's data: its shard (``all_reduce``, statistics synchronisation) and the batch
+      numbers that error messages name carry over; ``label`` is the part's qualified name.
+    """
+
+    def __init__(self, get: Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]], count: int,
+                 parent: CalibrationData, label: str) -> None:
+        self.loader = _Batches(get, count)
+        self.batch_to_inputs = _as_is
+        self.shard = parent.shard
+        self.parent = parent
+        self.label = label
+
+    @classmethod
+    def of(cls, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], parent: CalibrationData,
+           label: str) -> BlockInputs:
+        """Block inputs held in a list of ``(args, kwargs)`` calls (recorded by hooks)."""
+        return cls(calls.__getitem__, len(calls), parent, label)
+
+    def indexed(self) -> Iterator[tuple[int, Any]]:
+        for position, batch in enumerate(self.loader):
+            yield (self.shard.global_index(position) if self.shard is not None else position), batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def forward(self, model: nn.Module, desc: str, *, on_output: Callable[[int, Any], None] | None = None) -> int:
+        """Run every cached batch through ``model`` (the part, or a module that calls it) without gradients;
+        same contract as :meth:`CalibrationData.forward`."""
+        device = next((t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta),
+                      torch.device("cpu"))
+        count = 0
+        with torch.no_grad():
+            for index, (args, kwargs) in self._progress(self.indexed(), desc):
+                output = call_model(model, map_tensors(args, lambda t: t.to(device)),
+                                    map_tensors(kwargs, lambda t: t.to(device)), index,
+                                    f"{self.label} (on its cached input)")
+                if on_output is not None:
+                    on_output(count, output)
+                count += 1
+        if count == 0:
+            raise CalibrationDataError(f"{desc}: no cached inputs for {self.label}")
+        self._synchronise(model)
+        return count
 
 
 def run_batches(model: nn.Module, loader: Iterable[Any] | None, desc: str) -> int:

@@ -10,38 +10,88 @@
   loop over calibration data: algorithms receive a :class:`~quark_brevitas.data.CalibrationData`
   and call its ``forward``; they never iterate a loader themselves.
 
-Every stage runs in list order on a copy of the caller's model (``inplace=True`` opts out), and the
-config travels with the quantized model (attribute :data:`CONFIG_ATTRIBUTE`) so that it can be saved.
+The data phase runs on the whole model at once, or, for a model made of repeated blocks (Hugging Face
+decoder and encoder stacks, or the stack named by ``blocks=`` / Quark's ``model_decoder_layers``), block by
+block: :mod:`quark_brevitas.blockwise` calls :meth:`Pipeline.quantize_unit` on one block at a time with the
+block's cached inputs, so the work grows linearly with the depth. Calibration data may be sharded over
+``torch.distributed`` processes (:class:`~quark_brevitas.data.Shard`); every process then ends with the same
+model.
+
+Every stage runs in list order on a copy of the caller's model (``inplace=True`` opts out; the block-by-block
+path copies one block at a time), and the config travels with the quantized model (attribute
+:data:`CONFIG_ATTRIBUTE`) so that it can be saved.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import os
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from torch import nn
 
+from quark_brevitas import algos
 from quark_brevitas.algorithms import SavedStructure, handler_for
 from quark_brevitas.backend import PlannedLayer
+from quark_brevitas.blockwise import (
+    BlockSource,
+    BlockwiseEngine,
+    CopiedBlocks,
+    StoreFactory,
+    copy_without_blocks,
+    resolve_block_stack,
+)
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
-from quark_brevitas.data import BatchToInputs, CalibrationData, model_device_dtype
+from quark_brevitas.data import BatchToInputs, CalibrationData, Shard, model_device_dtype
 from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.resolve import Resolver
 from quark_brevitas.ties import run_untied
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CONFIG_ATTRIBUTE", "Pipeline", "SavedStructure"]
+__all__ = ["CONFIG_ATTRIBUTE", "DataPlan", "Pipeline", "SavedStructure", "restrict_structure"]
 
 #: Attribute under which the pipeline leaves the Config on the quantized model (read by save_quantized).
 CONFIG_ATTRIBUTE = "quark_brevitas_config"
 
 
+class DataPlan(NamedTuple):
+    """What :meth:`Pipeline.prepare` found: the data the data phase reads (``None`` if no stage needs data),
+    whether activations need calibration, whether any stage needs data."""
+
+    data: CalibrationData | None
+    activations: bool
+    needs_data: bool
+
+
 def _algorithm_name(algo: Any) -> str:
     return algo.name or type(algo).__name__
+
+
+def restrict_structure(saved: SavedStructure, root: str, strip: str) -> SavedStructure:
+    """The part of a checkpoint's structure record under module ``root`` (itself included), with the
+    prefix ``strip`` removed from the names: what a handler restoring one part of the model sees."""
+
+    def inside(name: str) -> bool:
+        return not root or name == root or name.startswith(root + ".")
+
+    def local(name: str) -> str:
+        return name[len(strip) + 1:] if strip and name.startswith(strip + ".") else ("" if name == strip else name)
+
+    def pick(mapping: Mapping[str, Any]) -> dict[str, Any]:
+        return {local(k): v for k, v in mapping.items() if inside(k)}
+
+    return SavedStructure(modules=pick(saved.modules), tensors=pick(saved.tensors))
+
+
+def _has_activation_specs(rows: list[PlannedLayer]) -> bool:
+    return any(row.layer_config is not None and (row.layer_config.input_tensors is not None
+                                                 or row.layer_config.output_tensors is not None) for row in rows)
 
 
 class Pipeline:
@@ -83,9 +133,7 @@ class Pipeline:
 
     def _require_data(self, rows: list[PlannedLayer], data: CalibrationData | None) -> bool:
         """Whether activations need calibration; raises if some stage needs data and there is none."""
-        activations = any(row.layer_config is not None and (row.layer_config.input_tensors is not None
-                                                            or row.layer_config.output_tensors is not None)
-                          for row in rows)
+        activations = _has_activation_specs(rows)
         needs = [type(a).__name__ for a in [*self.config.pre_quant_opt_config, *self.config.algo_config]
                  if a.needs_data]
         if activations:
@@ -104,45 +152,117 @@ class Pipeline:
         logger.info("Applying quantization (%s backend)", self.config.backend.name)
         return self.backend.quantize(model, self.config, check_names=False)
 
-    def _run_algorithms(self, stage: str, model: nn.Module, data: CalibrationData | None) -> nn.Module:
+    def _replace_unit_layers(self, unit: nn.Module, name: str) -> tuple[nn.Module, list[PlannedLayer]]:
+        """:meth:`replace_layers` on one part of the model (``name``: its place; names resolve in full); a part
+        without a layer to quantize is returned as it is."""
+        rows = self.backend.plan(unit, self.config, check_names=False, prefix=name)
+        if any(row.quantized for row in rows):
+            unit = self.backend.quantize(unit, self.config, check_names=False, prefix=name)
+        return unit, rows
+
+    def _run_algorithms(self, stage: str, model: nn.Module, data: CalibrationData | None, *,
+                        data_driven: bool | None = None, log: int = logging.INFO,
+                        unit: tuple[str, bool] | None = None) -> nn.Module:
+        """The algorithms of ``stage`` in list order (only the data-driven ones, or only the data-free ones,
+        if ``data_driven`` says so). ``unit``: ``(name, is_block)`` when ``model`` is one part of the model in
+        the block-by-block data phase (the handlers' ``apply_unit``)."""
         for algo in getattr(self.config, stage):
-            logger.info("Applying %s", _algorithm_name(algo))
+            if data_driven is not None and algo.needs_data != data_driven:
+                continue
+            logger.log(log, "Applying %s", _algorithm_name(algo))
+            handler = handler_for(algo)
+            apply = handler.apply if unit is None else \
+                functools.partial(_apply_unit, handler, name=unit[0], block=unit[1])
             # Tied weights of quantized layers are untied only if the algorithm changes them (warning).
-            model = run_untied(model, _algorithm_name(algo), handler_for(algo).apply, algo,
-                               data if algo.needs_data else None)
+            model = run_untied(model, _algorithm_name(algo), apply, algo, data if algo.needs_data else None)
         return model
 
-    def _restore_algorithms(self, stage: str, model: nn.Module, saved: SavedStructure) -> nn.Module:
+    def _restore_algorithms(self, stage: str, model: nn.Module, saved: SavedStructure, *,
+                            data_driven_only: bool = False) -> nn.Module:
         for algo in getattr(self.config, stage):
             handler = handler_for(algo)
-            model = handler.restore(algo, model, saved) if algo.needs_data else handler.apply(algo, model, None)
+            if algo.needs_data:
+                model = handler.restore(algo, model, saved)
+            elif not data_driven_only:
+                model = handler.apply(algo, model, None)
         return model
 
-    def _finish(self, model: nn.Module) -> nn.Module:
+    # ------------------------------------------------------------------ one part of the model
+    def quantize_unit(self, unit: nn.Module, name: str, data: CalibrationData | None, *,
+                      block: bool = True) -> nn.Module:
+        """The data phase's stages on one part of the model: a block (``name`` its qualified name) or a
+        layer outside the blocks (inside a holder module; ``name`` the holder's place, its parent's name).
+
+        Data-driven pre-quantization algorithms, layer replacement (the config resolved with full names),
+        activation calibration and the post-quantization algorithms run on ``unit`` alone, fed by ``data``
+        (the unit's cached inputs; ``None`` when nothing needs data). Data-free pre-quantization steps ran
+        on the whole model before. ``block``: whether ``unit`` is a block (algorithms that work on decoder
+        layers skip the layers outside). Returns the unit (possibly a new module)."""
+        unit = self._run_algorithms("pre_quant_opt_config", unit, data, data_driven=True, log=logging.DEBUG,
+                                    unit=(name, block))
+        unit, rows = self._replace_unit_layers(unit, name)
+        if data is not None and _has_activation_specs(rows):
+            unit = self.container.calibrator()(unit, data)
+        return self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
+
+    def rebuild_unit(self, unit: nn.Module, name: str, saved: SavedStructure) -> nn.Module:
+        """:meth:`quantize_unit`'s structure without data (for loading a checkpoint one part at a time):
+        ``saved`` is the checkpoint's record restricted to the unit (:func:`restrict_structure`)."""
+        unit = self._restore_algorithms("pre_quant_opt_config", unit, saved, data_driven_only=True)
+        unit, _ = self._replace_unit_layers(unit, name)
+        return self._restore_algorithms("algo_config", unit, saved)
+
+    def blockwise_obstacle(self) -> str | None:
+        """Why this config cannot run block by block (``None`` if it can)."""
+        whole = [_algorithm_name(a) for a in [*self.config.pre_quant_opt_config, *self.config.algo_config]
+                 if not getattr(handler_for(a), "blockwise", True)]
+        if whole:
+            return f"{', '.join(whole)} needs the whole model in every pass"
+        seen_data = False
+        for algo in self.config.pre_quant_opt_config:
+            if algo.needs_data:
+                seen_data = True
+            elif seen_data:
+                return (f"the data-free pre-quantization step {_algorithm_name(algo)} comes after a data-driven one "
+                        "(block by block, data-free steps run on the whole model first)")
+        return None
+
+    def decoder_layers(self) -> list[str]:
+        """The ``model_decoder_layers`` named by the config's algorithms (Quark's field), if any."""
+        return [a.model_decoder_layers for a in [*self.config.pre_quant_opt_config, *self.config.algo_config]
+                if isinstance(getattr(a, "model_decoder_layers", None), str) and a.model_decoder_layers]
+
+    def finish(self, model: nn.Module) -> nn.Module:
         model.eval()
         setattr(model, CONFIG_ATTRIBUTE, copy.deepcopy(self.config))
         return model
 
     # ------------------------------------------------------------------ the two phases, end to end
     def quantize(self, model: nn.Module, calib_loader: Any = None, *, inplace: bool = False,
-                 batch_to_inputs: BatchToInputs | None = None) -> nn.Module:
+                 batch_to_inputs: BatchToInputs | None = None, blocks: str | bool | None = None,
+                 offload: str | os.PathLike[str] | None = None, distributed: bool | None = None) -> nn.Module:
         """Both phases on a copy of ``model`` (see :meth:`quark_brevitas.api.ModelQuantizer.quantize_model`)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # Resolve the hierarchy against the caller's model, before copying or changing anything: a
         # misspelt layer name fails here, and the plan says whether activations need calibration.
-        rows = self._checked_plan(model)
-        data = CalibrationData.wrap(calib_loader, batch_to_inputs)
-        activations = self._require_data(rows, data)
+        if offload is not None and offload != "disk" and not isinstance(offload, str | os.PathLike):
+            raise TypeError(f"offload must be None, 'disk' or a directory path, got {type(offload).__name__}")
+        plan = self.prepare(model, calib_loader, batch_to_inputs=batch_to_inputs, distributed=distributed)
+        data, activations, needs_data = plan.data, plan.activations, plan.needs_data
+        stack = self.block_stack(model, blocks, needs_data)
         start = time.perf_counter()
-        work = model if inplace else copy.deepcopy(model)
         try:
-            work = self._run_algorithms("pre_quant_opt_config", work, data)
-            work = self.replace_layers(work)
-            if activations:
-                logger.info("Applying calibration")
-                work = self.container.calibrator()(work, data)
-            work = self._run_algorithms("algo_config", work, data)
+            if stack is not None:
+                work = self._quantize_blockwise(model, stack, data, inplace=inplace, offload=offload)
+            else:
+                work = model if inplace else copy.deepcopy(model)
+                work = self._run_algorithms("pre_quant_opt_config", work, data)
+                work = self.replace_layers(work)
+                if activations:
+                    logger.info("Applying calibration")
+                    work = self.container.calibrator()(work, data)
+                work = self._run_algorithms("algo_config", work, data)
         except CalibrationDataError as exc:
             if exc.batch_index is not None and not inplace and data.accepted_by(model, exc.batch_index):
                 raise ModelError(
@@ -153,7 +273,84 @@ class Pipeline:
                 ) from exc.__cause__
             raise
         logger.info("Quantization done in %.1f s", time.perf_counter() - start)
-        return self._finish(work)
+        return self.finish(work)
+
+    def prepare(self, model: nn.Module, calib_loader: Any = None, *, batch_to_inputs: BatchToInputs | None = None,
+                distributed: bool | None = None) -> DataPlan:
+        """The checks before any work (the plan resolved against ``model``, data present where needed) and
+        the calibration data as the data phase will read it (sharded under ``torch.distributed``)."""
+        rows = self._checked_plan(model)
+        data = CalibrationData.wrap(calib_loader, batch_to_inputs, shard=self._shard(distributed))
+        activations = self._require_data(rows, data)
+        needs_data = activations or any(a.needs_data for a in [*self.config.pre_quant_opt_config,
+                                                                 *self.config.algo_config])
+        self._check_shards(data, needs_data)
+        return DataPlan(data if needs_data else None, activations, needs_data)
+
+    @staticmethod
+    def _shard(distributed: bool | None) -> Shard | None:
+        """This process's shard: sharded when a process group of several processes is initialised, unless
+        ``distributed=False``; ``distributed=True`` requires one."""
+        shard = Shard.current() if distributed is not False else None
+        if distributed is True and shard is None:
+            raise ModelError("distributed=True needs an initialised torch.distributed process group of at least "
+                             "two processes (launch with torchrun and call torch.distributed.init_process_group)")
+        if shard is not None:
+            logger.info("Calibration data sharded over %d processes (this is rank %d)", shard.world_size, shard.rank)
+        return shard
+
+    def _check_shards(self, data: CalibrationData | None, needs_data: bool) -> None:
+        """Brevitas's bias correction averages its corrections over processes assuming equal shares."""
+        if data is None or data.shard is None or not needs_data:
+            return
+        if any(isinstance(a, algos.BiasCorrection) for a in self.config.algo_config):
+            try:
+                total = len(data.loader)
+            except TypeError:
+                total = len(list(data.loader))
+            if total % data.shard.world_size:
+                raise CalibrationDataError(
+                    f"BiasCorrection over {data.shard.world_size} processes needs a number of calibration batches "
+                    f"divisible by {data.shard.world_size} (Brevitas averages equal shares); got {total}"
+                )
+
+    def block_stack(self, model: nn.Module, blocks: str | bool | None, needs_data: bool) -> str | None:
+        """The block stack for the block-by-block data phase, or ``None`` for the whole-model path."""
+        if blocks is None and not needs_data:
+            return None  # nothing runs on data: the whole model is converted in one step anyway
+        stack = resolve_block_stack(model, blocks, self.decoder_layers())
+        if stack is None:
+            return None
+        obstacle = self.blockwise_obstacle()
+        if obstacle is not None:
+            if isinstance(blocks, str) or blocks is True:
+                raise ModelError(f"blocks={blocks!r}: cannot calibrate block by block: {obstacle}")
+            logger.info("Calibrating the whole model at once: %s", obstacle)
+            return None
+        logger.info("Calibrating block by block (%d blocks in %s)", len(model.get_submodule(stack)), stack)
+        return stack
+
+    def _quantize_blockwise(self, model: nn.Module, stack: str, data: CalibrationData | None, *, inplace: bool,
+                            offload: str | os.PathLike[str] | None) -> nn.Module:
+        """The block-by-block path: data-free pre-quantization steps on the whole model (on a copy unless
+        ``inplace``), then the engine; without such steps the blocks are copied one at a time."""
+        data_free = [a for a in self.config.pre_quant_opt_config if not a.needs_data]
+        source: BlockSource
+        if inplace or data_free:
+            work = model if inplace else copy.deepcopy(model)
+            work = self._run_algorithms("pre_quant_opt_config", work, None, data_driven=False)
+            if not _has_submodule(work, stack):
+                raise ModelError(f"the pre-quantization steps {[_algorithm_name(a) for a in data_free]} changed the "
+                                 f"model's structure ({stack} is gone); pass blocks=False for the whole-model path")
+            source = BlockSource()
+        else:
+            work, originals = copy_without_blocks(model, stack)
+            source = CopiedBlocks(originals)
+        stores = StoreFactory.for_offload(offload)
+        try:
+            return BlockwiseEngine(self, work, stack, data, source, stores=stores).run()
+        finally:
+            stores.cleanup()
 
     def rebuild(self, float_model: nn.Module, saved: SavedStructure) -> nn.Module:
         """The structure phase alone, on a copy of ``float_model``: the quantized model's structure, for a
@@ -164,4 +361,17 @@ class Pipeline:
         work = self._restore_algorithms("pre_quant_opt_config", work, saved)
         work = self.replace_layers(work)
         work = self._restore_algorithms("algo_config", work, saved)
-        return self._finish(work)
+        return self.finish(work)
+
+
+def _apply_unit(handler: Any, algo: Any, unit: nn.Module, data: CalibrationData | None, *, name: str,
+                block: bool) -> nn.Module:
+    return handler.apply_unit(algo, unit, data, name, block=block)
+
+
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True

@@ -30,7 +30,7 @@ from llm_models import (  # noqa: E402
 
 from quark_brevitas import algos  # noqa: E402
 from quark_brevitas.algorithms import apply_algorithm, describe_algorithms, handler_for  # noqa: E402
-from quark_brevitas.algorithms.blocks import BlockInputs, capture_block_inputs  # noqa: E402
+from quark_brevitas.algorithms.blocks import capture_block_inputs  # noqa: E402
 from quark_brevitas.algorithms.gptq import gptq_columns  # noqa: E402
 from quark_brevitas.api import ModelQuantizer  # noqa: E402
 from quark_brevitas.brevitas_adapter import QuantLayer, weight_grid  # noqa: E402
@@ -42,7 +42,10 @@ from quark_brevitas.config import (  # noqa: E402
     QuantizationSpec,
     SmoothQuantConfig,
 )
-from quark_brevitas.data import CalibrationData  # noqa: E402
+from quark_brevitas.data import (
+    BlockInputs,  # noqa: E402
+    CalibrationData,  # noqa: E402
+)
 from quark_brevitas.errors import ConfigError  # noqa: E402
 from quark_brevitas.hf.structure import model_structure  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
@@ -319,7 +322,8 @@ class _CountingData(BlockInputs):
     data (sums doubled, maxima unchanged): results must not change."""
 
     def __init__(self, inputs: BlockInputs) -> None:
-        super().__init__(list(inputs.loader), inputs.parent)
+        calls = list(inputs.loader)
+        super().__init__(calls.__getitem__, len(calls), inputs.parent, inputs.label)
         self.passes = 0
         self.reductions = 0
 
@@ -403,8 +407,10 @@ def test_awq_lowers_the_w4_error_and_keeps_brevitas_grid(batches) -> None:
 def test_awq_recalibrates_activation_quantizers_it_changed(batches) -> None:
     model = tiny_llama()
     config = _config(UINT4_G32, AWQConfig(group_size=32), act=INT8_TENSOR)
-    awq = ModelQuantizer(config).quantize_model(model, batches)
-    plain = ModelQuantizer(_config(UINT4_G32, act=INT8_TENSOR)).quantize_model(model, batches)
+    # The whole-model path, so that a whole-model calibration is the reference (block by block, a block is
+    # calibrated on the quantized outputs of the blocks before it).
+    awq = ModelQuantizer(config).quantize_model(model, batches, blocks=False)
+    plain = ModelQuantizer(_config(UINT4_G32, act=INT8_TENSOR)).quantize_model(model, batches, blocks=False)
     assert relative_error(awq, model, batches) < relative_error(plain, model, batches)
     # the scales AWQ left are those a fresh calibration of the final model gives
     fresh = copy.deepcopy(awq)

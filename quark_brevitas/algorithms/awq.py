@@ -34,7 +34,7 @@ from torch import nn
 
 from quark_brevitas import algos
 from quark_brevitas.algorithms.base import register
-from quark_brevitas.algorithms.blocks import BlockInputs, BlockwiseHandler, CallRecorder, main_output
+from quark_brevitas.algorithms.blocks import BlockwiseHandler, CallRecorder, main_output
 from quark_brevitas.algorithms.scaling import (
     ChannelStats,
     fold_scales,
@@ -50,7 +50,7 @@ from quark_brevitas.brevitas_adapter import (
     weight_grid,
 )
 from quark_brevitas.calibration import calibrate
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.data import BlockInputs, CalibrationData
 from quark_brevitas.hf.structure import ScalingGroup, check_scaling_groups
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class AWQConfigHandler(BlockwiseHandler):
             total[0] += difference.pow(2).sum()
             total[1] += difference.numel()
 
-        BlockInputs(recorded.calls[name], data).forward(module, desc, on_output=accumulate)
+        BlockInputs.of(recorded.calls[name], data, name).forward(module, desc, on_output=accumulate)
         return total
 
     def _search_scales(self, algo: Any, block: nn.Module, data: CalibrationData, group: ScalingGroup,

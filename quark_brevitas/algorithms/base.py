@@ -56,12 +56,34 @@ class SavedStructure:
 
 class AlgorithmHandler:
     """Base class of the handlers. Subclasses implement :meth:`apply`; the default :meth:`restore`
-    says the algorithm changes only values, which a checkpoint's state dict restores."""
+    says the algorithm changes only values, which a checkpoint's state dict restores.
+
+    Called per block (the block-by-block data phase, :mod:`quark_brevitas.blockwise`), a handler may
+    assume: ``model`` is one block (or a holder module around one layer outside the blocks, whose
+    attribute keeps the layer's name); ``data`` is a :class:`~quark_brevitas.data.BlockInputs` whose
+    batches are that block's ``(args, kwargs)`` as the model called it (keyword inputs such as attention
+    masks and position embeddings included), produced by the already quantized earlier blocks;
+    ``data.forward(model, desc)`` runs them through the block; names inside ``model`` are relative to the
+    block (its qualified name is the block's ``BlockInputs.label``); statistics are combined with
+    ``data.all_reduce`` (a no-op unless the data are sharded over processes). A handler that needs the
+    whole model in every pass sets ``blockwise = False`` and the pipeline then runs the whole model.
+    """
+
+    #: Whether the algorithm gives the intended result when run on one block at a time with the block's
+    #: cached inputs (see the class docstring).
+    blockwise: bool = True
 
     def apply(self, algo: Any, model: nn.Module, data: CalibrationData | None) -> nn.Module:
         """Run the algorithm on ``model`` (the whole model, or one block of it) with ``data`` (``None``
         only for algorithms whose config says ``needs_data = False``); return the model."""
         raise NotImplementedError
+
+    def apply_unit(self, algo: Any, unit: nn.Module, data: CalibrationData | None, name: str, *,
+                   block: bool) -> nn.Module:
+        """Run the algorithm on one part of the model in the block-by-block data phase: a block (``block``
+        true; ``name`` its qualified name) or a holder around a layer outside the blocks. By default the
+        part is treated as a model (:meth:`apply`)."""
+        return self.apply(algo, unit, data)
 
     def check(self, algo: Any, path: str) -> None:
         """Raise if the algorithm cannot run here at all (e.g. the installed Brevitas lacks it); called

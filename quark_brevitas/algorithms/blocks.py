@@ -11,8 +11,10 @@ Run on a whole model (:meth:`~BlockwiseHandler.apply`), the handler captures the
 the model up to it (a forward pre-hook stops the pass there), and feeds each processed block's outputs to the next
 block when the stack is chained (checked on the first batch: each block called once, with the previous block's
 output and otherwise the same arguments, as Hugging Face decoder stacks do); otherwise it captures each block's
-inputs with a partial pass (quadratic in depth). The pipeline's block-by-block engine calls ``apply_block``
-directly and replaces this fallback.
+inputs with a partial pass (quadratic in depth). The pipeline's block-by-block engine
+(:mod:`quark_brevitas.blockwise`, the default for models made of blocks) calls ``apply_block`` directly through
+:meth:`~BlockwiseHandler.apply_unit` and does not use this fallback; then a block's inputs are the outputs of the
+earlier blocks as quantized (weights and activations), as in llm-compressor's sequential pipeline.
 """
 
 from __future__ import annotations
@@ -27,31 +29,12 @@ from tqdm.auto import tqdm
 
 from quark_brevitas.algorithms.base import AlgorithmHandler
 from quark_brevitas.brevitas_adapter import StopFwdException, int_weight_format
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.data import BlockInputs, CalibrationData
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.hf.structure import ScalingGroup, Structure, infer_scaling_layers, is_linear, model_structure
 
-__all__ = ["BlockInputs", "BlockwiseHandler", "CallRecorder", "blocks_are_chained", "capture_block_inputs",
+__all__ = ["BlockwiseHandler", "CallRecorder", "blocks_are_chained", "capture_block_inputs",
            "first_batch_output", "main_output", "next_block_inputs"]
-
-
-def _as_call(batch: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return batch
-
-
-class BlockInputs(CalibrationData):
-    """A block's cached inputs as calibration data: each batch is the ``(args, kwargs)`` of one call of the block.
-
-    Statistics are still reduced by the data they came from (``parent``), so a block of sharded data reduces
-    over the processes like the whole model does.
-    """
-
-    def __init__(self, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], parent: CalibrationData) -> None:
-        super().__init__(inputs, batch_to_inputs=_as_call)
-        self.parent = parent
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return self.parent.all_reduce(tensor, op)
 
 
 def main_output(output: Any) -> torch.Tensor:
@@ -154,7 +137,7 @@ def capture_block_inputs(model: nn.Module, block: nn.Module, data: CalibrationDa
         data.forward(_UntilStopped(model), desc)
     finally:
         handle.remove()
-    return BlockInputs(captured, data)
+    return BlockInputs.of(captured, data, desc)
 
 
 def first_batch_output(module: nn.Module, data: CalibrationData, desc: str) -> torch.Tensor:
@@ -243,8 +226,19 @@ class BlockwiseHandler(AlgorithmHandler):
         whose inputs are the batches of ``data``; return the block."""
         raise NotImplementedError
 
+    def apply_unit(self, algo: Any, unit: nn.Module, data: CalibrationData | None, name: str, *,
+                   block: bool) -> nn.Module:
+        """In the pipeline's block-by-block engine: :meth:`apply_block` on a block with its cached inputs (the
+        engine already chains the blocks); layers outside the blocks are left alone, as :meth:`apply` leaves
+        them (these algorithms work on decoder layers)."""
+        if block:
+            self.apply_block(algo, unit, data, name)
+        return unit
+
     def apply(self, algo: Any, model: nn.Module, data: CalibrationData | None) -> nn.Module:
-        """Run :meth:`apply_block` on every block of ``model``, in order, each on its inputs as the model computes
+        """The whole-model path (the engine is off: ``blocks=False``, or a stack it cannot walk).
+
+        Run :meth:`apply_block` on every block of ``model``, in order, each on its inputs as the model computes
         them with the blocks before it already processed: when the blocks are chained (:func:`blocks_are_chained`),
         the first block's inputs are captured and each processed block's outputs become the next block's hidden
         states; otherwise each block's inputs are captured with a pass of the model up to it."""
@@ -311,4 +305,4 @@ def next_block_inputs(block: nn.Module, inputs: BlockInputs, desc: str) -> Block
     outputs: dict[int, torch.Tensor] = {}
     inputs.forward(block, desc, on_output=lambda index, out: outputs.__setitem__(index, main_output(out).detach()))
     calls = [((outputs[index], *args[1:]), kwargs) for index, (args, kwargs) in enumerate(inputs.loader)]
-    return BlockInputs(calls, inputs.parent)
+    return BlockInputs.of(calls, inputs.parent, desc)

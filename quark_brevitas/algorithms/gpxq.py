@@ -137,6 +137,8 @@ class GPTQHandler(_GPxQHandler):
 class GPFQHandler(_GPxQHandler):
     """GPFQ with quantized inputs to each layer."""
 
+    blockwise = False  # it compares with the float model's activations at every layer
+
     def mode(self, algo: Any, model: nn.Module) -> Any:
         return gpfq_mode(model, act_order=algo.act_order)
 
@@ -144,6 +146,8 @@ class GPFQHandler(_GPxQHandler):
 @register(algos.GPFA2Q)
 class GPFA2QHandler(_GPxQHandler):
     """GPFQ whose weights keep every dot product inside an accumulator of the given width."""
+
+    blockwise = False  # it compares with the float model's activations at every layer
 
     def check(self, algo: Any, path: str) -> None:
         if not a2gpfq_available():

@@ -1,0 +1,596 @@
+"""A Hugging Face model folder quantized one block at a time: bounded memory, a block-by-block checkpoint, resume.
+
+:func:`quantize_pretrained` never holds the float model. It builds the model's skeleton without weights
+(``accelerate.init_empty_weights``: parameters on the ``meta`` device, buffers real), reads the layers outside
+the block stack (embeddings, final norm, ``lm_head``) from the folder's safetensors files, and then runs the
+block-by-block data phase (:mod:`quark_brevitas.blockwise`) with a block source that reads each block's
+weights just before it is quantized and, once its outputs are cached, writes the quantized block to the
+output checkpoint and drops it. Peak memory is about one block (float, then quantized, plus what the
+algorithms need for it), the layers outside the blocks and the cached activations (in memory, or on disk with
+``offload="disk"``), not the model.
+
+The output directory is a quark_brevitas checkpoint (:mod:`quark_brevitas.checkpoint`) in Hugging Face's
+sharded layout: one safetensors file per block plus one for the rest, ``model.safetensors.index.json``,
+``config.json`` (the quantization Config), ``manifest.json`` and ``float_model/`` (the model's Hugging Face
+config, so that :func:`load_pretrained_quantized` can rebuild it without the float weights).
+:func:`~quark_brevitas.checkpoint.load_quantized` also loads it into a float model in memory.
+
+While a run is in progress, ``.progress/`` in the output directory records the last finished block and keeps
+the cached inputs of the next one; a run started again on the same directory with the same model, config
+and data resumes after the last finished block and writes the same checkpoint as an uninterrupted run.
+
+Under ``torch.distributed`` every process reads the model and takes its share of the batches (see
+:class:`~quark_brevitas.data.Shard`); the first process writes the checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quark_brevitas.activation_store import ActivationStore
+from quark_brevitas.blockwise import BlockSource, BlockwiseEngine, StoreFactory, _Placeholder, _Solo
+from quark_brevitas.brevitas_adapter import ignore_missing_keys, load_quant_model_mode
+from quark_brevitas.checkpoint import (
+    CONFIG_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    WEIGHTS_INDEX_FILE,
+    CheckpointError,
+    _check_state,
+    _check_structure,
+    _dtype_name,
+    _state_tensors,
+    _structure,
+    _versions,
+    _write_atomic,
+    read_checkpoint,
+)
+from quark_brevitas.config import Config
+from quark_brevitas.container import Container
+from quark_brevitas.data import BatchToInputs, CalibrationData, Shard
+from quark_brevitas.errors import ModelError
+from quark_brevitas.pipeline import CONFIG_ATTRIBUTE, Pipeline, SavedStructure, restrict_structure
+from quark_brevitas.version import __version__
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FLOAT_MODEL_DIR", "FolderWeights", "evaluate_pretrained", "load_pretrained_quantized", "load_skeleton",
+           "quantize_pretrained"]
+
+#: Subdirectory of a streamed checkpoint holding the float model's Hugging Face config (and the tokenizer).
+FLOAT_MODEL_DIR = "float_model"
+PROGRESS_DIR = ".progress"
+REST_FILE = "model-rest.safetensors"
+_STATE_FILE = "state.json"
+
+
+def _block_file(index: int) -> str:
+    return f"model-block-{index:05d}.safetensors"
+
+
+# ===================================================================== reading a folder
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """``(offset of the data, header)`` of a safetensors file: an 8-byte little-endian header length, then
+    the JSON header naming each tensor's dtype, shape and byte range."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+class FolderWeights:
+    """The tensors of a Hugging Face model folder by name, read from its safetensors files on demand.
+
+    Tensors are read with plain file reads into fresh tensors rather than through a memory map of the file
+    (what ``safetensors.safe_open`` does): a map of a whole multi-gigabyte file counts toward the process's
+    memory limits and, once touched, its resident size; only the asked tensors should. Names are the
+    model's state-dict keys; a file saved from the base model (without ``base_model_prefix``) or with it
+    is read either way.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], base_model_prefix: str = "") -> None:
+        self.folder = Path(folder)
+        self.prefix = base_model_prefix
+        index = self.folder / "model.safetensors.index.json"
+        single = self.folder / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = sorted({self.folder / name for name in weight_map.values()})
+        elif single.is_file():
+            files = [single]
+        else:
+            raise CheckpointError(f"{self.folder} has no model.safetensors (or model.safetensors.index.json): "
+                                  "save the model with save_pretrained (safetensors is its default)")
+        self.entries: dict[str, tuple[Path, int, dict[str, Any]]] = {}
+        for path in files:
+            start, header = _safetensors_header(path)
+            for key, entry in header.items():
+                if entry["dtype"] not in _DTYPES:
+                    raise CheckpointError(f"{path}: tensor {key!r} has dtype {entry['dtype']}, which cannot be read")
+                self.entries[key] = (path, start, entry)
+
+    def key(self, name: str) -> str | None:
+        """The file's name for the model's tensor ``name`` (``None`` if the folder lacks it)."""
+        if name in self.entries:
+            return name
+        if self.prefix:
+            stripped = name[len(self.prefix) + 1:] if name.startswith(self.prefix + ".") else None
+            if stripped in self.entries:
+                return stripped
+            if f"{self.prefix}.{name}" in self.entries:
+                return f"{self.prefix}.{name}"
+        return None
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` (those the folder has), read into memory."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name in names:
+            key = self.key(name)
+            if key is None:
+                continue
+            path, start, entry = self.entries[key]
+            begin, end = entry["data_offsets"]
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            with open(path, "rb") as handle:
+                handle.seek(start + begin)
+                if handle.readinto(raw.numpy()) != end - begin:
+                    raise CheckpointError(f"{path} is truncated (tensor {key!r})")
+            tensors[name] = raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        return tensors
+
+
+def _materialise(module: nn.Module, prefix: str, weights: FolderWeights, skip: str | None = None) -> None:
+    """Give ``module``'s tensors their values from the folder (``prefix``: the module's name + ``.``);
+    parameters left on ``meta`` are reported by the caller. ``skip``: a submodule name left alone."""
+    state = module.state_dict(keep_vars=True)
+    wanted = [k for k in state if skip is None or not (k == skip or k.startswith(skip + "."))]
+    found = weights.read(prefix + k for k in wanted)
+    loaded = {}
+    for key in wanted:
+        tensor = found.get(prefix + key)
+        if tensor is None:
+            continue
+        current = state[key]
+        loaded[key] = tensor.to(current.dtype) if current.is_floating_point() else tensor
+    module.load_state_dict(loaded, strict=False, assign=True)
+
+
+def _meta_parameters(module: nn.Module, skip: str | None = None) -> list[str]:
+    return [name for name, tensor in (*module.named_parameters(), *module.named_buffers())
+            if tensor.is_meta and (skip is None or not name.startswith(skip + "."))]
+
+
+def load_skeleton(folder: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
+    """The model of a Hugging Face folder without its weights (parameters on ``meta``) and its config.
+
+    The class is the config's first ``architectures`` entry (``AutoModel`` if it names none).
+    """
+    import transformers
+    from accelerate import init_empty_weights
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    architectures = getattr(hf_config, "architectures", None) or []
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    with init_empty_weights():
+        model = transformers.AutoModel.from_config(hf_config) if model_class is None else model_class(hf_config)
+    return model.eval(), hf_config
+
+
+def _tie(model: nn.Module, hf_config: Any) -> None:
+    """Tie the output embedding to the input embedding if the config says so (the folder stores one)."""
+    if getattr(hf_config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def _materialise_outside(model: nn.Module, stack: str, weights: FolderWeights, hf_config: Any) -> None:
+    _materialise(model, "", weights, skip=stack)
+    _tie(model, hf_config)
+    missing = _meta_parameters(model, skip=stack)
+    if missing:
+        raise CheckpointError(f"{weights.folder} lacks tensor {missing[0]!r} of {type(model).__name__}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
+class _FolderBlocks(BlockSource):
+    """Blocks read from a float model folder just before they run; once finished, written out (if a writer
+    is given) and dropped."""
+
+    releases = True
+
+    def __init__(self, weights: FolderWeights, stack: str, writer: _Writer | None = None) -> None:
+        self.weights, self.stack, self.writer = weights, stack, writer
+
+    def load(self, index: int, current: nn.Module) -> nn.Module:
+        name = f"{self.stack}.{index}"
+        _materialise(current, name + ".", self.weights)
+        missing = _meta_parameters(current)
+        if missing:
+            raise CheckpointError(f"{self.weights.folder} lacks tensor {name}.{missing[0]}")
+        return current
+
+    def finish(self, index: int, block: nn.Module) -> nn.Module:
+        if self.writer is not None:
+            self.writer.block_done(index, block)
+        return _Placeholder()
+
+
+# ===================================================================== writing, block by block
+def _barrier(shard: Shard | None) -> None:
+    if shard is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=shard.group)
+
+
+def _record(module: nn.Module, name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The manifest entries of one part (modules, tensors, frozen parameters) under its full name, and its
+    tensors."""
+
+    def full(key: str) -> str:
+        return f"{name}.{key}" if key else name
+
+    tensors = {full(k): v for k, v in _state_tensors(module.state_dict()).items()}
+    record = {
+        "modules": {full(k): v for k, v in _structure(module).items()},
+        "tensors": {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in tensors.items()},
+        "frozen": [full(n) for n, p in module.named_parameters() if not p.requires_grad],
+    }
+    return record, tensors
+
+
+class _Writer:
+    """Writes a streamed run's checkpoint one block at a time, with the progress a later run resumes from."""
+
+    def __init__(self, directory: Path, stack: str, shard: Shard | None, fingerprint: str) -> None:
+        self.directory, self.stack, self.shard, self.fingerprint = directory, stack, shard, fingerprint
+        self.rank = shard.rank if shard is not None else 0
+        self.progress = directory / PROGRESS_DIR
+        self.on_block: Callable[[int, int], None] | None = None
+
+    @property
+    def writes(self) -> bool:
+        return self.rank == 0
+
+    def inputs_dir(self, index: int) -> Path:
+        return self.progress / f"inputs-r{self.rank}-{index:05d}"
+
+    def state(self) -> dict[str, Any] | None:
+        path = self.progress / _STATE_FILE
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def start(self, resume: bool) -> int:
+        """The first block to quantize: after the last finished one of an interrupted run with the same
+        fingerprint (if ``resume``), else 0 (and any earlier progress is cleared)."""
+        state = self.state() if resume else None
+        if state is not None and state.get("fingerprint") != self.fingerprint:
+            raise CheckpointError(
+                f"{self.directory} holds an unfinished run of another model, config or calibration data; pass "
+                "resume=False to start over (its progress is then discarded) or choose another output directory"
+            )
+        if state is None:
+            _barrier(self.shard)
+            if self.writes and self.progress.exists():
+                shutil.rmtree(self.progress)
+            _barrier(self.shard)
+            self.progress.mkdir(parents=True, exist_ok=True)
+            return 0
+        logger.info("Resuming %s after block %d", self.directory, state["done"])
+        return int(state["done"]) + 1
+
+    def check_inputs(self, digest: str, resumed: bool) -> None:
+        """A resumed run must start from the same first-block inputs (same data, same embeddings)."""
+        path = self.progress / f"digest-r{self.rank}.txt"
+        if resumed:
+            if not path.is_file() or path.read_text() != digest:
+                raise CheckpointError(f"{self.directory}: the calibration data differ from the interrupted run's "
+                                      "(the first block's inputs do not match); pass resume=False to start over")
+        else:
+            path.write_text(digest)
+
+    def block_done(self, index: int, block: nn.Module) -> None:
+        name = f"{self.stack}.{index}"
+        if self.writes:
+            from safetensors.torch import save_file
+
+            record, tensors = _record(block, name)
+            _write_atomic(self.directory / _block_file(index),
+                          lambda p: save_file(tensors, str(p), metadata={"format": FORMAT}))
+            _write_atomic(self.progress / f"block-{index:05d}.json", lambda p: p.write_text(json.dumps(record)))
+        _barrier(self.shard)  # every process has the next block's inputs on disk
+        if self.writes:
+            state = {"fingerprint": self.fingerprint, "done": index}
+            _write_atomic(self.progress / _STATE_FILE, lambda p: p.write_text(json.dumps(state)))
+        _barrier(self.shard)
+        for old in self.progress.glob(f"inputs-r{self.rank}-*"):
+            if int(old.name.rsplit("-", 1)[1]) <= index:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def finalize(self, model: nn.Module, config: Config, hf_config: Any, count: int) -> None:
+        """The rest of the model, the index, the config and the manifest; then the progress goes."""
+        if self.writes:
+            from safetensors.torch import save_file
+
+            inside = self.stack + "."
+            rest_state = {k: v for k, v in model.state_dict().items() if not k.startswith(inside)}
+            rest = _state_tensors(rest_state)
+            _write_atomic(self.directory / REST_FILE, lambda p: save_file(rest, str(p), metadata={"format": FORMAT}))
+            modules = {k: v for k, v in _structure(model).items() if not k.startswith(inside)}
+            tensors = {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in rest.items()}
+            frozen = [n for n, p in model.named_parameters() if not p.requires_grad and not n.startswith(inside)]
+            weight_map = dict.fromkeys(rest, REST_FILE)
+            for index in range(count):
+                record = json.loads((self.progress / f"block-{index:05d}.json").read_text())
+                modules.update(record["modules"])
+                tensors.update(record["tensors"])
+                frozen.extend(record["frozen"])
+                weight_map.update(dict.fromkeys(record["tensors"], _block_file(index)))
+            manifest = {
+                "format": FORMAT, "format_version": FORMAT_VERSION, "versions": _versions(),
+                "model_class": type(model).__name__, "training": False, "modules": modules, "graph_code": {},
+                "tensors": tensors, "frozen_parameters": frozen, "example_input": None, "block_stack": self.stack,
+            }
+            index_file = {"metadata": {"format": FORMAT}, "weight_map": weight_map}
+            _write_atomic(self.directory / WEIGHTS_INDEX_FILE, lambda p: p.write_text(json.dumps(index_file, indent=1)))
+            _write_atomic(self.directory / CONFIG_FILE, lambda p: p.write_text(config.to_json() + "\n"))
+            hf_config.save_pretrained(self.directory / FLOAT_MODEL_DIR)
+            _write_atomic(self.directory / MANIFEST_FILE, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
+            (self.directory / "model.safetensors").unlink(missing_ok=True)  # a single-file checkpoint's weights
+        _barrier(self.shard)
+        if self.writes:
+            shutil.rmtree(self.progress, ignore_errors=True)
+
+
+class _ProgressStores(StoreFactory):
+    """Activations of a streamed run: each block's inputs in the progress directory (kept for resuming,
+    removed by the writer once the block is done); everything else as ``scratch`` says."""
+
+    def __init__(self, writer: _Writer, scratch: StoreFactory) -> None:
+        super().__init__()
+        self.writer, self.scratch = writer, scratch
+
+    def create(self, label: str) -> ActivationStore:
+        if label.startswith("hidden_"):
+            directory = self.writer.inputs_dir(int(label.removeprefix("hidden_")))
+            shutil.rmtree(directory, ignore_errors=True)  # a partial one from an interrupted run
+            return ActivationStore(directory, keep=True)
+        return self.scratch.create(label)
+
+    def cleanup(self) -> None:
+        self.scratch.cleanup()
+
+
+def _fingerprint(config: Config, hf_config: Any, folder: Path, stack: str, data: CalibrationData | None) -> str:
+    """What must not change between an interrupted run and its resumption (the data's own identity is
+    checked separately, on the first block's inputs)."""
+    files = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors*"))
+    world = data.shard.world_size if data is not None and data.shard is not None else 1
+    text = json.dumps({"config": config.to_dict(), "model": hf_config.to_dict(), "files": files, "stack": stack,
+                       "world_size": world, "quark_brevitas": __version__}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ===================================================================== the entry points
+def quantize_pretrained(
+    model_dir: str | os.PathLike[str],
+    config: Config,
+    calib_loader: Any = None,
+    output_dir: str | os.PathLike[str] = "quantized",
+    *,
+    batch_to_inputs: BatchToInputs | None = None,
+    blocks: str | bool | None = True,
+    resume: bool = True,
+    offload: str | os.PathLike[str] | None = None,
+    distributed: bool | None = None,
+    container: Container | None = None,
+    on_block: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Quantize the Hugging Face model in ``model_dir`` block by block into the checkpoint ``output_dir``.
+
+    The float model is never in memory as a whole (see the module docstring). ``calib_loader``,
+    ``batch_to_inputs`` and ``distributed`` are as for :meth:`~quark_brevitas.api.ModelQuantizer.quantize_model`;
+    ``blocks``: the block stack (``True``: detect it, the default; or its name); ``offload``: where cached
+    activations other than the next block's inputs (which go to the output's progress directory, for
+    resuming) live; ``resume``: continue an interrupted run in ``output_dir``; ``on_block(index, count)``:
+    called after each block is written. Returns the output directory, which
+    :func:`load_pretrained_quantized` (or :func:`~quark_brevitas.checkpoint.load_quantized`) loads.
+    """
+    model_dir, output = Path(model_dir), Path(output_dir)
+    if output.exists() and not output.is_dir():
+        raise CheckpointError(f"output directory {str(output)!r} exists and is not a directory")
+    pipeline = Pipeline(config, container)
+    model, hf_config = load_skeleton(model_dir)
+    stack = pipeline.block_stack(model, blocks if blocks is not None else True, needs_data=True)
+    if stack is None:
+        raise ModelError(f"{type(model).__name__} cannot be streamed block by block ({pipeline.blockwise_obstacle()}); "
+                         "load it and use ModelQuantizer.quantize_model")
+    weights = FolderWeights(model_dir, getattr(model, "base_model_prefix", ""))
+    _materialise_outside(model, stack, weights, hf_config)
+    plan = pipeline.prepare(model, calib_loader, batch_to_inputs=batch_to_inputs, distributed=distributed)
+    if plan.data is not None and plan.data.shard is not None:
+        shard = plan.data.shard
+    else:
+        shard = Shard.current() if distributed is not False else None
+    before = model
+    model = pipeline._run_algorithms("pre_quant_opt_config", model, None, data_driven=False)
+    if model is not before:
+        raise ModelError("a data-free pre-quantization step (Preprocess) changed the model's structure; a model "
+                         "quantized block by block from its folder cannot be traced: set trace_model=False or "
+                         "remove Preprocess")
+    output.mkdir(parents=True, exist_ok=True)
+    writer = _Writer(output, stack, shard, _fingerprint(config, hf_config, model_dir, stack, plan.data))
+    start = writer.start(resume)
+    writer.on_block = on_block
+    stores = _ProgressStores(writer, StoreFactory.for_offload(offload))
+    engine = BlockwiseEngine(pipeline, model, stack, plan.data, _FolderBlocks(weights, stack, writer), stores=stores,
+                             on_block=on_block)
+    engine.on_captured = lambda digest: writer.check_inputs(digest, resumed=start > 0)
+    count = len(engine.stack)
+    hidden = ActivationStore.open(writer.inputs_dir(start)) if start > 0 and plan.data is not None else None
+    try:
+        engine.run(start=start, hidden=hidden)
+    finally:
+        stores.cleanup()
+    writer.finalize(model, config, hf_config, count)
+    logger.info("Wrote %s (%d blocks)", output, count)
+    return output
+
+
+def _random_fill(module: nn.Module, seed: int) -> None:
+    """Finite placeholder values for a skeleton's parameters, overwritten by a checkpoint afterwards (the
+    structure phase initialises weight scales from them)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, parameter in list(module.named_parameters(recurse=True)):
+        if parameter.is_meta:
+            owner_name, _, attribute = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            value = torch.randn(parameter.shape, generator=generator) * 0.02
+            setattr(owner, attribute, nn.Parameter(value.to(parameter.dtype), requires_grad=parameter.requires_grad))
+
+
+class _CheckpointBlocks(BlockSource):
+    """The quantized blocks of a streamed checkpoint, each rebuilt (the pipeline's structure phase on the block)
+    and loaded just before it is needed; dropped after unless ``keep``."""
+
+    def __init__(self, pipeline: Pipeline, directory: Path, stack: str, saved: SavedStructure, keep: bool) -> None:
+        self.pipeline, self.directory, self.stack, self.saved, self.keep = pipeline, directory, stack, saved, keep
+        self.releases = not keep
+
+    def load(self, index: int, current: nn.Module) -> nn.Module:
+        name = f"{self.stack}.{index}"
+        _random_fill(current, index)
+        block = self.pipeline.rebuild_unit(current, name, restrict_structure(self.saved, name, name))
+        state = _read_file(self.directory / _block_file(index), name)
+        with ignore_missing_keys(), load_quant_model_mode(block):
+            block.load_state_dict(state, strict=True)
+        return block.eval()
+
+    def finish(self, index: int, block: nn.Module) -> nn.Module:
+        return block if self.keep else _Placeholder()
+
+
+def _quantized_skeleton(directory: str | os.PathLike[str], container: Container | None,
+                        keep: bool) -> tuple[nn.Module, str, _CheckpointBlocks, Any]:
+    """A streamed checkpoint's model with everything but the blocks rebuilt and loaded, its block stack, the
+    source of its quantized blocks and the checkpoint's description."""
+    info = read_checkpoint(directory)
+    stack = info.manifest.get("block_stack")
+    if not isinstance(stack, str):
+        raise CheckpointError(f"{info.directory} was not written block by block (quantize_pretrained); load it with "
+                              "load_quantized and its float model")
+    model, hf_config = load_skeleton(info.directory / FLOAT_MODEL_DIR)
+    pipeline = Pipeline(info.config, container)
+    model = pipeline._run_algorithms("pre_quant_opt_config", model, None, data_driven=False)
+    saved = SavedStructure(modules=dict(info.manifest["modules"]),
+                           tensors={k: tuple(v["shape"]) for k, v in info.manifest["tensors"].items()})
+    _random_fill(model, -1, skip=stack)
+    _tie(model, hf_config)
+    for name in _outside_layers(pipeline, model, stack):
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        solo = _Solo(attribute, getattr(parent, attribute))
+        solo = pipeline.rebuild_unit(solo, parent_name, restrict_structure(saved, name, parent_name))
+        setattr(parent, attribute, getattr(solo, attribute))
+    from safetensors.torch import load_file
+
+    with ignore_missing_keys(), load_quant_model_mode(model):
+        _, unexpected = model.load_state_dict(load_file(str(info.directory / REST_FILE)), strict=False)
+    if unexpected:
+        raise CheckpointError(f"{info.directory}: tensor {unexpected[0]!r} does not fit the rebuilt model")
+    model.eval()
+    setattr(model, CONFIG_ATTRIBUTE, info.config)
+    return model, stack, _CheckpointBlocks(pipeline, info.directory, stack, saved, keep), info
+
+
+def load_pretrained_quantized(directory: str | os.PathLike[str], *, container: Container | None = None) -> nn.Module:
+    """The quantized model of a checkpoint written by :func:`quantize_pretrained`, rebuilt from the Hugging Face
+    config it records one block at a time (no float weights needed) and checked against its manifest.
+    Returns the model in eval mode, ready for ``generate()``."""
+    model, stack, blocks, info = _quantized_skeleton(directory, container, keep=True)
+    modules = model.get_submodule(stack)
+    for index in range(len(modules)):
+        modules[index] = blocks.load(index, modules[index])
+    prefix = f"checkpoint {str(info.directory)!r} does not fit its recorded model"
+    _check_structure(model, info.manifest, prefix)
+    recorded = {k: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"]), device="meta")
+                for k, v in info.manifest["tensors"].items()}
+    _check_state(model, recorded, prefix)
+    logger.info("Loaded %s (%d blocks)", info.directory, len(modules))
+    return model
+
+
+def _random_fill(module: nn.Module, seed: int, skip: str | None = None) -> None:
+    """Finite placeholder values for a skeleton's parameters still on ``meta`` (the structure phase
+    initialises weight scales from them), overwritten by the checkpoint's values afterwards."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, parameter in list(module.named_parameters()):
+        if not parameter.is_meta or (skip is not None and name.startswith(skip + ".")):
+            continue
+        owner_name, _, attribute = name.rpartition(".")
+        value = torch.randn(parameter.shape, generator=generator) * 0.02
+        setattr(module.get_submodule(owner_name), attribute,
+                nn.Parameter(value.to(parameter.dtype), requires_grad=parameter.requires_grad))
+
+
+def _outside_layers(pipeline: Pipeline, model: nn.Module, stack: str) -> list[str]:
+    rows = pipeline.backend.plan(model, pipeline.config, check_names=False)
+    return [row.name for row in rows if row.quantized and row.name and not row.name.startswith(stack + ".")]
+
+
+def _read_file(path: Path, name: str) -> dict[str, torch.Tensor]:
+    """A block's tensors from its file, with the block's name taken off the keys."""
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing (written by quantize_pretrained)")
+    return {key.removeprefix(name + "."): tensor for key, tensor in load_file(str(path)).items()}
+
+
+def evaluate_pretrained(
+    source: str | os.PathLike[str],
+    batches: Any,
+    on_output: Callable[[int, Any], None],
+    *,
+    batch_to_inputs: BatchToInputs | None = None,
+    container: Container | None = None,
+) -> None:
+    """Run ``batches`` through a model one block at a time and give ``on_output(position, output)`` the
+    model's output for each batch: ``source`` is a Hugging Face float model folder, or a checkpoint written by
+    :func:`quantize_pretrained` (each quantized block rebuilt and loaded in turn). Memory stays at about one
+    block plus the activations, as when quantizing."""
+    source = Path(source)
+    data = CalibrationData(batches, batch_to_inputs)
+    blocks: BlockSource
+    if (source / MANIFEST_FILE).is_file():
+        model, stack, blocks, _ = _quantized_skeleton(source, container, keep=False)
+    else:
+        model, hf_config = load_skeleton(source)
+        from quark_brevitas.blockwise import find_block_stack
+
+        found = find_block_stack(model)
+        if found is None:
+            raise ModelError(f"{type(model).__name__} has no block stack to stream")
+        stack = found
+        weights = FolderWeights(source, getattr(model, "base_model_prefix", ""))
+        _materialise_outside(model, stack, weights, hf_config)
+        blocks = _FolderBlocks(weights, stack)
+    BlockwiseEngine(None, model, stack, data, blocks).evaluate(on_output)
