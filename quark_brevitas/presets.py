@@ -2,17 +2,21 @@
 
 ``get_preset("w8a8")`` returns a fresh :class:`~quark_brevitas.config.Config`; ``PRESETS`` maps each
 name to the function that builds it and ``DESCRIPTIONS`` gives one line per preset. ``w8a8`` is the
-command line's default. Every preset keeps the default pre-quantization step (``Preprocess``).
+command line's default. Every preset keeps the default pre-quantization step (``Preprocess``). The
+``bert_*`` presets are recipes for transformer encoders (measured on all-MiniLM-L6-v2 by
+``benchmarks/bert_deploy.py``); they quantize Linear layers only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from torch import nn
+
 from quark_brevitas import algos
 from quark_brevitas.config import Config, ParamType, QLayerConfig, QTensorConfig, QuantType
 from quark_brevitas.errors import ConfigError
-from quark_brevitas.types import QSchemeType
+from quark_brevitas.types import Dtype, QSchemeType
 
 __all__ = ["DEFAULT_PRESET", "DESCRIPTIONS", "PRESETS", "get_preset"]
 
@@ -42,6 +46,38 @@ def _w4_weight_only() -> Config:
     return Config(QLayerConfig(weight=weight))
 
 
+# ---------------------------------------------------------------- transformer (BERT-style encoder) recipes
+# Only the Linear layers are quantized (their type's level, so a container that maps more layer types, e.g.
+# embeddings, decides those separately); Softmax, LayerNorm, GELU, the residual adds and attention's two score
+# matmuls stay float: they are cheap, and onnxruntime has no integer kernel that fuses them. Activations are
+# asymmetric uint8: a BERT's Linear inputs are one-sided after GELU and carry outlier channels, where
+# symmetric int8 loses half its codes (measured on all-MiniLM-L6-v2: README, "Hugging Face transformers").
+_UINT8 = QTensorConfig(dtype=Dtype.uint8)
+_UINT8_PER_TOKEN = QTensorConfig(dtype=Dtype.uint8, is_dynamic=True, qscheme=QSchemeType.per_channel)
+_W8_PER_CHANNEL = QTensorConfig(qscheme=QSchemeType.per_channel)
+_W4_G32 = QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32)
+
+
+def _linear_only(layer: QLayerConfig, pre: list[algos.AlgorithmConfig] | None = None,
+                 post: list[algos.AlgorithmConfig] | None = None) -> Config:
+    return Config(QLayerConfig(), layer_type_quant_config={nn.Linear: layer},
+                  pre_quant_opt_config=[algos.Preprocess(), *(pre or [])], algo_config=list(post or []))
+
+
+def _bert_w8a8() -> Config:
+    layer = QLayerConfig(weight=_W8_PER_CHANNEL, input_tensors=_UINT8, bias=_INT32_BIAS)
+    return _linear_only(layer, pre=[algos.ActivationEqualization()])
+
+
+def _bert_w8a8_dynamic() -> Config:
+    # A scale per token computed at run time: no bias quantization (its scale would change per token).
+    return _linear_only(QLayerConfig(weight=_W8_PER_CHANNEL, input_tensors=_UINT8_PER_TOKEN))
+
+
+def _bert_w4_g32() -> Config:
+    return _linear_only(QLayerConfig(weight=_W4_G32), post=[algos.GPTQ()])
+
+
 def _fp8() -> Config:
     # No bias quantization: an integer bias needs integer input and weight scales.
     return Config(QLayerConfig(weight=_FP8_E4M3, input_tensors=_FP8_E4M3))
@@ -53,6 +89,9 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "w4a8_gptq": _w4a8_gptq,
     "w4_weight_only": _w4_weight_only,
     "fp8": _fp8,
+    "bert_w8a8": _bert_w8a8,
+    "bert_w8a8_dynamic": _bert_w8a8_dynamic,
+    "bert_w4_g32": _bert_w4_g32,
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -61,6 +100,12 @@ DESCRIPTIONS: dict[str, str] = {
     "w4a8_gptq": "int4 per-channel weights rounded by GPTQ, int8 inputs, int32 bias",
     "w4_weight_only": "int4 per-channel weights with MSE scales; activations stay float",
     "fp8": "fp8 e4m3 per-tensor weights and inputs; bias stays float",
+    "bert_w8a8": "transformers: Linear layers only, int8 per-channel weights, uint8 asymmetric inputs, "
+                 "int32 bias, ActivationEqualization",
+    "bert_w8a8_dynamic": "transformers: Linear layers only, int8 per-channel weights, uint8 inputs with a scale "
+                         "per token computed at run time",
+    "bert_w4_g32": "transformers: Linear layers only, int4 weights per group of 32 rounded by GPTQ; activations "
+                   "stay float",
 }
 
 

@@ -344,3 +344,44 @@ def test_bert_linear_layers_run_on_integer_kernels(tokenizer: object, tmp_path: 
     assert integer == n_linear, kernels
     # the remaining float MatMuls are attention's (scores and context: 2 per layer), no weight is dequantized
     assert kernels.get("MatMul", 0) + kernels.get("FusedMatMul", 0) == 2 * 2, kernels
+
+
+def _mean_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    return float((np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).mean())
+
+
+@pytest.mark.parametrize("preset", ["bert_w8a8", "bert_w8a8_dynamic", "bert_w4_g32"])
+def test_bert_presets_quantize_linear_layers_only_and_export_verified(preset: str, tokenizer: object,
+                                                                      tmp_path: pathlib.Path) -> None:
+    from quark_brevitas import algos
+    from quark_brevitas.types import Dtype
+
+    config = get_preset(preset)
+    # What the README documents for each preset (independent of presets.py's helper functions).
+    linear = config.layer_type_quant_config["Linear"]  # type keys are normalised to names
+    assert config.global_quant_config.weight is None and config.global_quant_config.input_tensors is None
+    expected = {"bert_w8a8": (QSchemeType.per_channel, 8, Dtype.uint8, False, [algos.ActivationEqualization]),
+                "bert_w8a8_dynamic": (QSchemeType.per_channel, 8, Dtype.uint8, True, []),
+                "bert_w4_g32": (QSchemeType.per_group, 4, None, None, [algos.GPTQ])}[preset]
+    qscheme, bits, act_dtype, dynamic, extra = expected
+    weight_bits = 4 if linear.weight.dtype == Dtype.int4 else linear.weight.bit_width
+    assert (linear.weight.qscheme, weight_bits) == (qscheme, bits)
+    if act_dtype is None:
+        assert linear.input_tensors is None
+    else:
+        assert (linear.input_tensors.dtype, bool(linear.input_tensors.is_dynamic)) == (act_dtype, dynamic)
+    assert [type(a) for a in [*config.pre_quant_opt_config[1:], *config.algo_config]] == extra
+
+    model = _bert(tokenizer, "sdpa")
+    calib = [_batch(tokenizer, SENTENCES[i:i + 4], 16) for i in range(0, 8, 4)]
+    quant = ModelQuantizer(config).quantize_model(model, calib)
+    kinds = {type(m).__name__ for m in quant.modules()}
+    assert "QuantLinear" in kinds and not any(k.startswith("Quant") and k != "QuantLinear" for k in kinds)
+    assert not any(type(m) is torch.nn.Linear for m in quant.modules())
+    example = _batch(tokenizer, SENTENCES[:4])
+    report = export_onnx_qcdq(quant, example, tmp_path / f"{preset}.onnx")  # raises unless verified
+    with torch.no_grad():
+        ref = model(**example).last_hidden_state.numpy()
+    out = run_onnx(report.path, example)[0]
+    assert _mean_cosine(out, ref) > 0.95, preset
