@@ -33,7 +33,7 @@ from quark_brevitas.data import BlockInputs, CalibrationData
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.hf.structure import ScalingGroup, Structure, infer_scaling_layers, is_linear, model_structure
 
-__all__ = ["BlockwiseHandler", "CallRecorder", "blocks_are_chained", "capture_block_inputs",
+__all__ = ["BlockwiseHandler", "CallRecorder", "UntilStopped", "blocks_are_chained", "capture_block_inputs",
            "first_batch_output", "main_output", "next_block_inputs"]
 
 
@@ -61,8 +61,9 @@ def _without_cache(value: Any) -> Any:
     return None if _is_kv_cache(value) else value
 
 
-class _UntilStopped(nn.Module):
-    """``model`` whose calls end quietly where a hook raised :class:`StopFwdException`."""
+class UntilStopped(nn.Module):
+    """``model`` whose calls end quietly where a hook raised :class:`StopFwdException` (also a hook on
+    ``model`` itself, which Brevitas's own catch inside ``forward`` does not see)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -134,7 +135,7 @@ def capture_block_inputs(model: nn.Module, block: nn.Module, data: CalibrationDa
 
     handle = block.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        data.forward(_UntilStopped(model), desc)
+        data.forward(UntilStopped(model), desc)
     finally:
         handle.remove()
     return BlockInputs.of(captured, data, desc)

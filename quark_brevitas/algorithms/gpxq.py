@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, SavedStructure, register
+from quark_brevitas.algorithms.blocks import UntilStopped
 from quark_brevitas.algorithms.gptq import warn_few_samples
 from quark_brevitas.brevitas_adapter import QuantLayer, a2gpfq_available, a2gpfq_mode, gpfq_mode, gptq_mode
 from quark_brevitas.data import CalibrationData
@@ -32,7 +33,8 @@ _FLOAT_WEIGHT_COPY = "weight_orig"
 def _run(mode: Any, data: CalibrationData, name: str, counts: _SampleCounts) -> None:
     for _ in tqdm(range(mode.num_layers), desc=f"{name} layers", leave=False, disable=None):
         counts.this_pass.clear()
-        data.forward(mode.model, name, on_output=counts.batch_done)
+        # A model that is one layer has the GPxQ hook on its root, outside Brevitas's catch in forward().
+        data.forward(UntilStopped(mode.model), name, on_output=counts.batch_done)
         mode.update()
 
 
