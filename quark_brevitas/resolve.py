@@ -61,6 +61,12 @@ from quark_brevitas.types import QSchemeType
 
 __all__ = ["EXCLUDED", "GLOBAL", "Resolution", "Resolver", "literal_length"]
 
+def _tokens_last(cls: type) -> bool:
+    """Layers whose input has its features along the last dimension (one scale per token fits): ``nn.Linear``
+    and Hugging Face's ``Conv1D`` (GPT-2's projections, a Linear with a transposed weight)."""
+    return cls is nn.Linear or (cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils")
+
+
 _GROUPED_ACTIVATION_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.ConvTranspose1d, nn.ConvTranspose2d)
 
 #: Source of a spec that came from ``global_quant_config`` (also when it says "not quantized").
@@ -259,7 +265,7 @@ class Resolver:
             spec = spec.resolved()
             source = sources.get(role, GLOBAL)
             path = f"{'global_quant_config' if source == GLOBAL else source}.{role}"
-            if spec.is_dynamic and spec.qscheme is QSchemeType.per_channel and cls is not nn.Linear:
+            if spec.is_dynamic and spec.qscheme is QSchemeType.per_channel and not _tokens_last(cls):
                 raise ConfigError(path, f"module {name!r} ({cls.__name__}): per-token dynamic activations "
                                         "(qscheme=per_channel, is_dynamic=True) need a Linear layer (tokens along the "
                                         "last dimension); use per_tensor or per_group for this layer type")

@@ -385,3 +385,24 @@ def test_bert_presets_quantize_linear_layers_only_and_export_verified(preset: st
         ref = model(**example).last_hidden_state.numpy()
     out = run_onnx(report.path, example)[0]
     assert _mean_cosine(out, ref) > 0.95, preset
+
+
+def test_gpt2_conv1d_takes_per_token_dynamic_inputs_and_exports(tmp_path: pathlib.Path) -> None:
+    """Hugging Face's Conv1D has its features along the last dimension like Linear: one scale per token fits
+    (it was refused), and the export's dynamic MatMulInteger path handles its layers."""
+    torch.manual_seed(0)
+    model = _gpt2()
+    per_token = QTensorConfig(dtype=Dtype.uint8, is_dynamic=True, qscheme=QSchemeType.per_channel)
+    config = Config(QLayerConfig(weight=QTensorConfig(qscheme=QSchemeType.per_channel), input_tensors=per_token),
+                    exclude=["lm_head"])
+    ids = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    quant = ModelQuantizer(config).quantize_model(model, [batch])
+    assert sum(type(m).__name__ == "QuantConv1D" for m in quant.modules()) == 8
+    report = export_onnx_qcdq(quant, batch, tmp_path / "gpt2.onnx")  # verified against PyTorch
+    other = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    feed = {"input_ids": other, "attention_mask": torch.ones_like(other)}
+    with torch.no_grad():
+        reference = model(**feed, use_cache=False).logits.numpy()
+    out = run_onnx(report.path, feed)[0]
+    assert _mean_cosine(out, reference) > 0.99

@@ -109,19 +109,28 @@ def normalize_example(args: object) -> Example:
 
 class KeywordInputs(nn.Module):
     """Export wrapper calling ``model(**{name: tensor})`` with the positional tensors it is given (ONNX graphs
-    take positional inputs; Hugging Face models take keyword arguments). Make it with ``.eval()``:
+    take positional inputs; Hugging Face models take keyword arguments), or ``model(*tensors)`` when
+    ``keyword`` is false; either way without a decoder's key/value cache. Make it with ``.eval()``:
     ``torch.onnx.export`` restores the traced module's mode afterwards, and a fresh module is in train mode."""
 
-    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+    def __init__(self, model: nn.Module, names: Sequence[str], keyword: bool = True) -> None:
         super().__init__()
         self.model = model
         self.names = tuple(names)
+        self.keyword = keyword
         # A decoder LM returns its key/value cache (a Cache object, no tensor) unless told not to: export the
         # plain forward pass unless the caller passes the cache explicitly.
         self.extra = {"use_cache": False} if _takes(model, "use_cache") and "use_cache" not in self.names else {}
 
     def forward(self, *args: torch.Tensor) -> Any:
+        if not self.keyword:
+            return self.model(*args, **self.extra)
         return self.model(**dict(zip(self.names, args)), **self.extra)
+
+    @staticmethod
+    def needed(model: nn.Module, example: Example) -> bool:
+        """Whether exporting ``model`` on ``example`` needs the wrapper (keyword inputs, or a cache to turn off)."""
+        return example.keyword or _takes(model, "use_cache")
 
 
 def _takes(model: nn.Module, keyword: str) -> bool:

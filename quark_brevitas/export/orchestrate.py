@@ -151,12 +151,13 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
     fmt.require_tools()
     _require_brevitas_exporter()
     # half-precision models export as float32
-    model, example = float32_for_export(model, example, tuple(inputs.names) if inputs.keyword else None)
+    model, example = float32_for_export(model, example, inputs)
     inputs = dataclasses.replace(inputs, tensors=example)
 
     with eval_mode(model):
         fmt.inspect(model)
-        called = KeywordInputs(model, inputs.names).eval() if inputs.keyword else model
+        called = KeywordInputs(model, inputs.names, inputs.keyword).eval() \
+            if KeywordInputs.needed(model, inputs) else model
         reference = compute_reference(called, example)
         fmt.prepare(model)
         fmt.require_opset(reference.min_opset)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas.export.args import KeywordInputs
+from quark_brevitas.export.args import Example, KeywordInputs
 from quark_brevitas.export.verify import eval_mode, flatten_outputs
 
 logger = logging.getLogger(__name__)
@@ -30,8 +30,10 @@ __all__ = ["HALF_PRECISION", "float32_for_export"]
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _call(model: nn.Module, args: tuple[torch.Tensor, ...], keywords: tuple[str, ...] | None) -> Any:
-    return KeywordInputs(model, keywords)(*args) if keywords else model(*args)
+def _call(model: nn.Module, args: tuple[torch.Tensor, ...], example: Example | None) -> Any:
+    if example is not None and KeywordInputs.needed(model, example):
+        return KeywordInputs(model, example.names, example.keyword)(*args)
+    return model(*args)
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype | None:
@@ -39,11 +41,11 @@ def _model_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 def float32_for_export(model: nn.Module, args: tuple[torch.Tensor, ...],
-                       keywords: tuple[str, ...] | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+                       example: Example | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """``(model, args)`` unchanged for a float32 model; for a float16/bfloat16 model a float32 copy of it
     and ``args`` with their floating tensors in float32 (integer inputs such as token ids are kept).
 
-    ``keywords`` names the inputs when the model takes them as keyword arguments (a tokenizer's dict).
+    ``example`` says how the model takes its inputs (keyword arguments such as a tokenizer's dict).
     The caller's model is not changed. Logs the largest difference between the copy's outputs and the
     half-precision model's on ``args``.
     """
@@ -54,8 +56,8 @@ def float32_for_export(model: nn.Module, args: tuple[torch.Tensor, ...],
     wide_args = tuple(a.float() if a.is_floating_point() else a for a in args)
     half_args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
     with torch.no_grad(), eval_mode(model), eval_mode(wide):
-        half = flatten_outputs(_call(model, half_args, keywords))
-        full = flatten_outputs(_call(wide, wide_args, keywords))
+        half = flatten_outputs(_call(model, half_args, example))
+        full = flatten_outputs(_call(wide, wide_args, example))
     difference = max((float((h.float() - f).abs().max()) for (_, h), (_, f) in zip(half, full) if h.numel()),
                      default=0.0)
     logger.info("Exporting a float32 copy of the %s model (onnxruntime's CPU kernels compute in float32; the "

@@ -368,7 +368,8 @@ def verify_onnx(
     tol = validate_tolerance(tolerance)
     file = pathlib.Path(path)
     with eval_mode(model):
-        called = KeywordInputs(model, example.names).eval() if example.keyword else model
+        called = KeywordInputs(model, example.names, example.keyword).eval() \
+            if KeywordInputs.needed(model, example) else model
         reference = compute_reference(called, example.tensors)
         result = measure(reference, run_onnx(file, example.tensors), file, tol)
         exported = exported_module(called, reference)
