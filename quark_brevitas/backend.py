@@ -322,11 +322,16 @@ class LayerwiseBackend:
         path = f"{'global_quant_config' if source == GLOBAL else source}.{field_path}"
         raise ConfigError(path, f"module {name or '(model)'!r}: {reason}")
 
-    def require_targets(self, model: nn.Module, rows: Sequence[PlannedLayer]) -> None:
+    def require_targets(self, model: nn.Module, rows: Sequence[PlannedLayer], loaded_later: str | None = None) -> None:
         """Raise unless the plan quantizes at least one layer (a no-op quantization is a mistake) and the
-        model's tensors have values (none on PyTorch's ``meta`` device)."""
+        model's tensors have values (none on PyTorch's ``meta`` device, except inside ``loaded_later``, a
+        submodule whose weights a block source loads one block at a time)."""
+        def later(name: str) -> bool:
+            return loaded_later is not None and (name == loaded_later or name.startswith(loaded_later + "."))
+
         empty = [name or "(model)" for name, module in model.named_modules()
-                 if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))]
+                 if not later(name)
+                 and any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))]
         if empty:
             raise ModelError(
                 f"{type(model).__name__} has modules on the 'meta' device ({', '.join(empty[:3])}"

@@ -124,11 +124,13 @@ class Pipeline:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         return self.backend.plan(model, self.config)
 
-    def _checked_plan(self, model: nn.Module) -> list[PlannedLayer]:
-        """The plan, after the checks that must pass before the model is copied or changed."""
+    def _checked_plan(self, model: nn.Module, loaded_later: str | None = None) -> list[PlannedLayer]:
+        """The plan, after the checks that must pass before the model is copied or changed. ``loaded_later``:
+        a submodule whose weights are still on the ``meta`` device because a block source loads them one
+        block at a time (:mod:`quark_brevitas.hf.streaming`)."""
         rows = self.plan(model)
+        self.backend.require_targets(model, rows, loaded_later=loaded_later)
         model_device_dtype(model)
-        self.backend.require_targets(model, rows)
         return rows
 
     def _require_data(self, rows: list[PlannedLayer], data: CalibrationData | None) -> bool:
@@ -276,10 +278,10 @@ class Pipeline:
         return self.finish(work)
 
     def prepare(self, model: nn.Module, calib_loader: Any = None, *, batch_to_inputs: BatchToInputs | None = None,
-                distributed: bool | None = None) -> DataPlan:
+                distributed: bool | None = None, loaded_later: str | None = None) -> DataPlan:
         """The checks before any work (the plan resolved against ``model``, data present where needed) and
         the calibration data as the data phase will read it (sharded under ``torch.distributed``)."""
-        rows = self._checked_plan(model)
+        rows = self._checked_plan(model, loaded_later)
         data = CalibrationData.wrap(calib_loader, batch_to_inputs, shard=self._shard(distributed))
         activations = self._require_data(rows, data)
         needs_data = activations or any(a.needs_data for a in [*self.config.pre_quant_opt_config,

@@ -425,7 +425,8 @@ def quantize_pretrained(
                          "load it and use ModelQuantizer.quantize_model")
     weights = FolderWeights(model_dir, getattr(model, "base_model_prefix", ""))
     _materialise_outside(model, stack, weights, hf_config)
-    plan = pipeline.prepare(model, calib_loader, batch_to_inputs=batch_to_inputs, distributed=distributed)
+    plan = pipeline.prepare(model, calib_loader, batch_to_inputs=batch_to_inputs, distributed=distributed,
+                            loaded_later=stack)
     if plan.data is not None and plan.data.shard is not None:
         shard = plan.data.shard
     else:
