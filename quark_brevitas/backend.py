@@ -322,10 +322,9 @@ class LayerwiseBackend:
         path = f"{'global_quant_config' if source == GLOBAL else source}.{field_path}"
         raise ConfigError(path, f"module {name or '(model)'!r}: {reason}")
 
-    def require_targets(self, model: nn.Module, rows: Sequence[PlannedLayer], loaded_later: str | None = None) -> None:
-        """Raise unless the plan quantizes at least one layer (a no-op quantization is a mistake) and the
-        model's tensors have values (none on PyTorch's ``meta`` device, except inside ``loaded_later``, a
-        submodule whose weights a block source loads one block at a time)."""
+    def require_values(self, model: nn.Module, loaded_later: str | None = None) -> None:
+        """Raise if some of the model's tensors have no values (on PyTorch's ``meta`` device), except inside
+        ``loaded_later``, a submodule whose weights a block source loads one block at a time."""
         def later(name: str) -> bool:
             return loaded_later is not None and (name == loaded_later or name.startswith(loaded_later + "."))
 
@@ -340,6 +339,11 @@ class LayerwiseBackend:
                 "the weights first (model.to_empty(device='cpu') followed by load_state_dict, or from_pretrained "
                 "without device_map='meta'); plan() works on such a model"
             )
+
+    def require_targets(self, model: nn.Module, rows: Sequence[PlannedLayer], loaded_later: str | None = None) -> None:
+        """Raise unless the model's tensors have values (:meth:`require_values`) and the plan quantizes at least
+        one layer (a no-op quantization is a mistake)."""
+        self.require_values(model, loaded_later)
         if any(row.quantized for row in rows):
             return
         if any(row.sources for row in rows):

@@ -129,8 +129,9 @@ class Pipeline:
         a submodule whose weights are still on the ``meta`` device because a block source loads them one
         block at a time (:mod:`quark_brevitas.hf.streaming`)."""
         rows = self.plan(model)
-        self.backend.require_targets(model, rows, loaded_later=loaded_later)
+        self.backend.require_values(model, loaded_later)
         model_device_dtype(model)
+        self.backend.require_targets(model, rows, loaded_later)
         return rows
 
     def _require_data(self, rows: list[PlannedLayer], data: CalibrationData | None) -> bool:
