@@ -117,8 +117,9 @@ def normalize_example(args: object) -> Example:
         if not items:
             raise ExportArgumentError(f"args is an empty {type_name(args)}; give the model's keyword tensors")
         for key, value in items:
-            if not isinstance(key, str) or not key.isidentifier():
-                raise ExportArgumentError(f"args keys must be keyword names (str); got {key!r}")
+            if not isinstance(key, str) or not (key.isidentifier() or past_name(key)):
+                raise ExportArgumentError(f"args keys must be keyword names (str) or past_key_values.<layer>.key / "
+                                          f".value; got {key!r}")
             if not isinstance(value, torch.Tensor):
                 raise ExportArgumentError(f"args[{key!r}] must be a torch.Tensor; got {type_name(value)}")
         past = sum(past_name(k) is not None for k, _ in items)

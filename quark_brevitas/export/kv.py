@@ -112,7 +112,7 @@ def with_past(model: nn.Module, example: Example) -> Example:
         raise ExportError(f"past_key_values=True needs 'input_ids' of shape [batch, sequence] in the example; got "
                           f"{tuple(ids.shape) if ids is not None else 'none'} (inputs: {', '.join(example.names)})")
     if example.past:
-        return _given_past(inputs, example)
+        return _given_past(model, inputs, example)
     length = int(ids.shape[1])
     if length < 3:
         raise ExportError(f"past_key_values=True needs a prompt of at least 3 tokens in the example (got {length}): "
@@ -133,10 +133,11 @@ def with_past(model: nn.Module, example: Example) -> Example:
     return Example(tuple(tensors), tuple(names), keyword=True, past=len(pairs))
 
 
-def _given_past(inputs: dict[str, torch.Tensor], example: Example) -> Example:
+def _given_past(model: nn.Module, inputs: dict[str, torch.Tensor], example: Example) -> Example:
     keyword = {k: v for k, v in inputs.items() if past_name(k) is None}
     count = len(inputs) - len(keyword)
-    expected = past_names((count + 1) // 2)
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    expected = past_names(layers if isinstance(layers, int) else (count + 1) // 2)
     missing = sorted(set(expected) - set(inputs))
     if missing:
         raise ExportError(f"the example's past is incomplete: give past_key_values.{{i}}.key and "
