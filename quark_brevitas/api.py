@@ -94,13 +94,18 @@ class ModelExporter:
         self.export_path = Path(export_path)
         self.container = container if container is not None else Container()
 
-    def export_onnx_model(self, model: nn.Module, args: Any) -> Any:
+    def export_onnx_model(self, model: nn.Module, args: Any, *, past_key_values: bool = False) -> Any:
         """Write ONNX QCDQ (onnxruntime) to ``export_path`` and verify it; returns an ExportReport.
+
+        ``past_key_values=True`` exports a decoder LM with its key/value cache as graph inputs and outputs
+        (``past_key_values.{i}.key`` / ``present.{i}.key`` ...) for incremental decoding; ``args`` is then the
+        prompt batch (see :func:`~quark_brevitas.export.export_onnx_qcdq`).
 
         Raises :class:`~quark_brevitas.export.ExportMismatchError` if onnxruntime's output differs
         from the PyTorch model's by more than one quantization step.
         """
-        return self.container.onnx_exporter()(model, args, self.export_path)
+        options = {"past_key_values": True} if past_key_values else {}
+        return self.container.onnx_exporter()(model, args, self.export_path, **options)
 
     def export_qonnx_model(self, model: nn.Module, args: Any) -> Any:
         """Write QONNX (``Quant``/``FloatQuant`` nodes, for FINN and hls4ml) to ``export_path`` and verify it

@@ -39,7 +39,8 @@ What the function guarantees on top of ``brevitas.export.export_onnx_qcdq``:
   :class:`ExportMismatchError`. Deep models whose outputs differ by propagated rounding flips are accepted only
   through the pinned check (every activation quantizer pinned to PyTorch's codes, :mod:`~quark_brevitas.export.pinned`).
 * **Hugging Face models.** Example inputs may be a tokenizer's dict (graph inputs named after its keys, dynamic
-  batch and sequence axes), SDPA attention exports at opset 14, decoder LMs without their cache.
+  batch and sequence axes), SDPA attention exports at opset 14, decoder LMs without their cache or, with
+  ``past_key_values=True``, with their key/value cache as graph inputs and outputs (:mod:`~quark_brevitas.export.kv`).
 * **Dynamic int8 inputs** of Linear layers are written as their quantization and ``MatMulInteger``
   (:mod:`~quark_brevitas.export.dynamic`); 4-bit weights of weight-only layers as ``INT4``/``UINT4``.
 
@@ -58,6 +59,7 @@ format checks, opset choice), :mod:`~quark_brevitas.export.runtime` (onnxruntime
 element types), :mod:`~quark_brevitas.export.summary` (what a written file stores),
 :mod:`~quark_brevitas.export.pinned` (the pinned verification), :mod:`~quark_brevitas.export.dynamic` (dynamic
 activations), :mod:`~quark_brevitas.export.hf` (Hugging Face checkpoints on the export side),
+:mod:`~quark_brevitas.export.kv` (decoders with past key/values as graph inputs/outputs),
 :mod:`~quark_brevitas.export.qcdq` (the QCDQ format), :mod:`~quark_brevitas.export.blocked` (per-group/MX/
 fp6/fp4 weights in ONNX) and :mod:`~quark_brevitas.export.qonnx` (the QONNX format). This package
 re-exports the public API only; the helpers are public names of those internal modules.

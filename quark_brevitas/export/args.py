@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import os
 import pathlib
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -84,13 +85,31 @@ class Example:
     tensors: tuple[torch.Tensor, ...]
     names: tuple[str, ...]
     keyword: bool = False
+    #: Number of decoder layers whose past keys/values are inputs (``past_key_values.{i}.key`` / ``.value``, see
+    #: :mod:`~quark_brevitas.export.kv`); 0 for an export without a cache.
+    past: int = 0
+
+
+_PAST_NAME = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+
+
+def past_name(name: str) -> tuple[int, str] | None:
+    """``(layer, "key" | "value")`` of a past key/value input name ``past_key_values.{i}.key``, else ``None``."""
+    match = _PAST_NAME.match(name)
+    return (int(match[1]), match[2]) if match else None
+
+
+def past_names(layers: int) -> tuple[str, ...]:
+    """The past key/value input names of ``layers`` decoder layers, in graph order."""
+    return tuple(f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value"))
 
 
 def normalize_example(args: object) -> Example:
     """``args`` (a tensor, a tuple/list of tensors, or a mapping of keyword tensors) as an :class:`Example`.
 
     Mappings (dicts, Hugging Face ``BatchEncoding``) keep their key order; entries that are ``None`` are
-    dropped (the model's default is used). Graph inputs are named after the keys, positional inputs
+    dropped (the model's default is used); entries named ``past_key_values.{i}.key`` / ``.value`` make it an example
+    with a past (:mod:`~quark_brevitas.export.kv`). Graph inputs are named after the keys, positional inputs
     ``input`` / ``input_0``, ``input_1``, ...
     """
     if isinstance(args, Mapping) and not isinstance(args, (torch.Tensor, QuantTensor)):
@@ -98,11 +117,13 @@ def normalize_example(args: object) -> Example:
         if not items:
             raise ExportArgumentError(f"args is an empty {type_name(args)}; give the model's keyword tensors")
         for key, value in items:
-            if not isinstance(key, str) or not key.isidentifier():
-                raise ExportArgumentError(f"args keys must be keyword names (str); got {key!r}")
+            if not isinstance(key, str) or not (key.isidentifier() or past_name(key)):
+                raise ExportArgumentError(f"args keys must be keyword names (str) or past_key_values.<layer>.key / "
+                                          f".value; got {key!r}")
             if not isinstance(value, torch.Tensor):
                 raise ExportArgumentError(f"args[{key!r}] must be a torch.Tensor; got {type_name(value)}")
-        return Example(tuple(v for _, v in items), tuple(k for k, _ in items), keyword=True)
+        past = sum(past_name(k) is not None for k, _ in items)
+        return Example(tuple(v for _, v in items), tuple(k for k, _ in items), keyword=True, past=(past + 1) // 2)
     tensors = normalize_args(args)
     return Example(tensors, input_names(len(tensors)))
 
@@ -120,7 +141,7 @@ class KeywordInputs(nn.Module):
         self.keyword = keyword
         # A decoder LM returns its key/value cache (a Cache object, no tensor) unless told not to: export the
         # plain forward pass unless the caller passes the cache explicitly.
-        self.extra = {"use_cache": False} if _takes(model, "use_cache") and "use_cache" not in self.names else {}
+        self.extra = {"use_cache": False} if takes(model, "use_cache") and "use_cache" not in self.names else {}
 
     def forward(self, *args: torch.Tensor) -> Any:
         if not self.keyword:
@@ -130,10 +151,11 @@ class KeywordInputs(nn.Module):
     @staticmethod
     def needed(model: nn.Module, example: Example) -> bool:
         """Whether exporting ``model`` on ``example`` needs the wrapper (keyword inputs, or a cache to turn off)."""
-        return example.keyword or _takes(model, "use_cache")
+        return example.keyword or takes(model, "use_cache")
 
 
-def _takes(model: nn.Module, keyword: str) -> bool:
+def takes(model: nn.Module, keyword: str) -> bool:
+    """Whether ``model.forward`` has a parameter named ``keyword``."""
     try:
         return keyword in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

@@ -33,7 +33,6 @@ from quark_brevitas.brevitas_adapter import require_onnxoptimizer, reset_export_
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.args import (
     Example,
-    KeywordInputs,
     PathLike,
     TensorArgs,
     check_model,
@@ -41,6 +40,7 @@ from quark_brevitas.export.args import (
     normalize_example,
 )
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
+from quark_brevitas.export.kv import export_module, with_past
 from quark_brevitas.export.pinned import PinnedSummary, check_pinned
 from quark_brevitas.export.precision import float32_for_export
 from quark_brevitas.export.runtime import forget_session
@@ -133,8 +133,11 @@ class ExportFormat(abc.ABC, Generic[ReportT]):
 
 
 def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorArgs, path: PathLike,
-                    tolerance: float | None) -> ReportT:
+                    tolerance: float | None, *, past_key_values: bool = False) -> ReportT:
     """Export ``model`` in ``fmt`` to the self-contained file ``path``, verify it, return ``fmt``'s report.
+
+    With ``past_key_values`` (or an example holding ``past_key_values.{i}.key`` tensors) the decoder's key/value
+    cache becomes graph inputs and outputs (:mod:`~quark_brevitas.export.kv`).
 
     Raises :class:`~quark_brevitas.export.errors.ExportArgumentError` for arguments of the wrong type,
     :class:`ExportError` for what cannot be exported and :class:`ExportMismatchError` when the file
@@ -156,8 +159,10 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
 
     with eval_mode(model):
         fmt.inspect(model)
-        called = KeywordInputs(model, inputs.names, inputs.keyword).eval() \
-            if KeywordInputs.needed(model, inputs) else model
+        if past_key_values or inputs.past:
+            inputs = with_past(model, inputs)
+            example = inputs.tensors
+        called = export_module(model, inputs)
         reference = compute_reference(called, example)
         fmt.prepare(model)
         fmt.require_opset(reference.min_opset)

@@ -174,11 +174,41 @@ def _chain(index: GraphIndex, q: onnx.NodeProto) -> tuple[list[str], list[onnx.N
         tensors.append(user.output[0])
 
 
+class _Proxies:
+    """Resolves the module path in a node's name to a recorded proxy. The exporter names nodes after the *call
+    stack* of modules, so a module whose ``forward`` is bypassed (``OPTForCausalLM`` calls ``self.model.decoder``,
+    skipping ``OPTModel.forward``) is missing from the name: such a path matches the one proxy whose path contains
+    it as a subsequence ending in the same components (ambiguous paths stay unmatched)."""
+
+    def __init__(self, proxies: set[str]) -> None:
+        self.proxies = proxies
+        self.buckets: dict[tuple[str, ...], list[list[str]]] = defaultdict(list)
+        for name in proxies:
+            parts = name.split(".")
+            self.buckets[tuple(parts[-4:])].append(parts)
+
+    def resolve(self, path: str) -> str | None:
+        if path in self.proxies:
+            return path
+        parts = path.split(".")
+        found = [p for p in self.buckets.get(tuple(parts[-4:]), []) if _subsequence(parts, p)]
+        return ".".join(found[0]) if len(found) == 1 else None
+
+
+def _subsequence(short: list[str], long: list[str]) -> bool:
+    it = iter(long)
+    return all(part in it for part in short)
+
+
 def _sites(proto: onnx.ModelProto, proxies: set[str]) -> tuple[list[_Site], list[str]]:
     index = GraphIndex(proto.graph)
     sites, unmatched = [], []
+    resolver = _Proxies(proxies)
     for node in proto.graph.node:
         found = _proxy_of(node)
+        if found is not None:
+            resolved = resolver.resolve(found[0])
+            found = (resolved, found[1]) if resolved is not None else found
         if found is not None and node.name.rsplit("/", 1)[-1].startswith(CODE_NODE.rsplit("/", 1)[-1]):
             if found[0] in proxies:
                 sites.append(_Site(found[0], found[1], node, [node.output[0]], [], None, False, dynamic=True))

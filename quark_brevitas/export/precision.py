@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas.export.args import Example, KeywordInputs
+from quark_brevitas.export.args import Example
+from quark_brevitas.export.kv import export_module
 from quark_brevitas.export.verify import eval_mode, flatten_outputs
 
 logger = logging.getLogger(__name__)
@@ -31,9 +32,7 @@ HALF_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _call(model: nn.Module, args: tuple[torch.Tensor, ...], example: Example | None) -> Any:
-    if example is not None and KeywordInputs.needed(model, example):
-        return KeywordInputs(model, example.names, example.keyword)(*args)
-    return model(*args)
+    return (export_module(model, example) if example is not None else model)(*args)
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype | None:

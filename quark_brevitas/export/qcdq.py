@@ -33,6 +33,7 @@ from quark_brevitas.export.blocked import (
 from quark_brevitas.export.dynamic import DynamicInput, float_inputs, insert_dynamic_quantization, plan_dynamic
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
 from quark_brevitas.export.inspect import Quantizer, candidate_opsets, inspect_quantizers, raise_opsets, target
+from quark_brevitas.export.kv import past_axes
 from quark_brevitas.export.onnx_types import uses_float8
 from quark_brevitas.export.orchestrate import ExportFormat, GraphNames, brevitas_export, export_verified
 from quark_brevitas.export.passes.float_bias import FLOAT_BIAS_REWRITE, move_float_biases_out
@@ -173,7 +174,8 @@ class QCDQFormat(ExportFormat[ExportReport]):
                   workdir: pathlib.Path) -> onnx.ModelProto:
         raw_path = workdir / f"brevitas_opset{opset}.onnx"
         args = example.tensors
-        axes = dynamic_axes(example, batch=self.dynamic_batch, sequence=self.dynamic_sequence)
+        axes = past_axes(example, names.outputs, batch=self.dynamic_batch, sequence=self.dynamic_sequence) \
+            if example.past else dynamic_axes(example, batch=self.dynamic_batch, sequence=self.dynamic_sequence)
         weight_q_node = any(q.is_float8 and q.role == "weight" for q in self.quantizers)
         with float_weights(self.plans), float_inputs(self.dynamic):
             brevitas_export(_brevitas_export_onnx_qcdq, StdQCDQONNXManager, model, args, raw_path, opset=opset,
@@ -280,6 +282,7 @@ def export_onnx_qcdq(
     integer_kernels: bool = True,
     dynamic_sequence: bool = True,
     int4_weights: bool | None = None,
+    past_key_values: bool = False,
 ) -> ExportReport:
     """Export a Brevitas-quantized model to a verified, self-contained ONNX QCDQ file.
 
@@ -332,6 +335,16 @@ def export_onnx_qcdq(
             onnxruntime runs those layers on its integer kernels only with 8-bit weights. ``True``:
             every such weight as INT4 (smallest file; W4A8 layers then run unfused). ``False``:
             int8 codes everywhere.
+        past_key_values: Export a decoder LM (GPT-2, OPT, Llama, ...) with its key/value cache as graph inputs
+            and outputs, for incremental decoding in onnxruntime. ``args`` is then the prompt batch, a dict with
+            ``input_ids`` (at least 3 tokens) and optionally ``attention_mask``: the model runs on the first
+            ``min(n // 2, n - 2)`` tokens to make a past, the rest is the traced and verified step. A dict that
+            already holds ``past_key_values.{i}.key`` / ``.value`` tensors (then at least 2 current tokens) is used
+            as is. Graph inputs: the dict's keys (``input_ids``, ``attention_mask`` over past + current tokens),
+            then ``past_key_values.{i}.key`` / ``.value`` ``[batch, kv_heads, past_sequence, head_dim]`` per layer;
+            outputs: ``logits`` then ``present.{i}.key`` / ``.value`` (past + current tokens). Feed the presents
+            back as the next step's pasts; a first step takes pasts of length 0. Models whose forward takes no
+            cache, or returns none with ``use_cache=True`` (BERT, ...), raise :class:`ExportError`.
 
     Returns:
         An :class:`ExportReport` with the file's path, opset, size, the verified difference and
@@ -350,4 +363,4 @@ def export_onnx_qcdq(
     """
     fmt = QCDQFormat(opset=opset, dynamic_batch=dynamic_batch, dynamic_sequence=dynamic_sequence,
                      integer_kernels=integer_kernels, int4_weights=int4_weights)
-    return export_verified(fmt, model, args, path, tolerance)
+    return export_verified(fmt, model, args, path, tolerance, past_key_values=past_key_values)

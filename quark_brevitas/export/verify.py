@@ -25,9 +25,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from quark_brevitas.brevitas_adapter import float8_dtype, is_float_quantizer, quantizer_kind
-from quark_brevitas.export.args import KeywordInputs, PathLike, TensorArgs, check_model, normalize_example, type_name
+from quark_brevitas.export.args import PathLike, TensorArgs, check_model, normalize_example, type_name
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
 from quark_brevitas.export.inspect import as_int, safe_call
+from quark_brevitas.export.kv import export_module, with_past
 from quark_brevitas.export.pinned import PinnedSummary, check_pinned
 from quark_brevitas.export.runtime import run_model_proto, run_onnx
 
@@ -368,8 +369,9 @@ def verify_onnx(
     tol = validate_tolerance(tolerance)
     file = pathlib.Path(path)
     with eval_mode(model):
-        called = KeywordInputs(model, example.names, example.keyword).eval() \
-            if KeywordInputs.needed(model, example) else model
+        if example.past:
+            example = with_past(model, example)
+        called = export_module(model, example)
         reference = compute_reference(called, example.tensors)
         result = measure(reference, run_onnx(file, example.tensors), file, tol)
         exported = exported_module(called, reference)
