@@ -499,3 +499,39 @@ def test_cli_plan_prints_what_the_algorithms_work_on(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "algo_config[0] GPTQConfig:" in out
     assert "decoder layers: none: the model is one block" in out and "fc1, fc2" in out
+
+
+def test_gptq_passes_stop_after_their_group_without_changing_the_result(batches, monkeypatch) -> None:
+    """From the second batch on, a true-sequential pass stops once its group's layers have had their calls:
+    the MLP's last layer runs in every batch of its own pass only, and the weights equal full passes'."""
+    from quark_brevitas.algorithms import gptq as gptq_module
+
+    config = _config(UINT4_G32, GPTQConfig(group_size=32))
+
+    def run() -> tuple[nn.Module, int]:
+        calls = []
+        add = gptq_module._Pass.add
+
+        def counting_add(self, name, rows, raw):  # every hooked layer call of every pass
+            calls.append(name)
+            return add(self, name, rows, raw)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(gptq_module._Pass, "add", counting_add)
+            quantized = ModelQuantizer(config).quantize_model(tiny_llama(), batches)
+        return quantized, len(calls)
+
+    stopping, stopped_calls = run()
+    original = gptq_module._Pass.batch_done
+
+    def never_stop(self, index, output):
+        original(self, index, output)
+        self.calls_per_batch = {name: 10**9 for name in self.calls_per_batch}
+
+    monkeypatch.setattr(gptq_module._Pass, "batch_done", never_stop)
+    full, full_calls = run()
+    layers = [(n, m) for n, m in stopping.named_modules() if isinstance(m, QuantLayer)]
+    assert layers
+    for name, layer in layers:
+        assert torch.equal(layer.weight, full.get_submodule(name).weight), name
+    assert 0 < stopped_calls < full_calls, (stopped_calls, full_calls)

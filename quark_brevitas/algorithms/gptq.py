@@ -33,9 +33,9 @@ from torch import nn
 
 from quark_brevitas import algos
 from quark_brevitas.algorithms.base import register
-from quark_brevitas.algorithms.blocks import BlockwiseHandler
+from quark_brevitas.algorithms.blocks import BlockwiseHandler, UntilStopped
 from quark_brevitas.algorithms.scaling import layer_inputs, linear_weight, set_linear_weight
-from quark_brevitas.brevitas_adapter import WeightGrid, quantization_disabled, weight_grid
+from quark_brevitas.brevitas_adapter import StopFwdException, WeightGrid, quantization_disabled, weight_grid
 from quark_brevitas.data import CalibrationData
 from quark_brevitas.errors import ModelError
 from quark_brevitas.hf.structure import is_linear
@@ -157,13 +157,18 @@ class _Pass:
     """What one pass over a block's inputs collects: per-layer Hessian sums and sample counts. On the first batch
     it records the order in which layers are first called and the object each is called with, which decides the
     group of layers this pass is for (``sequential``: the layers sharing the first layer's input; otherwise all);
-    from the second batch on only that group's Hessians are accumulated."""
+    from the second batch on only that group's Hessians are accumulated, and the batch stops (StopFwdException)
+    as soon as every layer of the group has had as many calls as in the first batch: the rest of the block
+    would compute nothing this pass uses (in a transformer block, the passes for q/k/v, o and the MLP's first
+    layer skip the MLP)."""
 
     sequential: bool
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     first_calls: list[tuple[str, Any]] = field(default_factory=list)
     group: list[str] | None = None
+    calls_per_batch: dict[str, int] = field(default_factory=dict)
+    this_batch: dict[str, int] = field(default_factory=dict)
 
     def add(self, name: str, rows: torch.Tensor, raw: Any) -> None:
         if self.group is None:
@@ -177,6 +182,9 @@ class _Pass:
         else:
             self.hessians[name] = product
         self.counts[name] = self.counts.get(name, 0) + rows.shape[0]
+        self.this_batch[name] = self.this_batch.get(name, 0) + 1
+        if self.group is not None and all(self.this_batch.get(n, 0) >= c for n, c in self.calls_per_batch.items()):
+            raise StopFwdException
 
     def batch_done(self, _index: int, _output: Any) -> None:
         if self.group is None and self.first_calls:
@@ -185,6 +193,8 @@ class _Pass:
             self.first_calls.clear()  # the inputs of the first batch need not be kept alive any longer
             for name in [n for n in self.hessians if n not in self.group]:
                 del self.hessians[name], self.counts[name]
+            self.calls_per_batch = {name: self.this_batch[name] for name in self.group}
+        self.this_batch = {}
 
 
 @register(algos.GPTQConfig)
@@ -233,7 +243,8 @@ class GPTQConfigHandler(BlockwiseHandler):
             while remaining:
                 collected = _Pass(algo.true_sequential)
                 with layer_inputs(remaining, collected.add):
-                    data.forward(block, f"{algo.name}: Hessians of {name or where}", on_output=collected.batch_done)
+                    data.forward(UntilStopped(block), f"{algo.name}: Hessians of {name or where}",
+                                 on_output=collected.batch_done)
                 if not collected.group:
                     raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
                 for layer_name in collected.group:
