@@ -35,7 +35,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +49,8 @@ from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlockSource", "BlockwiseEngine", "CopiedBlocks", "StoreFactory", "copy_without_blocks", "find_block_stack",
-           "resolve_block_stack"]
+__all__ = ["BlockSource", "BlockwiseEngine", "CopiedBlocks", "StoreFactory", "UntilStopped", "copy_without_blocks",
+           "find_block_stack", "main_output", "replayable", "resolve_block_stack"]
 
 #: Keyword inputs that carry a key/value cache: never cached (a block replayed on them would grow them).
 _CACHE_KEYWORDS = ("past_key_values", "past_key_value", "layer_past")
@@ -212,13 +212,28 @@ class _Clock:
         self.calls = 0
 
 
-class _Until(nn.Module):
-    """Calls the model; a capture hook ends the call early (Brevitas's StopFwdException). Hugging Face models
-    are asked not to build a key/value cache."""
+class UntilStopped(nn.Module):
+    """``model`` whose calls end quietly (returning ``None``) where a hook raised Brevitas's
+    :class:`StopFwdException`, also a hook on ``model`` itself, which Brevitas's own catch inside ``forward``
+    does not see."""
 
-    def __init__(self, model: nn.Module, clock: _Clock) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.model(*args, **kwargs)
+        except StopFwdException:
+            return None
+
+
+class _Until(UntilStopped):
+    """:class:`UntilStopped` that counts its calls on ``clock``; Hugging Face models are asked not to build a
+    key/value cache."""
+
+    def __init__(self, model: nn.Module, clock: _Clock) -> None:
+        super().__init__(model)
         self.clock = clock
         try:
             self.no_cache = "use_cache" in inspect.signature(model.forward).parameters
@@ -229,10 +244,7 @@ class _Until(nn.Module):
         self.clock.calls += 1
         if self.no_cache:
             kwargs.setdefault("use_cache", False)
-        try:
-            return self.model(*args, **kwargs)
-        except StopFwdException:
-            return None
+        return super().forward(*args, **kwargs)
 
 
 class _Replay(nn.Module):
@@ -260,19 +272,33 @@ class _Solo(nn.Module):
         return getattr(self, self.attribute)(*args, **kwargs)
 
 
-def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: (None if k in _CACHE_KEYWORDS else v) for k, v in kwargs.items()}
+def _is_kv_cache(value: Any) -> bool:
+    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
+               for cls in type(value).__mro__)
 
 
-def _first_tensor(output: Any, where: str) -> torch.Tensor:
+def replayable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A module call's arguments as they can be cached and replayed: key/value caches dropped (Hugging Face
+    ``Cache`` objects wherever they are, and anything under a cache keyword; a block replayed on a cache would
+    append to it on every call and attend to the appended keys), ``use_cache`` off."""
+    kept = {key: None if key in _CACHE_KEYWORDS or _is_kv_cache(value) else value for key, value in kwargs.items()}
+    if "use_cache" in kept:
+        kept["use_cache"] = False
+    return tuple(None if _is_kv_cache(arg) else arg for arg in args), kept
+
+
+def main_output(output: Any, where: str = "the block") -> torch.Tensor:
+    """The tensor a block or model call returns first (hidden states, logits): the output itself, the first
+    element of a tuple or list, or the first value of a dict or Hugging Face ``ModelOutput``."""
     value = output
-    while isinstance(value, tuple | list) and value:
-        value = value[0]
-    if isinstance(value, dict) and value:
-        value = next(iter(value.values()))
-    if not isinstance(value, torch.Tensor):
-        raise ModelError(f"{where} returned a {type(output).__name__} without a tensor first; the block engine needs "
-                         "blocks whose first output is the next block's hidden state")
+    while not isinstance(value, torch.Tensor):
+        if isinstance(value, tuple | list) and value:
+            value = value[0]
+        elif isinstance(value, Mapping) and value:
+            value = next(iter(value.values()))
+        else:
+            raise ModelError(f"{where} returned a {type(output).__name__} without a tensor first; the block engine "
+                             "needs blocks whose first output is the next block's hidden state")
     return value
 
 
@@ -289,7 +315,7 @@ class _Capture:
     def _hook(self, name: str) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             self.hits.append(name)
-            self.store.append((detached(args), _without_cache(detached(kwargs))))
+            self.store.append(replayable(detached(args), detached(kwargs)))
             raise StopFwdException
 
         return hook
@@ -463,7 +489,7 @@ class BlockwiseEngine:
     def _block_inputs(self, hidden: ActivationStore, label: str) -> BlockInputs:
         def get(position: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
             args, kwargs = self.templates[position]
-            state = _first_tensor(hidden[position], label)
+            state = main_output(hidden[position], label)
             if self.hidden_key is None:
                 return (state, *args[1:]), kwargs
             return args, {**kwargs, self.hidden_key: state}
@@ -486,7 +512,7 @@ class BlockwiseEngine:
         outputs = self.stores.create(f"hidden_{index + 1}")
 
         def keep(position: int, output: Any) -> None:
-            state = _first_tensor(output, name)
+            state = main_output(output, name)
             if state.shape != self.hidden_shapes[position]:
                 raise ModelError(f"{name} turns a hidden state of shape {list(self.hidden_shapes[position])} into "
                                  f"{list(state.shape)}; the block engine needs blocks that keep its shape")

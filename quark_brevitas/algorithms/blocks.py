@@ -28,52 +28,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quark_brevitas.algorithms.base import AlgorithmHandler
+from quark_brevitas.blockwise import UntilStopped, main_output, replayable
 from quark_brevitas.brevitas_adapter import StopFwdException, int_weight_format
 from quark_brevitas.data import BlockInputs, CalibrationData
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.hf.structure import ScalingGroup, Structure, infer_scaling_layers, is_linear, model_structure
 
-__all__ = ["BlockwiseHandler", "CallRecorder", "UntilStopped", "blocks_are_chained", "capture_block_inputs",
-           "first_batch_output", "main_output", "next_block_inputs"]
-
-
-def main_output(output: Any) -> torch.Tensor:
-    """The tensor a block or model call returns first (hidden states, logits): the call's output itself, the
-    first element of a tuple, or the first field of a Hugging Face ``ModelOutput``."""
-    while not isinstance(output, torch.Tensor):
-        if isinstance(output, tuple | list) and output:
-            output = output[0]
-        elif hasattr(output, "values") and callable(output.values):
-            output = next(iter(output.values()))
-        else:
-            raise TypeError(f"cannot find the output tensor in a {type(output).__name__}")
-    return output
-
-
-def _is_kv_cache(value: Any) -> bool:
-    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
-               for cls in type(value).__mro__)
-
-
-def _without_cache(value: Any) -> Any:
-    """A cached block input without Hugging Face's key/value cache: replaying a block with the cache of the
-    pass that captured it would append to it on every call (and attend to the appended keys)."""
-    return None if _is_kv_cache(value) else value
-
-
-class UntilStopped(nn.Module):
-    """``model`` whose calls end quietly where a hook raised :class:`StopFwdException` (also a hook on
-    ``model`` itself, which Brevitas's own catch inside ``forward`` does not see)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self.model(*args, **kwargs)
-        except StopFwdException:
-            return None
+__all__ = ["BlockwiseHandler", "CallRecorder", "blocks_are_chained", "capture_block_inputs", "first_batch_output",
+           "next_block_inputs"]
 
 
 class _FirstBatchOnly(nn.Module):
@@ -89,15 +51,6 @@ class _FirstBatchOnly(nn.Module):
         return self.model(*args, **kwargs) if self.calls == 1 else None
 
 
-def _replayable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A module call's arguments as they can be replayed: Hugging Face's key/value caches dropped, ``use_cache``
-    off."""
-    kept = {key: _without_cache(value) for key, value in kwargs.items()}
-    if "use_cache" in kept:
-        kept["use_cache"] = False
-    return tuple(_without_cache(arg) for arg in args), kept
-
-
 class CallRecorder:
     """While the context lasts, records every call of some modules: the replayable ``(args, kwargs)``
     (:attr:`calls`) and the main output, detached in float32 (:attr:`outputs`), per module name."""
@@ -111,7 +64,7 @@ class CallRecorder:
     def __enter__(self) -> CallRecorder:
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_pre_hook(
-                lambda _m, args, kwargs, name=name: self.calls[name].append(_replayable(args, kwargs)),
+                lambda _m, args, kwargs, name=name: self.calls[name].append(replayable(args, kwargs)),
                 with_kwargs=True))
             self._handles.append(module.register_forward_hook(
                 lambda _m, _args, output, name=name: self.outputs[name].append(
@@ -130,7 +83,7 @@ def capture_block_inputs(model: nn.Module, block: nn.Module, data: CalibrationDa
     captured: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
     def record(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        captured.append(_replayable(args, kwargs))
+        captured.append(replayable(args, kwargs))
         raise StopFwdException
 
     handle = block.register_forward_pre_hook(record, with_kwargs=True)
