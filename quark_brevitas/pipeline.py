@@ -175,7 +175,7 @@ class Pipeline:
             logger.log(log, "Applying %s", _algorithm_name(algo))
             handler = handler_for(algo)
             apply = handler.apply if unit is None else \
-                functools.partial(_apply_unit, handler, name=unit[0], block=unit[1])
+                functools.partial(handler.apply_unit, name=unit[0], block=unit[1])
             # Tied weights of quantized layers are untied only if the algorithm changes them (warning).
             model = run_untied(model, _algorithm_name(algo), apply, algo, data if algo.needs_data else None)
         return model
@@ -365,11 +365,6 @@ class Pipeline:
         work = self.replace_layers(work)
         work = self._restore_algorithms("algo_config", work, saved)
         return self.finish(work)
-
-
-def _apply_unit(handler: Any, algo: Any, unit: nn.Module, data: CalibrationData | None, *, name: str,
-                block: bool) -> nn.Module:
-    return handler.apply_unit(algo, unit, data, name, block=block)
 
 
 def _has_submodule(model: nn.Module, name: str) -> bool:
