@@ -30,7 +30,6 @@ import contextlib
 import copy
 import gc
 import hashlib
-import inspect
 import logging
 import os
 import shutil
@@ -44,7 +43,7 @@ from torch import nn
 
 from quark_brevitas.activation_store import ActivationStore, detached
 from quark_brevitas.brevitas_adapter import StopFwdException
-from quark_brevitas.data import BlockInputs, CalibrationData
+from quark_brevitas.data import BlockInputs, CalibrationData, takes
 from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)
@@ -235,10 +234,7 @@ class _Until(UntilStopped):
     def __init__(self, model: nn.Module, clock: _Clock) -> None:
         super().__init__(model)
         self.clock = clock
-        try:
-            self.no_cache = "use_cache" in inspect.signature(model.forward).parameters
-        except (TypeError, ValueError):
-            self.no_cache = False
+        self.no_cache = takes(model, "use_cache")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.clock.calls += 1

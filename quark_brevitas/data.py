@@ -33,6 +33,7 @@ Two more kinds of calibration data serve the block-by-block data phase and distr
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -49,12 +50,21 @@ from quark_brevitas.errors import CalibrationDataError, ModelError
 logger = logging.getLogger(__name__)
 
 __all__ = ["ALLOWED_BATCHES", "BatchToInputs", "BlockInputs", "CalibrationData", "Shard", "model_device_dtype",
-           "prepare_batch", "run_batches", "split_batch"]
+           "prepare_batch", "run_batches", "split_batch", "takes"]
 
 ALLOWED_BATCHES = "a tensor, an (inputs, target) tuple/list, or a dict of keyword arguments"
 
 #: ``batch -> (args, kwargs)``: how one batch becomes the model's forward call.
 BatchToInputs = Callable[[Any], "tuple[tuple[Any, ...], dict[str, Any]]"]
+
+
+def takes(model: nn.Module, keyword: str) -> bool:
+    """Whether ``model.forward`` has a parameter named ``keyword`` (e.g. ``use_cache``, to turn a decoder's
+    key/value cache off)."""
+    try:
+        return keyword in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:

@@ -10,7 +10,6 @@ place, so that every entry point rejects a wrong argument with the same
 
 from __future__ import annotations
 
-import inspect
 import os
 import pathlib
 import re
@@ -23,6 +22,7 @@ import torch
 from brevitas.quant_tensor import QuantTensor
 from torch import nn
 
+from quark_brevitas.data import takes
 from quark_brevitas.export.errors import ExportArgumentError
 
 TensorArgs: TypeAlias = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
@@ -153,13 +153,6 @@ class KeywordInputs(nn.Module):
         """Whether exporting ``model`` on ``example`` needs the wrapper (keyword inputs, or a cache to turn off)."""
         return example.keyword or takes(model, "use_cache")
 
-
-def takes(model: nn.Module, keyword: str) -> bool:
-    """Whether ``model.forward`` has a parameter named ``keyword``."""
-    try:
-        return keyword in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def dynamic_axes(example: Example, *, batch: bool, sequence: bool) -> dict[str, dict[int, str]] | None:

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas.export.args import Example, KeywordInputs, past_name, past_names, takes, type_name
+from quark_brevitas.data import takes
+from quark_brevitas.export.args import Example, KeywordInputs, past_name, past_names, type_name
 from quark_brevitas.export.errors import ExportError
 
 logger = logging.getLogger(__name__)
