@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import logging
 import os
 import pathlib
@@ -145,7 +144,6 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
     """
     check_model(model)
     inputs = normalize_example(args)
-    example = inputs.tensors
     out_path = check_path(path)
     fmt.check_options()
     if out_path.is_dir():
@@ -153,17 +151,14 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
     tol = validate_tolerance(tolerance)
     fmt.require_tools()
     _require_brevitas_exporter()
-    # half-precision models export as float32
-    model, example = float32_for_export(model, example, inputs)
-    inputs = dataclasses.replace(inputs, tensors=example)
+    model, inputs = float32_for_export(model, inputs)  # half-precision models export as float32
 
     with eval_mode(model):
         fmt.inspect(model)
         if past_key_values or inputs.past:
             inputs = with_past(model, inputs)
-            example = inputs.tensors
         called = export_module(model, inputs)
-        reference = compute_reference(called, example)
+        reference = compute_reference(called, inputs.tensors)
         fmt.prepare(model)
         fmt.require_opset(reference.min_opset)
         names = _graph_names(reference, inputs)
@@ -179,7 +174,7 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
         stray = sorted(set(os.listdir(out_dir)) - before - {out_path.name})
         if stray:
             logger.warning("files appeared in %s during export (not written by this export): %s", out_dir, stray)
-        result = _verify(fmt, proto, reference, flat, example, names, out_path, tol)
+        result = _verify(fmt, proto, reference, flat, inputs.tensors, names, out_path, tol)
     return fmt.report(proto, out_path, result, names)
 
 

@@ -13,6 +13,7 @@ the half model's own arithmetic, not a quantization difference) is logged with t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Any
 
@@ -31,39 +32,33 @@ __all__ = ["HALF_PRECISION", "float32_for_export"]
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _call(model: nn.Module, args: tuple[torch.Tensor, ...], example: Example | None) -> Any:
-    return (export_module(model, example) if example is not None else model)(*args)
-
-
 def _model_dtype(model: nn.Module) -> torch.dtype | None:
     return next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
 
 
-def float32_for_export(model: nn.Module, args: tuple[torch.Tensor, ...],
-                       example: Example | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """``(model, args)`` unchanged for a float32 model; for a float16/bfloat16 model a float32 copy of it
-    and ``args`` with their floating tensors in float32 (integer inputs such as token ids are kept).
+def float32_for_export(model: nn.Module, example: Example) -> tuple[nn.Module, Example]:
+    """``(model, example)`` unchanged for a float32 model; for a float16/bfloat16 model a float32 copy of it
+    and ``example`` with its floating tensors in float32 (integer inputs such as token ids are kept).
 
-    ``example`` says how the model takes its inputs (keyword arguments such as a tokenizer's dict).
     The caller's model is not changed. Logs the largest difference between the copy's outputs and the
-    half-precision model's on ``args``.
+    half-precision model's on ``example``.
     """
     dtype = _model_dtype(model)
     if dtype not in HALF_PRECISION:
-        return model, args
+        return model, example
     wide = copy.deepcopy(model).float()
-    wide_args = tuple(a.float() if a.is_floating_point() else a for a in args)
-    half_args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    wide_args = tuple(a.float() if a.is_floating_point() else a for a in example.tensors)
+    half_args = tuple(a.to(dtype) if a.is_floating_point() else a for a in example.tensors)
     with torch.no_grad(), eval_mode(model), eval_mode(wide):
-        half = flatten_outputs(_call(model, half_args, example))
-        full = flatten_outputs(_call(wide, wide_args, example))
+        half = flatten_outputs(export_module(model, example)(*half_args))
+        full = flatten_outputs(export_module(wide, example)(*wide_args))
     difference = max((float((h.float() - f).abs().max()) for (_, h), (_, f) in zip(half, full) if h.numel()),
                      default=0.0)
     logger.info("Exporting a float32 copy of the %s model (onnxruntime's CPU kernels compute in float32; the "
                 "integer weights, scales and zero points are identical). The file is verified against the copy; "
                 "the copy's outputs differ from the %s model's by at most %.3g on the example input (%s rounding "
                 "of the layers' arithmetic)", _name(dtype), _name(dtype), difference, _name(dtype))
-    return wide, wide_args
+    return wide, dataclasses.replace(example, tensors=wide_args)
 
 
 def _name(dtype: Any) -> str:
