@@ -340,10 +340,8 @@ class LayerwiseBackend:
                 "without device_map='meta'); plan() works on such a model"
             )
 
-    def require_targets(self, model: nn.Module, rows: Sequence[PlannedLayer], loaded_later: str | None = None) -> None:
-        """Raise unless the model's tensors have values (:meth:`require_values`) and the plan quantizes at least
-        one layer (a no-op quantization is a mistake)."""
-        self.require_values(model, loaded_later)
+    def require_targets(self, model: nn.Module, rows: Sequence[PlannedLayer]) -> None:
+        """Raise unless the plan quantizes at least one layer (a no-op quantization is a mistake)."""
         if any(row.quantized for row in rows):
             return
         if any(row.sources for row in rows):
@@ -361,6 +359,7 @@ class LayerwiseBackend:
         """Replace the planned layers of ``model`` in place and return it (``check_names``, ``prefix``: see
         :meth:`plan`)."""
         rows = self.plan(model, config, check_names=check_names, prefix=prefix)
+        self.require_values(model)
         self.require_targets(model, rows)
         targets = {row.name for row in rows if row.layer_config is not None}
         modules = dict(model.named_modules())

@@ -131,7 +131,7 @@ class Pipeline:
         rows = self.plan(model)
         self.backend.require_values(model, loaded_later)
         model_device_dtype(model)
-        self.backend.require_targets(model, rows, loaded_later)
+        self.backend.require_targets(model, rows)
         return rows
 
     def _require_data(self, rows: list[PlannedLayer], data: CalibrationData | None) -> bool:
