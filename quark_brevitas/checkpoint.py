@@ -141,6 +141,8 @@ def save_quantized(
                 "ModelQuantizer.quantize_model or load_quantized); pass config= to save_quantized"
             )
     verify_config(config)
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise CheckpointError(f"checkpoint directory {str(directory)!r} exists and is not a directory")
     path = check_output_dir(directory, overwrite=overwrite)
     tensors = _state_tensors(model.state_dict())
     example = _example_tensors(example_input) if example_input is not None else None

@@ -459,6 +459,8 @@ def quantize_pretrained(
     :func:`load_pretrained_quantized` (or :func:`~quark_brevitas.checkpoint.load_quantized`) loads.
     """
     model_dir = Path(model_dir)
+    if Path(output_dir).exists() and not Path(output_dir).is_dir():
+        raise CheckpointError(f"output directory {str(output_dir)!r} exists and is not a directory")
     output = check_output_dir(output_dir, overwrite=overwrite, sources=[model_dir])
     work = work_dir(output)
     pipeline = Pipeline(config, container)
