@@ -14,8 +14,10 @@ The supported Brevitas range is checked once, at import (:data:`SUPPORTED_BREVIT
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import functools
 import logging
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
@@ -44,7 +46,7 @@ from brevitas_examples.common.generative import quantizers as generative_quantiz
 from packaging.version import Version
 from torch import nn
 
-from quark_brevitas.errors import QuarkBrevitasError
+from quark_brevitas.errors import NotPicklableError, QuarkBrevitasError
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,40 @@ def _check_version() -> None:
 
 
 _check_version()
+
+
+# ===================================================================== pickling
+def _reduce_injector(injector: type) -> str:
+    """``pickle``'s reduction of a Brevitas quantizer (an injector class): one importable by its name (a
+    Brevitas quantizer such as ``Int8WeightPerTensorFloat``) pickles by reference as before; one made at run
+    time (``Base.let(...)``, how a config becomes a quantizer) cannot be re-created by name, and ``pickle``
+    would fail with a ``PicklingError`` that names only the quantizer class. Say what to use instead."""
+    module = sys.modules.get(injector.__module__)
+    found: Any = module
+    for part in injector.__qualname__.split("."):
+        found = getattr(found, part, None)
+    if found is injector:
+        return injector.__qualname__  # pickle's "a global of the object's module"
+    raise NotPicklableError(
+        f"a quantized model cannot be pickled (torch.save(model), pickle, multiprocessing): its quantizer "
+        f"{injector.__qualname__} was made at run time from the config and cannot be re-created by name. Save "
+        "it with quark_brevitas.save_quantized(model, directory) and load it with "
+        "quark_brevitas.load_quantized(float_model, directory); or torch.save(model.state_dict())"
+    )
+
+
+def _register_pickling() -> None:
+    """Route the pickling of every Brevitas injector class through :func:`_reduce_injector` (``copyreg`` is
+    consulted by type, here the injectors' metaclass; ``copy.deepcopy`` copies classes by reference and is
+    unaffected)."""
+    from _dependencies.injector import _InjectorType
+    from brevitas.inject import _ExtendedInjectorType
+
+    for metaclass in (_InjectorType, _ExtendedInjectorType):
+        copyreg.pickle(metaclass, _reduce_injector)
+
+
+_register_pickling()
 
 
 # Quantizers Brevitas ships in its examples package rather than in ``brevitas.quant`` (per-group weights,

@@ -60,6 +60,7 @@ from quark_brevitas.brevitas_adapter import (
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
+from quark_brevitas.outputs import check_output_dir, file_sha256, output_dir
 from quark_brevitas.pipeline import CONFIG_ATTRIBUTE, Pipeline, SavedStructure
 from quark_brevitas.ties import untie_differing
 from quark_brevitas.version import __version__
@@ -84,6 +85,8 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 EXAMPLE_FILE = "example_input.safetensors"
+#: Manifest key: weight file name -> its SHA-256 when written (checkpoints before it have none and load unchecked).
+CHECKSUMS_KEY = "checksums"
 
 #: A model's example input: a tensor, a tuple/list of positional tensors or a dict of keyword tensors.
 ExampleInput = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | dict[str, torch.Tensor]
@@ -110,6 +113,7 @@ def save_quantized(
     *,
     example_input: ExampleInput | None = None,
     config: Config | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``model`` (returned by ``ModelQuantizer.quantize_model``) as a checkpoint directory.
 
@@ -118,8 +122,14 @@ def save_quantized(
       being given an input.
     - ``config``: only for models not produced by ``quantize_model`` (which carry their Config).
 
-    Works in train and eval mode (the mode is restored on load, so QAT can be resumed). Existing
-    checkpoint files in ``directory`` are replaced; other files are left alone. Returns the directory.
+    - ``overwrite``: also write into a folder that holds files quark_brevitas did not write (a Hugging Face
+      model folder, other work); without it such a folder is refused (:class:`~quark_brevitas.outputs.OutputError`).
+      Only the checkpoint's own files are replaced; the others stay.
+
+    Works in train and eval mode (the mode is restored on load, so QAT can be resumed). The checkpoint is
+    written into a temporary sibling folder and moved into place once complete (:mod:`quark_brevitas.outputs`),
+    so an interrupted save leaves the folder as it was; a checkpoint saved there before is replaced as a whole.
+    The manifest records each weight file's SHA-256, checked on load. Returns the directory.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -131,9 +141,9 @@ def save_quantized(
                 "ModelQuantizer.quantize_model or load_quantized); pass config= to save_quantized"
             )
     verify_config(config)
-    path = Path(directory)
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(path)!r} exists and is not a directory")
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise CheckpointError(f"checkpoint directory {str(directory)!r} exists and is not a directory")
+    path = check_output_dir(directory, overwrite=overwrite)
     tensors = _state_tensors(model.state_dict())
     example = _example_tensors(example_input) if example_input is not None else None
     manifest = {
@@ -152,20 +162,19 @@ def save_quantized(
     }
     from safetensors.torch import save_file
 
-    path.mkdir(parents=True, exist_ok=True)
-    # Each file is written under a temporary name and renamed, so an interrupted save never leaves a
-    # checkpoint whose files disagree with each other.
-    _write_atomic(path / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": FORMAT}))
-    if (path / WEIGHTS_INDEX_FILE).exists():
-        (path / WEIGHTS_INDEX_FILE).unlink()  # the index of an earlier sharded checkpoint would take precedence
-    if example is not None:
-        _write_atomic(path / EXAMPLE_FILE, lambda p: save_file(example[1], str(p), metadata={"format": FORMAT}))
-    elif (path / EXAMPLE_FILE).exists():
-        (path / EXAMPLE_FILE).unlink()  # a stale example of an earlier checkpoint would be misleading
-    _write_atomic(path / CONFIG_FILE, lambda p: p.write_text(config.to_json() + "\n"))
-    _write_atomic(path / MANIFEST_FILE, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
-    logger.info("Saved checkpoint %s (%d tensors, %.1f KiB)", path, len(tensors),
-                (path / WEIGHTS_FILE).stat().st_size / 1024)
+    # The index of a sharded checkpoint would take precedence over model.safetensors, and a stale example
+    # input would be misleading: both go when the folder is replaced.
+    with output_dir(path, overwrite=overwrite, stale=(WEIGHTS_INDEX_FILE, EXAMPLE_FILE)) as work:
+        save_file(tensors, str(work / WEIGHTS_FILE), metadata={"format": FORMAT})
+        checksums = {WEIGHTS_FILE: file_sha256(work / WEIGHTS_FILE)}
+        if example is not None:
+            save_file(example[1], str(work / EXAMPLE_FILE), metadata={"format": FORMAT})
+            checksums[EXAMPLE_FILE] = file_sha256(work / EXAMPLE_FILE)
+        manifest[CHECKSUMS_KEY] = checksums
+        (work / CONFIG_FILE).write_text(config.to_json() + "\n")
+        (work / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+        size = (work / WEIGHTS_FILE).stat().st_size
+    logger.info("Saved checkpoint %s (%d tensors, %.1f KiB)", path, len(tensors), size / 1024)
     return path
 
 
@@ -182,16 +191,6 @@ def huggingface_architecture(model: nn.Module) -> dict[str, Any] | None:
             "config_class": f"{type(config).__module__}.{type(config).__qualname__}",
             "config": json.loads(json.dumps(values, default=str)),
             "attn_implementation": attention if isinstance(attention, str) else None}
-
-
-def _write_atomic(target: Path, write: Any) -> None:
-    tmp = target.with_name(target.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _versions() -> dict[str, str]:
@@ -278,29 +277,51 @@ def _read_json(path: Path) -> Any:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, checksum: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of one checkpoint file, after checking it against the SHA-256 its manifest recorded
+    (``checksum``; ``None`` for checkpoints written before checksums): damage is reported with the file's
+    name, never loaded."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing (written by save_quantized)")
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete: write it again "
+                              "(save_quantized / quantize_pretrained) or restore the file")
+    if checksum is not None and file_sha256(path) != checksum:
+        raise CheckpointError(f"{path} has changed since it was written (its SHA-256 differs from the one in "
+                              f"{MANIFEST_FILE}): it is damaged or was overwritten; write the checkpoint again "
+                              "(save_quantized / quantize_pretrained) or restore the file")
     try:
         return load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
+        raise CheckpointError(f"{path} is not a readable safetensors file ({exc}): it is truncated or damaged; "
+                              "write the checkpoint again (save_quantized / quantize_pretrained) or restore "
+                              "the file") from exc
+
+
+def checksums(directory: Path) -> dict[str, str]:
+    """File name -> SHA-256 recorded in a checkpoint's manifest (empty for checkpoints without checksums)."""
+    manifest_path = directory / MANIFEST_FILE
+    manifest = _read_json(manifest_path) if manifest_path.is_file() else {}
+    recorded = manifest.get(CHECKSUMS_KEY, {}) if isinstance(manifest, dict) else {}
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"{manifest_path}: {CHECKSUMS_KEY!r} must map file names to SHA-256 digests")
+    return recorded
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint: ``model.safetensors``, or the files its sharded index lists."""
+    """Every tensor of a checkpoint: ``model.safetensors``, or the files its sharded index lists; each file
+    checked against the checksum its manifest records."""
+    recorded = checksums(directory)
     index = directory / WEIGHTS_INDEX_FILE
     if not index.is_file():
-        return _read_safetensors(directory / WEIGHTS_FILE)
+        return read_safetensors(directory / WEIGHTS_FILE, recorded.get(WEIGHTS_FILE))
     weight_map = _read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index} has no weight_map (written by quark_brevitas.hf.streaming)")
     state: dict[str, torch.Tensor] = {}
     for name in sorted(set(weight_map.values())):
-        state.update(_read_safetensors(directory / name))
+        state.update(read_safetensors(directory / name, recorded.get(name)))
     missing = sorted(set(weight_map) - set(state))
     if missing:
         raise CheckpointError(f"{index} lists tensor {missing[0]!r} in {weight_map[missing[0]]}, which lacks it")
@@ -326,7 +347,7 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo:
     example: ExampleInput | None = None
     description = manifest.get("example_input")
     if description is not None:
-        stored = _read_safetensors(path / EXAMPLE_FILE)
+        stored = read_safetensors(path / EXAMPLE_FILE, manifest.get(CHECKSUMS_KEY, {}).get(EXAMPLE_FILE))
         names = [t["name"] for t in description["tensors"]]
         missing = [n for n in names if n not in stored]
         if missing:

@@ -46,6 +46,7 @@ from torch import nn
 from quark_brevitas.api import ModelExporter, ModelQuantizer
 from quark_brevitas.config import Config
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
+from quark_brevitas.outputs import OutputError, check_output_dir, output_dir
 from quark_brevitas.presets import DEFAULT_PRESET, DESCRIPTIONS, PRESETS, get_preset
 
 __all__ = ["main"]
@@ -115,6 +116,9 @@ def _build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--seed", type=int, default=0, help="data split and training seed (default 0)")
     quantize.add_argument("--save-checkpoint", metavar="DIR", default=None,
                           help="also save the quantized model as a checkpoint directory (for 'export' and reloading)")
+    quantize.add_argument("--overwrite", action="store_true",
+                          help="write into --output (and --save-checkpoint) even if it holds files quark_brevitas did "
+                               "not write; only the entries this run writes are replaced (never the --model folder)")
     llm = quantize.add_argument_group("a Hugging Face model instead of the digits CNN")
     llm.add_argument("--model", metavar="DIR", default=None,
                      help="a Hugging Face model folder (from_pretrained, safetensors): quantize it into the "
@@ -243,15 +247,13 @@ def _cmd_quantize_llm(args: argparse.Namespace) -> int:
     config, source = (None, "default (int4 per-group 128 + GPTQ)")
     if args.config is not None or args.preset is not None:
         config, source = _resolve_config(args)
-    output = Path(args.output)
-    if output.exists() and not output.is_dir():
-        raise CLIError(f"--output {str(output)!r} exists and is not a directory")
+    output = _checked_output(args.output, "--output", args.overwrite, sources=[args.model])
     report = quantize_folder(
         args.model, _read_text(args.calib_text, "--calib-text"), output, config=config, config_source=source,
         eval_text=_read_text(args.eval_text, "--eval-text") if args.eval_text is not None else None,
         seq_len=args.seq_len, batch_size=args.batch_size, calib_sequences=args.calib_sequences,
         eval_sequences=args.eval_sequences, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-        resume=not args.no_resume, offload=args.offload)
+        resume=not args.no_resume, offload=args.offload, overwrite=args.overwrite)
     rows = report.rows()
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
@@ -267,9 +269,9 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     config, source = _resolve_config(args)  # before any work, so a bad config fails fast
     _plan_digits(config, args)  # layer names and types too, before training
-    output = Path(args.output)
-    if output.exists() and not output.is_dir():
-        raise CLIError(f"--output {str(output)!r} exists and is not a directory")
+    output = _checked_output(args.output, "--output", args.overwrite)
+    if args.save_checkpoint is not None:
+        _checked_output(args.save_checkpoint, "--save-checkpoint", args.overwrite)
     logger.info("Config: %s", source)
 
     start = time.perf_counter()
@@ -285,9 +287,39 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     quant_acc = evaluate(quant_model, data.test)
     logger.info("Quantized accuracy (PyTorch): %.2f %%", quant_acc)
 
-    output.mkdir(parents=True, exist_ok=True)
-    onnx_path = output / ONNX_NAME
-    example = example_input(data)
+    with output_dir(output, overwrite=args.overwrite) as work:  # moved into place once everything is written
+        exported = _export_digits(work, quant_model, model, data, example_input(data))
+        timings = {"train": train_s, "quantize": quantize_s, **exported.pop("timings_s")}
+        report = {"config_source": source, "epochs": args.epochs, "seed": args.seed,
+                  "test_images": exported.pop("test_images"), "float_accuracy": float_acc,
+                  "quant_accuracy_pytorch": quant_acc, **exported, "onnx_path": str(output / ONNX_NAME),
+                  "timings_s": timings}
+        (work / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (work / "config.json").write_text(config.to_json() + "\n")
+    logger.info("Wrote %s, %s and %s", output / ONNX_NAME, output / "report.json", output / "config.json")
+    if args.save_checkpoint is not None:
+        from quark_brevitas.checkpoint import save_quantized
+
+        save_quantized(quant_model, args.save_checkpoint, example_input=example_input(data), overwrite=args.overwrite)
+        logger.info("Saved checkpoint %s", args.save_checkpoint)
+    print(_results_table(report))
+    return 0
+
+
+def _checked_output(path: str, option: str, overwrite: bool, sources: Sequence[str] = ()) -> Path:
+    """``path`` if the run may write there (see :func:`quark_brevitas.outputs.check_output_dir`), checked before
+    any work; the error names the command-line option."""
+    try:
+        return check_output_dir(path, overwrite=overwrite, sources=sources)
+    except OutputError as exc:
+        raise CLIError(f"{option}: {exc}") from exc
+
+
+def _export_digits(work: Path, quant_model: nn.Module, model: nn.Module, data: Any,
+                   example: torch.Tensor) -> dict[str, Any]:
+    """Export the quantized digits CNN into ``work``, check it in onnxruntime and return the report's values
+    about the file."""
+    onnx_path = work / ONNX_NAME
     start = time.perf_counter()
     export = ModelExporter(onnx_path).export_onnx_model(quant_model, example)
     export_s = time.perf_counter() - start
@@ -298,33 +330,17 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     logger.info("Quantized accuracy (onnxruntime): %.2f %%; agreement with PyTorch %.2f %%", ort_acc, agreement)
     float_size = _onnx_size_of_float_model(model, example)
 
-    report = {
-        "config_source": source,
-        "epochs": args.epochs,
-        "seed": args.seed,
+    return {
         "test_images": n_test,
-        "float_accuracy": float_acc,
-        "quant_accuracy_pytorch": quant_acc,
         "quant_accuracy_onnxruntime": ort_acc,
         "agreement_onnxruntime_pytorch": agreement,
-        "onnx_path": str(onnx_path),
         "onnx_opset": export.opset,
         "onnx_size_bytes": export.file_size,
         "float_onnx_size_bytes": float_size,
         "export_max_abs_diff": export.max_abs_diff,
         "export_tolerance": export.tolerance,
-        "timings_s": {"train": train_s, "quantize": quantize_s, "export": export_s, "evaluate_onnx": evaluate_s},
+        "timings_s": {"export": export_s, "evaluate_onnx": evaluate_s},
     }
-    (output / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (output / "config.json").write_text(config.to_json() + "\n")
-    logger.info("Wrote %s, %s and %s", onnx_path, output / "report.json", output / "config.json")
-    if args.save_checkpoint is not None:
-        from quark_brevitas.checkpoint import save_quantized
-
-        save_quantized(quant_model, args.save_checkpoint, example_input=example)
-        logger.info("Saved checkpoint %s", args.save_checkpoint)
-    print(_results_table(report))
-    return 0
 
 
 def _kib(size: int) -> str:

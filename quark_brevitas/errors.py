@@ -39,3 +39,7 @@ class ModelError(QuarkBrevitasError):
 
 class UnsupportedAlgorithmError(QuarkBrevitasError):
     """The installed Brevitas cannot run the requested algorithm."""
+
+
+class NotPicklableError(QuarkBrevitasError, TypeError):
+    """A quantized model was given to ``pickle`` / ``torch.save``, which cannot store its quantizers."""

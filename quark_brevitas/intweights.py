@@ -31,6 +31,7 @@ from torch import nn
 
 from quark_brevitas.brevitas_adapter import FLOAT8_DTYPES, QuantLayer, is_groupwise, iter_quantizers
 from quark_brevitas.errors import ModelError, QuarkBrevitasError
+from quark_brevitas.outputs import write_file
 
 __all__ = ["IntegerWeight", "integer_weights", "save_integer_weights"]
 
@@ -227,7 +228,8 @@ def save_integer_weights(
     if format == "safetensors":
         from safetensors.torch import save_file
 
-        save_file(tensors, str(target), metadata={"quark_brevitas.integer_weights": metadata})
+        write_file(target, lambda tmp: save_file(tensors, str(tmp),
+                                                 metadata={"quark_brevitas.integer_weights": metadata}))
         return target
     import numpy as np
 
@@ -236,6 +238,9 @@ def save_integer_weights(
         if tensor.dtype in FLOAT8_DTYPES.values():
             tensor = tensor.view(torch.uint8)
         arrays[key] = tensor.numpy()
-    with open(target, "wb") as handle:  # an open file keeps numpy from appending ".npz" to the name
-        np.savez(handle, **arrays)
+    def save(tmp: Path) -> None:
+        with open(tmp, "wb") as handle:  # an open file keeps numpy from appending ".npz" to the name
+            np.savez(handle, **arrays)
+
+    write_file(target, save)
     return target

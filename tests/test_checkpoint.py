@@ -37,6 +37,7 @@ from quark_brevitas.algorithms import apply_algorithm
 from quark_brevitas.checkpoint import CONFIG_ATTRIBUTE, read_checkpoint
 from quark_brevitas.cli import main
 from quark_brevitas.digits import DigitsCNN, example_input
+from quark_brevitas.outputs import MARKER_FILE
 from quark_brevitas.types import Dtype, QSchemeType, RoundType, ZeroPointType
 
 W8A8 = QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig(), bias=QTensorConfig(bit_width=32))
@@ -87,7 +88,7 @@ def test_round_trip_is_bit_identical(quantized, digits_data, tmp_path: Path, nam
     images = _test_images(digits_data)
     assert save_quantized(model, tmp_path / "ckpt", example_input=example_input(digits_data)) == tmp_path / "ckpt"
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        "config.json", "example_input.safetensors", "manifest.json", "model.safetensors"]
+        MARKER_FILE, "config.json", "example_input.safetensors", "manifest.json", "model.safetensors"]
     float_model = _fresh_digits()
     before = {k: v.clone() for k, v in float_model.state_dict().items()}
     loaded = load_quantized(float_model, tmp_path / "ckpt")
@@ -305,6 +306,9 @@ def test_checkpoint_with_gptq_float_weight_copies_still_loads(quantized, tmp_pat
     tensors = load_file(str(tmp_path / "model.safetensors"))
     tensors["fc1.weight_orig"] = torch.randn(64, 512)
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "quark_brevitas.checkpoint"})
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    del manifest["checksums"]  # such checkpoints predate checksums too
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     loaded = load_quantized(_fresh_digits(), tmp_path)
     x = torch.randn(5, 1, 8, 8)
     with torch.no_grad():
@@ -319,9 +323,14 @@ def test_unreadable_checkpoints(w8a8_checkpoint: Path, tmp_path: Path) -> None:
     for file in w8a8_checkpoint.iterdir():
         (tmp_path / file.name).write_bytes(file.read_bytes())
     (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors file"):
-        load_quantized(_fresh_digits(), tmp_path)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors has changed since it was written"):
+        load_quantized(_fresh_digits(), tmp_path)  # its checksum no longer matches the manifest's
     manifest = json.loads((tmp_path / "manifest.json").read_text())
+    del manifest["checksums"]  # a checkpoint written before checksums: the file itself is checked
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors file .*truncated "
+                                              r"or damaged; write the checkpoint again"):
+        load_quantized(_fresh_digits(), tmp_path)
     (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
     with pytest.raises(CheckpointError, match="format version 99 is not supported"):
         load_quantized(_fresh_digits(), tmp_path)

@@ -19,6 +19,7 @@ import yaml
 
 from quark_brevitas import Config
 from quark_brevitas.cli import main
+from quark_brevitas.outputs import MARKER_FILE
 from quark_brevitas.presets import DEFAULT_PRESET, DESCRIPTIONS, PRESETS, get_preset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +69,7 @@ def test_quantize_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     report = _check_report(out)
     assert report["config_source"] == f"preset {DEFAULT_PRESET}"
     assert json.loads((out / "config.json").read_text()) == get_preset(DEFAULT_PRESET).to_dict()
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "digits_quant.onnx", "report.json"]
+    assert sorted(p.name for p in out.iterdir()) == [MARKER_FILE, "config.json", "digits_quant.onnx", "report.json"]
     stdout = capsys.readouterr().out
     for label in ("float accuracy", "quantized accuracy (PyTorch)", "quantized accuracy (onnxruntime)",
                   "agreement onnxruntime vs PyTorch", "ONNX size", "time: train / quantize / export"):

@@ -109,8 +109,8 @@ def test_resume_after_interruption_writes_the_same_checkpoint(llama_dir, tmp_pat
 
     with pytest.raises(_Interrupted):
         quantize_pretrained(llama_dir, W4A8_SMOOTH_GPTQ, _batches(), tmp_path / "resumed", on_block=stop_after_first)
-    assert (tmp_path / "resumed" / "model-block-00000.safetensors").is_file()
-    assert not (tmp_path / "resumed" / "manifest.json").exists()
+    assert (tmp_path / "resumed.partial" / "model-block-00000.safetensors").is_file()  # the unfinished run
+    assert not (tmp_path / "resumed").exists()  # the output appears only once complete
     finished = []
     quantize_pretrained(llama_dir, W4A8_SMOOTH_GPTQ, _batches(), tmp_path / "resumed",
                         on_block=lambda index, count: finished.append(index))

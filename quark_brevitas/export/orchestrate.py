@@ -55,6 +55,7 @@ from quark_brevitas.export.verify import (
     unique_names,
     validate_tolerance,
 )
+from quark_brevitas.outputs import write_file
 
 logger = logging.getLogger(__name__)
 
@@ -215,9 +216,11 @@ def _verify(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference
 
 
 def save_model(proto: onnx.ModelProto, path: pathlib.Path) -> None:
-    """Write ``proto`` as one self-contained file (no external data) and drop a cached session of ``path``."""
+    """Write ``proto`` as one self-contained file (no external data) and drop a cached session of ``path``.
+    Written under a temporary name and renamed (:func:`quark_brevitas.outputs.write_file`), so an existing file
+    is replaced only by a complete one."""
     try:
-        onnx.save_model(proto, str(path), save_as_external_data=False)
+        write_file(path, lambda tmp: onnx.save_model(proto, str(tmp), save_as_external_data=False))
     except ValueError as exc:
         raise ExportError(
             f"the exported model does not fit in a self-contained ONNX file (2 GiB protobuf limit): {exc}"

@@ -192,15 +192,21 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
                     config: Config | None = None, config_source: str = "default (int4 per-group 128 + GPTQ)",
                     eval_text: str | None = None, seq_len: int = 128, batch_size: int = 4,
                     calib_sequences: int = 128, eval_sequences: int = 32, prompt: str | None = None,
-                    max_new_tokens: int = 32, resume: bool = True, offload: str | None = None) -> LLMReport:
+                    max_new_tokens: int = 32, resume: bool = True, offload: str | None = None,
+                    overwrite: bool = False) -> LLMReport:
     """Quantize the Hugging Face model in ``model_dir`` on ``calib_text`` into ``output`` and measure it on
-    held-out text (``eval_text``, or the last tenth of ``calib_text``); see the module docstring."""
+    held-out text (``eval_text``, or the last tenth of ``calib_text``); see the module docstring.
+
+    ``output`` must not be ``model_dir``, and must not hold files quark_brevitas did not write unless
+    ``overwrite`` (checked before any work; see :mod:`quark_brevitas.outputs`)."""
     import transformers
 
     from quark_brevitas.blockwise import find_block_stack
     from quark_brevitas.hf import streaming
+    from quark_brevitas.outputs import add_file, check_output_dir
 
-    model_dir, output = Path(model_dir), Path(output)
+    model_dir = Path(model_dir)
+    output = check_output_dir(output, overwrite=overwrite, sources=[model_dir])  # before the slow work
     config = config if config is not None else default_llm_config()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     skeleton, hf_config = streaming.load_skeleton(model_dir)
@@ -224,7 +230,8 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
         streaming.evaluate_pretrained(model_dir, evaluation, reference)
         times["evaluate"] = time.perf_counter() - start
         start = time.perf_counter()
-        streaming.quantize_pretrained(model_dir, config, calib, output, resume=resume, offload=offload)
+        streaming.quantize_pretrained(model_dir, config, calib, output, resume=resume, offload=offload,
+                                      overwrite=overwrite)
         times["quantize"] = time.perf_counter() - start
         tokenizer.save_pretrained(output / streaming.FLOAT_MODEL_DIR)
         start = time.perf_counter()
@@ -243,7 +250,7 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
         start = time.perf_counter()
         quant_model = ModelQuantizer(config).quantize_model(float_model, calib)
         times["quantize"] = time.perf_counter() - start
-        save_quantized(quant_model, output)
+        save_quantized(quant_model, output, overwrite=overwrite)
         start = time.perf_counter()
         measured = _Measure(causal, evaluation, reference.embeddings)
         _run(quant_model, evaluation, measured)
@@ -255,7 +262,7 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
                        calibration_batches=len(calib), evaluation_batches=len(evaluation),
                        metric="perplexity" if causal else "embedding cosine vs float",
                        float_value=reference.value, quant_value=measured.value, times_s=times, sample=sample)
-    (output / "report.json").write_text(json.dumps(report.__dict__, indent=2) + "\n")
+    add_file(output, "report.json", lambda p: p.write_text(json.dumps(report.__dict__, indent=2) + "\n"))
     return report
 
 

@@ -15,9 +15,13 @@ sharded layout: one safetensors file per block plus one for the rest, ``model.sa
 config, so that :func:`load_pretrained_quantized` can rebuild it without the float weights).
 :func:`~quark_brevitas.checkpoint.load_quantized` also loads it into a float model in memory.
 
-While a run is in progress, ``.progress/`` in the output directory records the last finished block and keeps
-the cached inputs of the next one; a run started again on the same directory with the same model, config
-and data resumes after the last finished block and writes the same checkpoint as an uninterrupted run.
+The manifest records every weight file's SHA-256; loading checks it (a damaged file is a CheckpointError naming
+it). While a run is in progress it writes into ``<output>.partial`` (moved to the output directory once
+finished: an existing output is never half-overwritten, see :mod:`quark_brevitas.outputs`), whose
+``.progress/`` records the last finished block (and each block file's SHA-256) and keeps the cached inputs of
+the next one; a run started again on the same output with the same model, config and data resumes after the
+last finished block (re-checking the finished blocks' files: a damaged one is redone) and writes the same
+checkpoint as an uninterrupted run.
 
 Under ``torch.distributed`` every process reads the model and takes its share of the batches (see
 :class:`~quark_brevitas.data.Shard`); the first process writes the checkpoint.
@@ -41,6 +45,7 @@ from quark_brevitas.activation_store import ActivationStore
 from quark_brevitas.blockwise import BlockSource, BlockwiseEngine, StoreFactory, _Placeholder, _Solo
 from quark_brevitas.brevitas_adapter import ignore_missing_keys, load_quant_model_mode
 from quark_brevitas.checkpoint import (
+    CHECKSUMS_KEY,
     CONFIG_FILE,
     FORMAT,
     FORMAT_VERSION,
@@ -53,13 +58,16 @@ from quark_brevitas.checkpoint import (
     _state_tensors,
     _structure,
     _versions,
-    _write_atomic,
+    checksums,
     read_checkpoint,
+    read_safetensors,
 )
 from quark_brevitas.config import Config
 from quark_brevitas.container import Container
 from quark_brevitas.data import BatchToInputs, CalibrationData, Shard
 from quark_brevitas.errors import ModelError
+from quark_brevitas.outputs import check_output_dir, commit, file_sha256, open_work_dir, work_dir
+from quark_brevitas.outputs import write_file as _write_atomic
 from quark_brevitas.pipeline import CONFIG_ATTRIBUTE, Pipeline, SavedStructure, restrict_structure
 from quark_brevitas.version import __version__
 
@@ -73,6 +81,8 @@ FLOAT_MODEL_DIR = "float_model"
 PROGRESS_DIR = ".progress"
 REST_FILE = "model-rest.safetensors"
 _STATE_FILE = "state.json"
+#: How a user starts an interrupted run over, in the Python API and on the command line.
+_RESTART_HINT = "pass resume=False (--no-resume on the command line)"
 
 
 def _block_file(index: int) -> str:
@@ -261,8 +271,10 @@ def _record(module: nn.Module, name: str) -> tuple[dict[str, Any], dict[str, tor
 class _Writer:
     """Writes a streamed run's checkpoint one block at a time, with the progress a later run resumes from."""
 
-    def __init__(self, directory: Path, stack: str, shard: Shard | None, fingerprint: str) -> None:
-        self.directory, self.stack, self.shard, self.fingerprint = directory, stack, shard, fingerprint
+    def __init__(self, directory: Path, output: Path, stack: str, shard: Shard | None, fingerprint: str) -> None:
+        """``directory``: the work folder written until the run finishes, then moved to ``output``."""
+        self.directory, self.output, self.stack, self.shard = directory, output, stack, shard
+        self.fingerprint = fingerprint
         self.rank = shard.rank if shard is not None else 0
         self.progress = directory / PROGRESS_DIR
         self.on_block: Callable[[int, int], None] | None = None
@@ -284,9 +296,14 @@ class _Writer:
         state = self.state() if resume else None
         if state is not None and state.get("fingerprint") != self.fingerprint:
             raise CheckpointError(
-                f"{self.directory} holds an unfinished run of another model, config or calibration data; pass "
-                "resume=False to start over (its progress is then discarded) or choose another output directory"
+                f"{self.directory} holds an unfinished run of another model, config or calibration data; "
+                f"{_RESTART_HINT} to start over (its progress is then discarded) or choose another output folder"
             )
+        damaged = self._damaged_block(int(state["done"])) if state is not None else None
+        if damaged is not None:
+            logger.warning("%s; quantizing again from block 0 (the inputs of the blocks after it are no longer "
+                           "cached)", damaged)
+            state = None
         if state is None:
             _barrier(self.shard)
             if self.writes and self.progress.exists():
@@ -297,13 +314,28 @@ class _Writer:
         logger.info("Resuming %s after block %d", self.directory, state["done"])
         return int(state["done"]) + 1
 
+    def _damaged_block(self, done: int) -> str | None:
+        """Why a finished block of the interrupted run cannot be reused (missing, or its bytes differ from
+        those written, by the SHA-256 recorded then), or ``None`` if blocks ``0..done`` are intact."""
+        for index in range(done + 1):
+            path = self.directory / _block_file(index)
+            try:
+                recorded = json.loads((self.progress / f"block-{index:05d}.json").read_text()).get("sha256")
+            except (OSError, ValueError, AttributeError):
+                return f"the record of finished block {index} ({path.name}) in {self.progress} is missing or damaged"
+            if not path.is_file():
+                return f"finished block {index}'s file {path} is missing"
+            if recorded is None or file_sha256(path) != recorded:
+                return f"finished block {index}'s file {path} has changed since it was written (SHA-256 differs)"
+        return None
+
     def check_inputs(self, digest: str, resumed: bool) -> None:
         """A resumed run must start from the same first-block inputs (same data, same embeddings)."""
         path = self.progress / f"digest-r{self.rank}.txt"
         if resumed:
             if not path.is_file() or path.read_text() != digest:
                 raise CheckpointError(f"{self.directory}: the calibration data differ from the interrupted run's "
-                                      "(the first block's inputs do not match); pass resume=False to start over")
+                                      f"(the first block's inputs do not match); {_RESTART_HINT} to start over")
         else:
             path.write_text(digest)
 
@@ -313,8 +345,9 @@ class _Writer:
             from safetensors.torch import save_file
 
             record, tensors = _record(block, name)
-            _write_atomic(self.directory / _block_file(index),
-                          lambda p: save_file(tensors, str(p), metadata={"format": FORMAT}))
+            path = _write_atomic(self.directory / _block_file(index),
+                                 lambda p: save_file(tensors, str(p), metadata={"format": FORMAT}))
+            record["sha256"] = file_sha256(path)  # checked on resume and, through the manifest, on load
             _write_atomic(self.progress / f"block-{index:05d}.json", lambda p: p.write_text(json.dumps(record)))
         _barrier(self.shard)  # every process has the next block's inputs on disk
         if self.writes:
@@ -326,7 +359,8 @@ class _Writer:
                 shutil.rmtree(old, ignore_errors=True)
 
     def finalize(self, model: nn.Module, config: Config, hf_config: Any, count: int) -> None:
-        """The rest of the model, the index, the config and the manifest; then the progress goes."""
+        """The rest of the model, the index, the config and the manifest; then the progress goes and the
+        finished folder is moved to the output folder."""
         if self.writes:
             from safetensors.torch import save_file
 
@@ -338,26 +372,30 @@ class _Writer:
             tensors = {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in rest.items()}
             frozen = [n for n, p in model.named_parameters() if not p.requires_grad and not n.startswith(inside)]
             weight_map = dict.fromkeys(rest, REST_FILE)
+            digests = {REST_FILE: file_sha256(self.directory / REST_FILE)}
             for index in range(count):
                 record = json.loads((self.progress / f"block-{index:05d}.json").read_text())
                 modules.update(record["modules"])
                 tensors.update(record["tensors"])
                 frozen.extend(record["frozen"])
                 weight_map.update(dict.fromkeys(record["tensors"], _block_file(index)))
+                digests[_block_file(index)] = record["sha256"]
             manifest = {
                 "format": FORMAT, "format_version": FORMAT_VERSION, "versions": _versions(),
                 "model_class": type(model).__name__, "training": False, "modules": modules, "graph_code": {},
                 "tensors": tensors, "frozen_parameters": frozen, "example_input": None, "block_stack": self.stack,
+                CHECKSUMS_KEY: digests,
             }
             index_file = {"metadata": {"format": FORMAT}, "weight_map": weight_map}
             _write_atomic(self.directory / WEIGHTS_INDEX_FILE, lambda p: p.write_text(json.dumps(index_file, indent=1)))
             _write_atomic(self.directory / CONFIG_FILE, lambda p: p.write_text(config.to_json() + "\n"))
             hf_config.save_pretrained(self.directory / FLOAT_MODEL_DIR)
             _write_atomic(self.directory / MANIFEST_FILE, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
-            (self.directory / "model.safetensors").unlink(missing_ok=True)  # a single-file checkpoint's weights
         _barrier(self.shard)
         if self.writes:
             shutil.rmtree(self.progress, ignore_errors=True)
+            commit(self.directory, self.output)
+        _barrier(self.shard)
 
 
 class _ProgressStores(StoreFactory):
@@ -403,6 +441,7 @@ def quantize_pretrained(
     distributed: bool | None = None,
     container: Container | None = None,
     on_block: Callable[[int, int], None] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Quantize the Hugging Face model in ``model_dir`` block by block into the checkpoint ``output_dir``.
 
@@ -410,13 +449,20 @@ def quantize_pretrained(
     ``batch_to_inputs`` and ``distributed`` are as for :meth:`~quark_brevitas.api.ModelQuantizer.quantize_model`;
     ``blocks``: the block stack (``True``: detect it, the default; or its name); ``offload``: where cached
     activations other than the next block's inputs (which go to the output's progress directory, for
-    resuming) live; ``resume``: continue an interrupted run in ``output_dir``; ``on_block(index, count)``:
-    called after each block is written. Returns the output directory, which
+    resuming) live; ``resume``: continue an interrupted run into ``output_dir``; ``on_block(index, count)``:
+    called after each block is written; ``overwrite``: also write into an ``output_dir`` holding files
+    quark_brevitas did not write (only the checkpoint's entries are replaced; never ``model_dir`` itself).
+
+    The run writes into ``<output_dir>.partial`` (kept if it is interrupted, where a later run resumes; each
+    finished block's SHA-256 is re-checked then and a damaged block is redone) and moves it to ``output_dir``
+    once finished (:mod:`quark_brevitas.outputs`). Returns the output directory, which
     :func:`load_pretrained_quantized` (or :func:`~quark_brevitas.checkpoint.load_quantized`) loads.
     """
-    model_dir, output = Path(model_dir), Path(output_dir)
-    if output.exists() and not output.is_dir():
-        raise CheckpointError(f"output directory {str(output)!r} exists and is not a directory")
+    model_dir = Path(model_dir)
+    if Path(output_dir).exists() and not Path(output_dir).is_dir():
+        raise CheckpointError(f"output directory {str(output_dir)!r} exists and is not a directory")
+    output = check_output_dir(output_dir, overwrite=overwrite, sources=[model_dir])
+    work = work_dir(output)
     pipeline = Pipeline(config, container)
     model, hf_config = load_skeleton(model_dir)
     stack = pipeline.block_stack(model, blocks if blocks is not None else True, needs_data=True)
@@ -437,8 +483,11 @@ def quantize_pretrained(
         raise ModelError("a data-free pre-quantization step (Preprocess) changed the model's structure; a model "
                          "quantized block by block from its folder cannot be traced: set trace_model=False or "
                          "remove Preprocess")
-    output.mkdir(parents=True, exist_ok=True)
-    writer = _Writer(output, stack, shard, _fingerprint(config, hf_config, model_dir, stack, plan.data))
+    _barrier(shard)  # every process has checked the folders before the first one creates the work folder
+    if shard is None or shard.rank == 0:
+        open_work_dir(work)
+    _barrier(shard)
+    writer = _Writer(work, output, stack, shard, _fingerprint(config, hf_config, model_dir, stack, plan.data))
     start = writer.start(resume)
     writer.on_block = on_block
     stores = _ProgressStores(writer, StoreFactory.for_offload(offload))
@@ -475,12 +524,13 @@ class _CheckpointBlocks(BlockSource):
     def __init__(self, pipeline: Pipeline, directory: Path, stack: str, saved: SavedStructure, keep: bool) -> None:
         self.pipeline, self.directory, self.stack, self.saved, self.keep = pipeline, directory, stack, saved, keep
         self.releases = not keep
+        self.checksums: dict[str, str] = checksums(directory)
 
     def load(self, index: int, current: nn.Module) -> nn.Module:
         name = f"{self.stack}.{index}"
         _random_fill(current, index)
         block = self.pipeline.rebuild_unit(current, name, restrict_structure(self.saved, name, name))
-        state = _read_file(self.directory / _block_file(index), name)
+        state = _read_file(self.directory / _block_file(index), name, self.checksums.get(_block_file(index)))
         with ignore_missing_keys(), load_quant_model_mode(block):
             block.load_state_dict(state, strict=True)
         return block.eval()
@@ -511,10 +561,9 @@ def _quantized_skeleton(directory: str | os.PathLike[str], container: Container 
         solo = _Solo(attribute, getattr(parent, attribute))
         solo = pipeline.rebuild_unit(solo, parent_name, restrict_structure(saved, name, parent_name))
         setattr(parent, attribute, getattr(solo, attribute))
-    from safetensors.torch import load_file
-
+    rest = read_safetensors(info.directory / REST_FILE, info.manifest.get(CHECKSUMS_KEY, {}).get(REST_FILE))
     with ignore_missing_keys(), load_quant_model_mode(model):
-        _, unexpected = model.load_state_dict(load_file(str(info.directory / REST_FILE)), strict=False)
+        _, unexpected = model.load_state_dict(rest, strict=False)
     if unexpected:
         raise CheckpointError(f"{info.directory}: tensor {unexpected[0]!r} does not fit the rebuilt model")
     model.eval()
@@ -557,13 +606,10 @@ def _outside_layers(pipeline: Pipeline, model: nn.Module, stack: str) -> list[st
     return [row.name for row in rows if row.quantized and row.name and not row.name.startswith(stack + ".")]
 
 
-def _read_file(path: Path, name: str) -> dict[str, torch.Tensor]:
-    """A block's tensors from its file, with the block's name taken off the keys."""
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing (written by quantize_pretrained)")
-    return {key.removeprefix(name + "."): tensor for key, tensor in load_file(str(path)).items()}
+def _read_file(path: Path, name: str, checksum: str | None) -> dict[str, torch.Tensor]:
+    """A block's tensors from its file (checked against its recorded SHA-256), with the block's name taken off
+    the keys."""
+    return {key.removeprefix(name + "."): tensor for key, tensor in read_safetensors(path, checksum).items()}
 
 
 def evaluate_pretrained(
