@@ -30,9 +30,9 @@ from llm_models import (  # noqa: E402
 
 from quark_brevitas import algos  # noqa: E402
 from quark_brevitas.algorithms import apply_algorithm, describe_algorithms, handler_for  # noqa: E402
-from quark_brevitas.algorithms.blocks import capture_block_inputs  # noqa: E402
 from quark_brevitas.algorithms.gptq import gptq_columns  # noqa: E402
 from quark_brevitas.api import ModelQuantizer  # noqa: E402
+from quark_brevitas.blocks.capture import capture_block_inputs  # noqa: E402
 from quark_brevitas.brevitas_adapter import QuantLayer, weight_grid  # noqa: E402
 from quark_brevitas.config import (  # noqa: E402
     AWQConfig,
@@ -481,9 +481,9 @@ def test_chained_blocks_give_the_result_of_capturing_each_block(batches, monkeyp
     from quark_brevitas.algorithms import blocks
 
     config = _config(UINT4_G32, GPTQConfig(group_size=32))
-    chained = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches)
+    chained = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches, blocks=False)
     monkeypatch.setattr(blocks, "blocks_are_chained", lambda *args: False)
-    captured = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches)
+    captured = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches, blocks=False)
     for a, b in zip(chained.parameters(), captured.parameters()):
         assert torch.equal(a, b)
 

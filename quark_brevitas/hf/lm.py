@@ -197,7 +197,7 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
     held-out text (``eval_text``, or the last tenth of ``calib_text``); see the module docstring."""
     import transformers
 
-    from quark_brevitas.blockwise import find_block_stack
+    from quark_brevitas.blocks.stack import detect_block_stack as find_block_stack
     from quark_brevitas.hf import streaming
 
     model_dir, output = Path(model_dir), Path(output)
