@@ -535,3 +535,26 @@ def test_gptq_passes_stop_after_their_group_without_changing_the_result(batches,
     for name, layer in layers:
         assert torch.equal(layer.weight, full.get_submodule(name).weight), name
     assert 0 < stopped_calls < full_calls, (stopped_calls, full_calls)
+
+
+def test_whole_model_path_walks_blocks_with_the_block_engine(batches, monkeypatch) -> None:
+    """One walker over blocks: apply_algorithm (and blocks=False) run the algorithm through BlockwiseEngine, with
+    the handler's inputs_context, and give what the pipeline's whole-model path gives."""
+    from quark_brevitas.blocks import engine
+
+    runs: list[tuple[str, bool]] = []
+    original = engine.BlockwiseEngine.run
+
+    def spy(self, **kwargs):
+        runs.append((self.stack_name, self.chained))
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(engine.BlockwiseEngine, "run", spy)
+    config = _config(UINT4_G32, GPTQConfig(group_size=32))
+    whole = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches, blocks=False)
+    assert runs == [("model.layers", True)]
+    rtn = ModelQuantizer(_config(UINT4_G32)).quantize_model(tiny_llama(layers=3), batches, blocks=False)
+    applied = apply_algorithm(GPTQConfig(group_size=32), rtn, batches)
+    assert runs == [("model.layers", True)] * 2
+    for a, b in zip(whole.parameters(), applied.parameters()):
+        assert torch.equal(a, b)
