@@ -66,7 +66,7 @@ class ModelQuantizer:
         - ``batch_to_inputs``: ``batch -> (args, kwargs)`` for batches the default conventions read
           wrongly, e.g. ``lambda b: ((b[0], b[1]), {})`` for a model with two positional inputs.
         - ``blocks``: calibrate a model made of repeated blocks one block at a time on cached block inputs
-          (work linear in depth; see :mod:`quark_brevitas.blockwise`). ``None`` (default): when the
+          (work linear in depth; see :mod:`quark_brevitas.blocks`). ``None`` (default): when the
           model's stack is known (Hugging Face decoder/encoder stacks, or an algorithm's
           ``model_decoder_layers``); ``False``: always the whole model; a name such as ``"model.layers"``:
           that ``nn.ModuleList``. Block by block, the caller's model is copied one block at a time.

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quark_brevitas.activation_store import map_tensors
+from quark_brevitas.blocks.store import map_tensors
 from quark_brevitas.brevitas_adapter import StopFwdException, all_reduce_statistics
 from quark_brevitas.errors import CalibrationDataError, ModelError
 

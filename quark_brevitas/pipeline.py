@@ -12,7 +12,7 @@
 
 The data phase runs on the whole model at once, or, for a model made of repeated blocks (Hugging Face
 decoder and encoder stacks, or the stack named by ``blocks=`` / Quark's ``model_decoder_layers``), block by
-block: :mod:`quark_brevitas.blockwise` calls :meth:`Pipeline.quantize_unit` on one block at a time with the
+block: :mod:`quark_brevitas.blocks` calls :meth:`Pipeline.quantize_unit` on one block at a time with the
 block's cached inputs, so the work grows linearly with the depth. Calibration data may be sharded over
 ``torch.distributed`` processes (:class:`~quark_brevitas.data.Shard`); every process then ends with the same
 model.
@@ -37,14 +37,7 @@ from torch import nn
 from quark_brevitas import algos
 from quark_brevitas.algorithms import SavedStructure, handler_for
 from quark_brevitas.backend import PlannedLayer
-from quark_brevitas.blockwise import (
-    BlockSource,
-    BlockwiseEngine,
-    CopiedBlocks,
-    StoreFactory,
-    copy_without_blocks,
-    resolve_block_stack,
-)
+from quark_brevitas.blocks.run import blockwise_obstacle, choose_block_stack, named_decoder_layers, quantize_blocks
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
 from quark_brevitas.data import BatchToInputs, CalibrationData, Shard, model_device_dtype
@@ -215,25 +208,19 @@ class Pipeline:
         unit, _ = self._replace_unit_layers(unit, name)
         return self._restore_algorithms("algo_config", unit, saved)
 
+    def quantized_layers(self, model: nn.Module) -> list[str]:
+        """The qualified names of ``model``'s layers the config quantizes, in model order (the block engine
+        finds the layers outside the blocks with it)."""
+        rows = self.backend.plan(model, self.config, check_names=False)
+        return [row.name for row in rows if row.quantized and row.name]
+
     def blockwise_obstacle(self) -> str | None:
         """Why this config cannot run block by block (``None`` if it can)."""
-        whole = [_algorithm_name(a) for a in [*self.config.pre_quant_opt_config, *self.config.algo_config]
-                 if not getattr(handler_for(a), "blockwise", True)]
-        if whole:
-            return f"{', '.join(whole)} needs the whole model in every pass"
-        seen_data = False
-        for algo in self.config.pre_quant_opt_config:
-            if algo.needs_data:
-                seen_data = True
-            elif seen_data:
-                return (f"the data-free pre-quantization step {_algorithm_name(algo)} comes after a data-driven one "
-                        "(block by block, data-free steps run on the whole model first)")
-        return None
+        return blockwise_obstacle(self.config)
 
     def decoder_layers(self) -> list[str]:
         """The ``model_decoder_layers`` named by the config's algorithms (Quark's field), if any."""
-        return [a.model_decoder_layers for a in [*self.config.pre_quant_opt_config, *self.config.algo_config]
-                if isinstance(getattr(a, "model_decoder_layers", None), str) and a.model_decoder_layers]
+        return named_decoder_layers(self.config)
 
     def finish(self, model: nn.Module) -> nn.Module:
         model.eval()
@@ -319,41 +306,17 @@ class Pipeline:
 
     def block_stack(self, model: nn.Module, blocks: str | bool | None, needs_data: bool) -> str | None:
         """The block stack for the block-by-block data phase, or ``None`` for the whole-model path."""
-        if blocks is None and not needs_data:
-            return None  # nothing runs on data: the whole model is converted in one step anyway
-        stack = resolve_block_stack(model, blocks, self.decoder_layers())
-        if stack is None:
-            return None
-        obstacle = self.blockwise_obstacle()
-        if obstacle is not None:
-            if isinstance(blocks, str) or blocks is True:
-                raise ModelError(f"blocks={blocks!r}: cannot calibrate block by block: {obstacle}")
-            logger.info("Calibrating the whole model at once: %s", obstacle)
-            return None
-        logger.info("Calibrating block by block (%d blocks in %s)", len(model.get_submodule(stack)), stack)
-        return stack
+        return choose_block_stack(model, self.config, blocks, needs_data)
 
     def _quantize_blockwise(self, model: nn.Module, stack: str, data: CalibrationData | None, *, inplace: bool,
                             offload: str | os.PathLike[str] | None) -> nn.Module:
-        """The block-by-block path: data-free pre-quantization steps on the whole model (on a copy unless
-        ``inplace``), then the engine; without such steps the blocks are copied one at a time."""
-        data_free = [a for a in self.config.pre_quant_opt_config if not a.needs_data]
-        source: BlockSource
-        if inplace or data_free:
-            work = model if inplace else copy.deepcopy(model)
-            work = self._run_algorithms("pre_quant_opt_config", work, None, data_driven=False)
-            if not _has_submodule(work, stack):
-                raise ModelError(f"the pre-quantization steps {[_algorithm_name(a) for a in data_free]} changed the "
-                                 f"model's structure ({stack} is gone); pass blocks=False for the whole-model path")
-            source = BlockSource()
-        else:
-            work, originals = copy_without_blocks(model, stack)
-            source = CopiedBlocks(originals)
-        stores = StoreFactory.for_offload(offload)
-        try:
-            return BlockwiseEngine(self, work, stack, data, source, stores=stores).run()
-        finally:
-            stores.cleanup()
+        """The block-by-block path (:func:`~quark_brevitas.blocks.run.quantize_blocks`): the data-free
+        pre-quantization steps first, on the whole model."""
+        data_free = [_algorithm_name(a) for a in self.config.pre_quant_opt_config if not a.needs_data]
+        prepare = functools.partial(self._run_algorithms, "pre_quant_opt_config", data=None, data_driven=False) \
+            if data_free else None
+        return quantize_blocks(self, model, stack, data, inplace=inplace, offload=offload, prepare=prepare,
+                               prepared_by=str(data_free))
 
     def rebuild(self, float_model: nn.Module, saved: SavedStructure) -> nn.Module:
         """The structure phase alone, on a copy of ``float_model``: the quantized model's structure, for a
@@ -366,10 +329,3 @@ class Pipeline:
         work = self._restore_algorithms("algo_config", work, saved)
         return self.finish(work)
 
-
-def _has_submodule(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-    except AttributeError:
-        return False
-    return True

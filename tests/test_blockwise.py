@@ -11,8 +11,8 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
-from quark_brevitas.activation_store import ActivationStore  # noqa: E402
-from quark_brevitas.blockwise import find_block_stack  # noqa: E402
+from quark_brevitas.blocks.stack import detect_block_stack, find_block_stack  # noqa: E402
+from quark_brevitas.blocks.store import ActivationStore  # noqa: E402
 from quark_brevitas.checkpoint import load_quantized, save_quantized  # noqa: E402
 from quark_brevitas.errors import ModelError  # noqa: E402
 from quark_brevitas.intweights import integer_weights  # noqa: E402
@@ -236,3 +236,19 @@ def test_bad_block_names(llama, blocks, message) -> None:
 def test_blocks_true_without_a_stack() -> None:
     with pytest.raises(ModelError, match="no stack of repeated blocks"):
         ModelQuantizer(GPTQ_W4).quantize_model(nn.Sequential(nn.Linear(4, 4)), [torch.randn(2, 4)], blocks=True)
+
+
+def test_one_stack_finder_for_the_pipeline_and_the_algorithms() -> None:
+    """The algorithms' decoder layers and the pipeline's block stack come from one finder: a Hugging Face model
+    with two stacks (encoder-decoder) is ambiguous for both (the algorithms used to pick the decoder alone)."""
+    from quark_brevitas.hf.structure import model_structure
+
+    bart = transformers.BartModel(transformers.BartConfig(vocab_size=32, d_model=16, encoder_layers=2, decoder_layers=2,
+                                                          encoder_attention_heads=2, decoder_attention_heads=2,
+                                                          encoder_ffn_dim=32, decoder_ffn_dim=32))
+    assert model_structure(bart, want_scaling=False).decoder_layers is None
+    assert find_block_stack(bart) is None and detect_block_stack(bart) is None
+    one = transformers.BertModel(transformers.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1,
+                                                         num_attention_heads=2, intermediate_size=32))
+    assert find_block_stack(one) == model_structure(one, want_scaling=False).decoder_layers == "encoder.layer"
+    assert detect_block_stack(one) is None  # one block: the pipeline keeps the whole-model path

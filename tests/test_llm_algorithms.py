@@ -30,9 +30,9 @@ from llm_models import (  # noqa: E402
 
 from quark_brevitas import algos  # noqa: E402
 from quark_brevitas.algorithms import apply_algorithm, describe_algorithms, handler_for  # noqa: E402
-from quark_brevitas.algorithms.blocks import capture_block_inputs  # noqa: E402
 from quark_brevitas.algorithms.gptq import gptq_columns  # noqa: E402
 from quark_brevitas.api import ModelQuantizer  # noqa: E402
+from quark_brevitas.blocks.capture import capture_block_inputs  # noqa: E402
 from quark_brevitas.brevitas_adapter import QuantLayer, weight_grid  # noqa: E402
 from quark_brevitas.config import (  # noqa: E402
     AWQConfig,
@@ -481,9 +481,9 @@ def test_chained_blocks_give_the_result_of_capturing_each_block(batches, monkeyp
     from quark_brevitas.algorithms import blocks
 
     config = _config(UINT4_G32, GPTQConfig(group_size=32))
-    chained = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches)
+    chained = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches, blocks=False)
     monkeypatch.setattr(blocks, "blocks_are_chained", lambda *args: False)
-    captured = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches)
+    captured = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches, blocks=False)
     for a, b in zip(chained.parameters(), captured.parameters()):
         assert torch.equal(a, b)
 
@@ -535,3 +535,26 @@ def test_gptq_passes_stop_after_their_group_without_changing_the_result(batches,
     for name, layer in layers:
         assert torch.equal(layer.weight, full.get_submodule(name).weight), name
     assert 0 < stopped_calls < full_calls, (stopped_calls, full_calls)
+
+
+def test_whole_model_path_walks_blocks_with_the_block_engine(batches, monkeypatch) -> None:
+    """One walker over blocks: apply_algorithm (and blocks=False) run the algorithm through BlockwiseEngine, with
+    the handler's inputs_context, and give what the pipeline's whole-model path gives."""
+    from quark_brevitas.blocks import engine
+
+    runs: list[tuple[str, bool]] = []
+    original = engine.BlockwiseEngine.run
+
+    def spy(self, **kwargs):
+        runs.append((self.stack_name, self.chained))
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(engine.BlockwiseEngine, "run", spy)
+    config = _config(UINT4_G32, GPTQConfig(group_size=32))
+    whole = ModelQuantizer(config).quantize_model(tiny_llama(layers=3), batches, blocks=False)
+    assert runs == [("model.layers", True)]
+    rtn = ModelQuantizer(_config(UINT4_G32)).quantize_model(tiny_llama(layers=3), batches, blocks=False)
+    applied = apply_algorithm(GPTQConfig(group_size=32), rtn, batches)
+    assert runs == [("model.layers", True)] * 2
+    for a, b in zip(whole.parameters(), applied.parameters()):
+        assert torch.equal(a, b)

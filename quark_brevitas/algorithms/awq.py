@@ -34,7 +34,7 @@ from torch import nn
 
 from quark_brevitas import algos
 from quark_brevitas.algorithms.base import register
-from quark_brevitas.algorithms.blocks import BlockwiseHandler, CallRecorder
+from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.scaling import (
     ChannelStats,
     fold_scales,
@@ -42,7 +42,7 @@ from quark_brevitas.algorithms.scaling import (
     linear_weight,
     set_linear_weight,
 )
-from quark_brevitas.blockwise import main_output
+from quark_brevitas.blocks.capture import CallRecorder, main_output
 from quark_brevitas.brevitas_adapter import (
     has_static_activation_quantizers,
     int_weight_format,

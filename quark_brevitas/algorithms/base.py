@@ -58,7 +58,7 @@ class AlgorithmHandler:
     """Base class of the handlers. Subclasses implement :meth:`apply`; the default :meth:`restore`
     says the algorithm changes only values, which a checkpoint's state dict restores.
 
-    Called per block (the block-by-block data phase, :mod:`quark_brevitas.blockwise`), a handler may
+    Called per block (the block-by-block data phase, :mod:`quark_brevitas.blocks.engine`), a handler may
     assume: ``model`` is one block (or a holder module around one layer outside the blocks, whose
     attribute keeps the layer's name); ``data`` is a :class:`~quark_brevitas.data.BlockInputs` whose
     batches are that block's ``(args, kwargs)`` as the model called it (keyword inputs such as attention

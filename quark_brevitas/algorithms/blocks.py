@@ -1,20 +1,22 @@
-"""Algorithms that work one decoder layer (block) at a time: the handler base class and its block inputs.
+"""Algorithms that work one decoder layer (block) at a time: the handler base class.
 
 Quark's LLM algorithms (SmoothQuant, AWQ, GPTQ) reason about one decoder layer at a time: which layers read the
 same input, which norm precedes them, how the layer's output changes. :class:`BlockwiseHandler` states that
-once: :meth:`~BlockwiseHandler.blocks` names the blocks of a model (:mod:`quark_brevitas.hf.structure`), and
+once: :meth:`~BlockwiseHandler.blocks` names the blocks of a model (:mod:`quark_brevitas.hf.structure`, whose
+stack comes from the one stack finder :func:`quark_brevitas.blocks.stack.find_block_stack`), and
 :meth:`~BlockwiseHandler.apply_block` runs the algorithm on one block given a :class:`CalibrationData` whose
 batches are that block's inputs. Names in the algorithm's config are relative to the block, so a block knows
 everything it needs.
 
-Run on a whole model (:meth:`~BlockwiseHandler.apply`), the handler captures the first block's inputs by running
-the model up to it (a forward pre-hook stops the pass there), and feeds each processed block's outputs to the next
-block when the stack is chained (checked on the first batch: each block called once, with the previous block's
-output and otherwise the same arguments, as Hugging Face decoder stacks do); otherwise it captures each block's
-inputs with a partial pass (quadratic in depth). The pipeline's block-by-block engine
-(:mod:`quark_brevitas.blockwise`, the default for models made of blocks) calls ``apply_block`` directly through
-:meth:`~BlockwiseHandler.apply_unit` and does not use this fallback; then a block's inputs are the outputs of the
-earlier blocks as quantized (weights and activations), as in llm-compressor's sequential pipeline.
+There is one walker over blocks, :class:`~quark_brevitas.blocks.engine.BlockwiseEngine`. In the pipeline's
+block-by-block data phase (the default for models made of blocks) it calls :meth:`~BlockwiseHandler.apply_unit`
+on each block, whose inputs are the outputs of the earlier blocks as quantized (weights and activations), as
+in llm-compressor's sequential pipeline. On the whole-model path (:meth:`~BlockwiseHandler.apply`:
+``blocks=False``, or :func:`~quark_brevitas.algorithms.apply_algorithm`) the same engine runs this one
+algorithm on each block: the first block's inputs are captured by running the model up to it, and each
+processed block's outputs, computed under :meth:`~BlockwiseHandler.inputs_context`, feed the next block when
+the stack is chained (:func:`~quark_brevitas.blocks.capture.blocks_are_chained`); otherwise each block's inputs
+are captured with a pass of the model up to it (quadratic in depth).
 """
 
 from __future__ import annotations
@@ -23,87 +25,17 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from quark_brevitas.algorithms.base import AlgorithmHandler
-from quark_brevitas.blockwise import UntilStopped, main_output, replayable
-from quark_brevitas.brevitas_adapter import StopFwdException, int_weight_format
-from quark_brevitas.data import BlockInputs, CalibrationData
+from quark_brevitas.blocks.capture import blocks_are_chained
+from quark_brevitas.blocks.engine import BlockwiseEngine
+from quark_brevitas.brevitas_adapter import int_weight_format
+from quark_brevitas.data import CalibrationData
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.hf.structure import ScalingGroup, Structure, infer_scaling_layers, is_linear, model_structure
 
-__all__ = ["BlockwiseHandler", "CallRecorder", "blocks_are_chained", "capture_block_inputs", "first_batch_output",
-           "next_block_inputs"]
-
-
-class _FirstBatchOnly(nn.Module):
-    """``model`` called on the first batch only (later calls return ``None`` without running it)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        self.calls = 0
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return self.model(*args, **kwargs) if self.calls == 1 else None
-
-
-class CallRecorder:
-    """While the context lasts, records every call of some modules: the replayable ``(args, kwargs)``
-    (:attr:`calls`) and the main output, detached in float32 (:attr:`outputs`), per module name."""
-
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
-        self.modules = modules
-        self.calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {name: [] for name in modules}
-        self.outputs: dict[str, list[torch.Tensor]] = {name: [] for name in modules}
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> CallRecorder:
-        for name, module in self.modules.items():
-            self._handles.append(module.register_forward_pre_hook(
-                lambda _m, args, kwargs, name=name: self.calls[name].append(replayable(args, kwargs)),
-                with_kwargs=True))
-            self._handles.append(module.register_forward_hook(
-                lambda _m, _args, output, name=name: self.outputs[name].append(
-                    main_output(output).detach().float().clone())))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-
-def capture_block_inputs(model: nn.Module, block: nn.Module, data: CalibrationData, desc: str) -> BlockInputs:
-    """The ``(args, kwargs)`` ``block`` is called with, for every batch of ``data`` run through ``model`` (which
-    stops at the block). Hugging Face's key/value caches are dropped and ``use_cache`` is turned off."""
-    captured: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-
-    def record(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        captured.append(replayable(args, kwargs))
-        raise StopFwdException
-
-    handle = block.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        data.forward(UntilStopped(model), desc)
-    finally:
-        handle.remove()
-    return BlockInputs.of(captured, data, desc)
-
-
-def first_batch_output(module: nn.Module, data: CalibrationData, desc: str) -> torch.Tensor:
-    """``module``'s main output on the first batch of ``data`` (the others are not run)."""
-    outputs: list[torch.Tensor] = []
-
-    def keep(_index: int, output: Any) -> None:
-        if output is not None:
-            outputs.append(main_output(output).detach().clone())
-
-    data.forward(_FirstBatchOnly(module), desc, on_output=keep)
-    return outputs[0]
+__all__ = ["BlockwiseHandler"]
 
 
 @contextlib.contextmanager
@@ -190,73 +122,32 @@ class BlockwiseHandler(AlgorithmHandler):
         return unit
 
     def apply(self, algo: Any, model: nn.Module, data: CalibrationData | None) -> nn.Module:
-        """The whole-model path (the engine is off: ``blocks=False``, or a stack it cannot walk).
+        """The whole-model path (the pipeline's engine is off: ``blocks=False``, or a stack it cannot walk).
 
         Run :meth:`apply_block` on every block of ``model``, in order, each on its inputs as the model computes
-        them with the blocks before it already processed: when the blocks are chained (:func:`blocks_are_chained`),
-        the first block's inputs are captured and each processed block's outputs become the next block's hidden
-        states; otherwise each block's inputs are captured with a pass of the model up to it."""
+        them with the blocks before it already processed, through the block engine (see the module docstring)."""
         model.eval()
-        names = self.blocks(algo, model)
-        if names == [""]:
+        structure = self.structure(algo, model)
+        if structure.decoder_layers is None:
             self.apply_block(algo, model, data, "")
             return model
-        blocks = [model.get_submodule(name) for name in names]
-        chained = len(blocks) > 1 and blocks_are_chained(model, blocks, data, f"{algo.name}: decoder layers")
-        inputs: BlockInputs | None = None
-        for name, block in tqdm(list(zip(names, blocks)), desc=f"{algo.name} blocks", leave=False, disable=None):
-            if inputs is None or not chained:
-                with self.inputs_context(model):
-                    inputs = capture_block_inputs(model, block, data, f"{algo.name}: inputs of {name}")
-            self.apply_block(algo, block, inputs, name)
-            if chained and block is not blocks[-1]:
-                with self.inputs_context(model):
-                    inputs = next_block_inputs(block, inputs, f"{algo.name}: outputs of {name}")
-        return model
+        stack = model.get_submodule(structure.decoder_layers)
+        chained = len(stack) == 1 or blocks_are_chained(model, list(stack), data, f"{algo.name}: decoder layers")
+        engine = BlockwiseEngine(_OneAlgorithm(self, algo), model, structure.decoder_layers, data,
+                                 inputs_context=self.inputs_context, chained=chained)
+        return engine.run()
 
 
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and not isinstance(a, nn.Module | torch.Tensor) and a == b
+class _OneAlgorithm:
+    """One algorithm as the block engine's :class:`~quark_brevitas.blocks.protocol.UnitQuantizer`: it runs on
+    each block and quantizes no layer outside the blocks."""
 
+    def __init__(self, handler: BlockwiseHandler, algo: Any) -> None:
+        self.handler, self.algo = handler, algo
 
-def blocks_are_chained(model: nn.Module, blocks: list[nn.Module], data: CalibrationData, desc: str) -> bool:
-    """Whether, on the first batch, each block is called once, with the previous block's output as its first
-    positional argument and otherwise with the same arguments as the first block (Hugging Face decoder stacks:
-    ``hidden = layer(hidden, attention_mask=..., position_embeddings=...)``)."""
-    calls: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = [[] for _ in blocks]
-    outputs: list[list[torch.Tensor]] = [[] for _ in blocks]
-    handles = []
-    for index, block in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(
-            lambda _m, args, kwargs, i=index: calls[i].append((args, kwargs)), with_kwargs=True))
-        handles.append(block.register_forward_hook(lambda _m, _a, out, i=index: outputs[i].append(main_output(out))))
-    try:
-        first_batch_output(model, data, desc)
-    finally:
-        for handle in handles:
-            handle.remove()
-    if any(len(c) != 1 for c in calls):
-        return False
-    (first_args, first_kwargs), = calls[0]
-    for index in range(1, len(blocks)):
-        (args, kwargs), = calls[index]
-        if not (args and isinstance(args[0], torch.Tensor) and _same(args[0], outputs[index - 1][0])
-                and _same(args[1:], first_args[1:]) and kwargs.keys() == first_kwargs.keys()
-                and all(_same(kwargs[key], first_kwargs[key]) for key in kwargs)):
-            return False
-    return True
+    def quantize_unit(self, unit: nn.Module, name: str, data: CalibrationData | None, *,
+                      block: bool = True) -> nn.Module:
+        return self.handler.apply_unit(self.algo, unit, data, name, block=block)
 
-
-def next_block_inputs(block: nn.Module, inputs: BlockInputs, desc: str) -> BlockInputs:
-    """The inputs of the block after ``block`` in a chained stack: ``block``'s outputs on ``inputs`` in place of
-    the hidden states, the other arguments unchanged."""
-    outputs: dict[int, torch.Tensor] = {}
-    inputs.forward(block, desc, on_output=lambda index, out: outputs.__setitem__(index, main_output(out).detach()))
-    calls = [((outputs[index], *args[1:]), kwargs) for index, (args, kwargs) in enumerate(inputs.loader)]
-    return BlockInputs.of(calls, inputs.parent, desc)
+    def quantized_layers(self, model: nn.Module) -> list[str]:
+        return []

@@ -35,7 +35,7 @@ from quark_brevitas import algos
 from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.scaling import layer_inputs, linear_weight, set_linear_weight
-from quark_brevitas.blockwise import UntilStopped
+from quark_brevitas.blocks.capture import UntilStopped
 from quark_brevitas.brevitas_adapter import StopFwdException, WeightGrid, quantization_disabled, weight_grid
 from quark_brevitas.data import CalibrationData
 from quark_brevitas.errors import ModelError

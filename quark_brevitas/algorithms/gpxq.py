@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, SavedStructure, register
 from quark_brevitas.algorithms.gptq import warn_few_samples
-from quark_brevitas.blockwise import UntilStopped
+from quark_brevitas.blocks.capture import UntilStopped
 from quark_brevitas.brevitas_adapter import QuantLayer, a2gpfq_available, a2gpfq_mode, gpfq_mode, gptq_mode
 from quark_brevitas.data import CalibrationData
 from quark_brevitas.errors import UnsupportedAlgorithmError

@@ -201,7 +201,7 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
     ``overwrite`` (checked before any work; see :mod:`quark_brevitas.outputs`)."""
     import transformers
 
-    from quark_brevitas.blockwise import find_block_stack
+    from quark_brevitas.blocks.stack import detect_block_stack as find_block_stack
     from quark_brevitas.hf import streaming
     from quark_brevitas.outputs import add_file, check_output_dir
 

@@ -41,8 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas.activation_store import ActivationStore
-from quark_brevitas.blockwise import BlockSource, BlockwiseEngine, StoreFactory, _Placeholder, _Solo
+from quark_brevitas.blocks.engine import BlockwiseEngine
+from quark_brevitas.blocks.sources import BlockPlaceholder as _Placeholder
+from quark_brevitas.blocks.sources import BlockSource
+from quark_brevitas.blocks.sources import SoloLayer as _Solo
+from quark_brevitas.blocks.store import ActivationStore, StoreFactory
 from quark_brevitas.brevitas_adapter import ignore_missing_keys, load_quant_model_mode
 from quark_brevitas.checkpoint import (
     CHECKSUMS_KEY,
@@ -631,7 +634,7 @@ def evaluate_pretrained(
         model, stack, blocks, _ = _quantized_skeleton(source, container, keep=False)
     else:
         model, hf_config = load_skeleton(source)
-        from quark_brevitas.blockwise import find_block_stack
+        from quark_brevitas.blocks.stack import detect_block_stack as find_block_stack
 
         found = find_block_stack(model)
         if found is None:

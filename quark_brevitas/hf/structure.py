@@ -28,16 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark_brevitas.blocks.stack import find_block_stack, stack_blocks
 from quark_brevitas.errors import ConfigError
 
 __all__ = [
-    "DECODER_LAYER_PATHS",
     "ScalingGroup",
     "SkippedGroup",
     "Structure",
     "check_scaling_groups",
-    "decoder_blocks",
-    "find_decoder_layers",
     "infer_embedding_layers",
     "infer_scaling_layers",
     "input_channels",
@@ -45,12 +43,6 @@ __all__ = [
     "model_structure",
     "output_channels",
 ]
-
-#: Where the families keep their decoder layers (as attribute paths from the model, or from its base model):
-#: Llama/Mistral/Qwen2 ``model.layers``, OPT ``model.decoder.layers``, GPT-2 ``transformer.h``, BERT ``encoder.layer``.
-DECODER_LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "encoder.layer", "decoder.layers",
-                       "layers", "h")
-
 
 @dataclass(frozen=True)
 class ScalingGroup:
@@ -155,26 +147,9 @@ def output_channels(module: nn.Module) -> int | None:
 
 # ===================================================================== decoder layers and embeddings
 def _is_block_list(module: nn.Module) -> bool:
+    """Whether an explicit ``model_decoder_layers`` names a non-empty ModuleList of modules of one class."""
     children = list(module.children())
     return isinstance(module, nn.ModuleList) and bool(children) and len({type(c) for c in children}) == 1
-
-
-def find_decoder_layers(model: nn.Module) -> str | None:
-    """The path of the model's ModuleList of repeated blocks, found at one of :data:`DECODER_LAYER_PATHS` (also
-    below a wrapper, e.g. ``bert.encoder.layer``); ``None`` if there is none."""
-    candidates = [(name, module) for name, module in model.named_modules() if _is_block_list(module)]
-    for path in DECODER_LAYER_PATHS:
-        for name, _ in candidates:
-            if name == path or name.endswith(f".{path}"):
-                return name
-    return None
-
-
-def decoder_blocks(model: nn.Module, path: str | None) -> list[tuple[str, nn.Module]]:
-    """The blocks at ``path`` with their qualified names; ``[("", model)]`` without decoder layers."""
-    if path is None:
-        return [("", model)]
-    return [(f"{path}.{name}", block) for name, block in model.get_submodule(path).named_children()]
 
 
 def infer_embedding_layers(model: nn.Module, decoder_path: str | None) -> tuple[str, ...]:
@@ -294,15 +269,15 @@ def model_structure(model: nn.Module, *, decoder_layers: str | None = None,
     if decoder_layers is not None:
         stack = modules.get(decoder_layers)
         if stack is None or not _is_block_list(stack):
-            found = find_decoder_layers(model)
+            found = find_block_stack(model)
             hint = f"; the model's decoder layers are at {found!r}" if found else ""
             what = "not a module" if stack is None else f"a {type(stack).__name__}, not a ModuleList of blocks"
             raise ConfigError(f"{field_path}model_decoder_layers", f"{decoder_layers!r} is {what} of "
                                                                    f"{type(model).__name__}{hint}")
     else:
-        decoder_layers = find_decoder_layers(model)
+        decoder_layers = find_block_stack(model)
         inferred.add("model_decoder_layers")
-    blocks = decoder_blocks(model, decoder_layers)
+    blocks = stack_blocks(model, decoder_layers)
     if embedding_layers is not None:
         for index, name in enumerate(embedding_layers):
             if name not in modules:

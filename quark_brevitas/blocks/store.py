@@ -1,6 +1,6 @@
 """Cached activations of every calibration batch at one point of a model, in memory or on disk.
 
-The block-by-block data phase (:mod:`quark_brevitas.blockwise`) runs each block on the inputs the
+The block-by-block data phase (:mod:`quark_brevitas.blocks.engine`) runs each block on the inputs the
 previous block produced; those inputs are kept here, one entry per calibration batch. An entry is any
 nest of tuples, lists and dicts of tensors (a block's output, or a layer's ``(args, kwargs)``).
 
@@ -24,7 +24,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ActivationStore", "available_memory", "default_memory_budget", "detached", "map_tensors", "nbytes"]
+__all__ = ["ActivationStore", "StoreFactory", "available_memory", "default_memory_budget", "detached", "map_tensors",
+           "nbytes"]
 
 
 def available_memory() -> int | None:
@@ -164,3 +165,37 @@ class ActivationStore:
             self._temporary = None
         if self.directory is not None and not self.keep:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class StoreFactory:
+    """Where cached activations go: ``None`` (memory, spilling to a temporary directory beyond half of the
+    available memory), or a directory (every entry on disk, one subdirectory per store, removed when the
+    store is closed; ``temporary``: the directory itself is removed by :meth:`cleanup`)."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *, memory_budget: int | None = -1,
+                 temporary: bool = False) -> None:
+        self.directory = Path(directory) if directory is not None else None
+        self.memory_budget = memory_budget
+        self.temporary = temporary
+        self._count = 0
+
+    def create(self, label: str) -> ActivationStore:
+        if self.directory is None:
+            return ActivationStore(memory_budget=self.memory_budget)
+        self._count += 1
+        return ActivationStore(self.directory / f"{self._count:04d}_{label}")
+
+    def cleanup(self) -> None:
+        if self.temporary and self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    @classmethod
+    def for_offload(cls, offload: str | os.PathLike[str] | None) -> StoreFactory:
+        """``offload`` of ``quantize_model``: ``None`` (memory), ``"disk"`` (a temporary directory) or a path."""
+        if offload is None:
+            return cls()
+        if offload == "disk":
+            return cls(tempfile.mkdtemp(prefix="quark_brevitas_offload_"), temporary=True)
+        if isinstance(offload, str | os.PathLike):
+            return cls(offload)
+        raise TypeError(f"offload must be None, 'disk' or a directory path, got {type(offload).__name__}")

@@ -1,0 +1,42 @@
+"""What the block engine needs from whoever quantizes the blocks (the pipeline, or one algorithm).
+
+The engine walks blocks and moves activations; it does not know what a config is. It asks a
+:class:`UnitQuantizer` to process one unit (a block, or a layer outside the blocks inside its holder) and which
+layers of the model are quantized at all (to find those outside the blocks). Streaming's checkpoint source
+also rebuilds units without data (:class:`UnitRebuilder`). Stating this as a Protocol keeps the engine free of
+an import of the pipeline (which imports the engine) and lets the LLM algorithms' whole-model path drive the
+same engine with one algorithm.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from quark_brevitas.data import CalibrationData
+
+__all__ = ["UnitQuantizer", "UnitRebuilder"]
+
+
+class UnitQuantizer(Protocol):
+    """Processes one part of the model at a time for :class:`~quark_brevitas.blocks.engine.BlockwiseEngine`."""
+
+    def quantize_unit(self, unit: nn.Module, name: str, data: CalibrationData | None, *,
+                      block: bool = True) -> nn.Module:
+        """Process ``unit`` (a block called ``name``; or, with ``block=False``, a holder of one layer outside the
+        blocks, ``name`` being the holder's place) on its cached inputs ``data``; return what replaces it."""
+        ...
+
+    def quantized_layers(self, model: nn.Module) -> list[str]:
+        """The qualified names of ``model``'s layers that get quantized, in model order."""
+        ...
+
+
+class UnitRebuilder(Protocol):
+    """Rebuilds one part of a quantized model without data (loading a checkpoint block by block)."""
+
+    def rebuild_unit(self, unit: nn.Module, name: str, saved: Any) -> nn.Module:
+        """The quantized structure of ``unit`` (called ``name``) as recorded in ``saved``."""
+        ...

@@ -1,0 +1,111 @@
+"""The pipeline's block-by-block path: which stack to walk, whether the config can, and the walk itself.
+
+:class:`~quark_brevitas.pipeline.Pipeline` keeps the stages; what is about blocks lives here: the choice of the
+stack (:func:`choose_block_stack`), why a config cannot run block by block (:func:`blockwise_obstacle`) and the
+run with the right block source and activation stores (:func:`quantize_blocks`). The pipeline is reached only
+through :class:`~quark_brevitas.blocks.protocol.UnitQuantizer` and a ``prepare`` callable, so this module does
+not import it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from quark_brevitas.algorithms import handler_for
+from quark_brevitas.blocks.engine import BlockwiseEngine
+from quark_brevitas.blocks.protocol import UnitQuantizer
+from quark_brevitas.blocks.sources import BlockSource, CopiedBlocks, copy_without_blocks
+from quark_brevitas.blocks.stack import resolve_block_stack
+from quark_brevitas.blocks.store import StoreFactory
+from quark_brevitas.data import CalibrationData
+from quark_brevitas.errors import ModelError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["blockwise_obstacle", "choose_block_stack", "named_decoder_layers", "quantize_blocks"]
+
+
+def _algorithm_name(algo: Any) -> str:
+    return algo.name or type(algo).__name__
+
+
+def _algorithms(config: Any) -> list[Any]:
+    return [*config.pre_quant_opt_config, *config.algo_config]
+
+
+def named_decoder_layers(config: Any) -> list[str]:
+    """The ``model_decoder_layers`` named by the config's algorithms (Quark's field), if any."""
+    return [a.model_decoder_layers for a in _algorithms(config)
+            if isinstance(getattr(a, "model_decoder_layers", None), str) and a.model_decoder_layers]
+
+
+def blockwise_obstacle(config: Any) -> str | None:
+    """Why ``config`` cannot run block by block (``None`` if it can)."""
+    whole = [_algorithm_name(a) for a in _algorithms(config) if not getattr(handler_for(a), "blockwise", True)]
+    if whole:
+        return f"{', '.join(whole)} needs the whole model in every pass"
+    seen_data = False
+    for algo in config.pre_quant_opt_config:
+        if algo.needs_data:
+            seen_data = True
+        elif seen_data:
+            return (f"the data-free pre-quantization step {_algorithm_name(algo)} comes after a data-driven one "
+                    "(block by block, data-free steps run on the whole model first)")
+    return None
+
+
+def choose_block_stack(model: nn.Module, config: Any, blocks: str | bool | None, needs_data: bool) -> str | None:
+    """The block stack for the block-by-block data phase, or ``None`` for the whole-model path (``blocks`` as
+    for ``quantize_model``; a named or required stack that ``config`` cannot walk is an error)."""
+    if blocks is None and not needs_data:
+        return None  # nothing runs on data: the whole model is converted in one step anyway
+    stack = resolve_block_stack(model, blocks, named_decoder_layers(config))
+    if stack is None:
+        return None
+    obstacle = blockwise_obstacle(config)
+    if obstacle is not None:
+        if isinstance(blocks, str) or blocks is True:
+            raise ModelError(f"blocks={blocks!r}: cannot calibrate block by block: {obstacle}")
+        logger.info("Calibrating the whole model at once: %s", obstacle)
+        return None
+    logger.info("Calibrating block by block (%d blocks in %s)", len(model.get_submodule(stack)), stack)
+    return stack
+
+
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def quantize_blocks(quantizer: UnitQuantizer, model: nn.Module, stack: str, data: CalibrationData | None, *,
+                    inplace: bool, offload: str | os.PathLike[str] | None,
+                    prepare: Callable[[nn.Module], nn.Module] | None = None, prepared_by: str = "") -> nn.Module:
+    """The block-by-block path: ``prepare`` (the data-free steps that need the whole model, named
+    ``prepared_by``) on the whole model (on a copy unless ``inplace``), then the engine; without such steps
+    the blocks of the caller's model are copied one at a time."""
+    source: BlockSource
+    if inplace or prepare is not None:
+        work = model if inplace else copy.deepcopy(model)
+        if prepare is not None:
+            work = prepare(work)
+            if not _has_submodule(work, stack):
+                raise ModelError(f"the pre-quantization steps {prepared_by} changed the model's structure ({stack} "
+                                 "is gone); pass blocks=False for the whole-model path")
+        source = BlockSource()
+    else:
+        work, originals = copy_without_blocks(model, stack)
+        source = CopiedBlocks(originals)
+    stores = StoreFactory.for_offload(offload)
+    try:
+        return BlockwiseEngine(quantizer, work, stack, data, source, stores=stores).run()
+    finally:
+        stores.cleanup()
