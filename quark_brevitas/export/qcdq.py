@@ -37,6 +37,7 @@ from quark_brevitas.export.inspect import Quantizer, candidate_opsets, inspect_q
 from quark_brevitas.export.kv import past_axes
 from quark_brevitas.export.onnx_types import uses_float8
 from quark_brevitas.export.orchestrate import ExportFormat, GraphNames, brevitas_export, export_verified
+from quark_brevitas.export.passes.float8 import relu_as_max_before_float8_quantizers
 from quark_brevitas.export.passes.float_bias import FLOAT_BIAS_REWRITE, move_float_biases_out
 from quark_brevitas.export.passes.folding import fold_constant_quantization
 from quark_brevitas.export.passes.graph import clean_graph, opset_of, traced_module_paths
@@ -187,6 +188,9 @@ class QCDQFormat(ExportFormat[ExportReport]):
         dynamic, plans = _in_graph(proto, paths, self.dynamic, self.plans)
         self.folded = fold_constant_quantization(proto.graph)
         self.rewrites = rewrite_for_integer_kernels(proto) if self.integer_kernels else ()
+        relus = relu_as_max_before_float8_quantizers(proto) if uses_float8(proto) else 0
+        if relus:  # onnxruntime's default session would drop them (passes/float8.py)
+            self.rewrites = (*self.rewrites, ("Relu before float8 QuantizeLinear written as Max(x, 0)", relus))
         if dynamic:
             done = insert_dynamic_quantization(proto, dynamic, paths)
             self.rewrites = (*self.rewrites, ("Linear inputs quantized dynamically (MatMulInteger)", done))

@@ -22,7 +22,6 @@ from onnx import TensorProto
 
 from quark_brevitas.export.args import PathLike, TensorArgs, normalize_args
 from quark_brevitas.export.errors import ExportArgumentError, ExportError
-from quark_brevitas.export.onnx_types import uses_float8
 from quark_brevitas.export.passes.graph import attr
 
 # onnxruntime rewrites that are wrong for float8 QDQ graphs (see module docstring).
@@ -74,7 +73,7 @@ def create_ort_session(path: PathLike) -> ort.InferenceSession:
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", _MATMULNBITS_ACCURACY_LEVEL)
     disabled: list[str] = []
     header = onnx.load(str(file), load_external_data=False)
-    if uses_float8(header) or _has_blocked_8bit_weights(header):
+    if _has_blocked_8bit_weights(header):
         options.add_session_config_entry("session.disable_quant_qdq", "1")
         disabled = list(_FLOAT8_DISABLED_ORT_OPTIMIZERS)
     try:
