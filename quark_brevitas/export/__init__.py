@@ -45,10 +45,10 @@ What the function guarantees on top of ``brevitas.export.export_onnx_qcdq``:
   (:mod:`~quark_brevitas.export.dynamic`); 4-bit weights of weight-only layers as ``INT4``/``UINT4``.
 
 :func:`run_onnx` / :func:`create_ort_session` run such files in onnxruntime (CPU) with the
-session settings they need. onnxruntime 1.31 mis-optimizes float8 QDQ graphs with its default
-settings (it fuses float8 QDQ pairs into integer-only ``QLinear*`` kernels and drops a ``Relu``
-in front of a float8 ``QuantizeLinear``), so for files containing float8 tensors these helpers
-disable the QDQ fusions (``session.disable_quant_qdq``) and the ``ReluQuantRewrite`` rule.
+session settings they need. Float8 files need none: onnxruntime's default session drops a ``Relu``
+in front of a float8 ``QuantizeLinear`` (``ReluQuantRewrite``), so the exporter writes such a Relu as
+``Max(x, 0)`` (:mod:`~quark_brevitas.export.passes.float8`) and the file is right in
+``onnxruntime.InferenceSession(path)``.
 
 The package is split by concept: :mod:`~quark_brevitas.export.errors` (exceptions),
 :mod:`~quark_brevitas.export.args` (argument checks), :mod:`~quark_brevitas.export.orchestrate` (the one

@@ -45,6 +45,8 @@ from quark_brevitas.export.passes.graph import GraphIndex, attr, module_path, to
 
 #: Suffix of the node producing a dynamic quantizer's codes (after the proxy's module path).
 CODE_NODE = "export_handler/DynamicQuantize"
+#: Suffix of the tensor holding an asymmetric dynamic quantizer's zero point (the pinned check pins it too).
+ZERO_POINT_TENSOR = "export_handler/DynamicZeroPoint"
 
 
 @dataclass
@@ -194,7 +196,8 @@ def _rewrite(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput, codes:
         new.append(helper.make_node("Cast", [shifted], [code_name], name=code_name, to=TensorProto.UINT8))
         correction = const(np.array(128, np.uint8), "zero_point")
     elif not plan.per_token:  # asymmetric per tensor: onnxruntime's DynamicQuantizeLinear
-        scale, zero_point = index.fresh_name(f"{proxy_path}/scale"), index.fresh_name(f"{proxy_path}/zero_point")
+        scale = index.fresh_name(f"{proxy_path}/scale")
+        zero_point = index.fresh_name(f"{proxy_path}/{ZERO_POINT_TENSOR}")
         new.append(helper.make_node("DynamicQuantizeLinear", [x], [code_name, scale, zero_point], name=code_name))
         correction = zero_point
     else:  # asymmetric per token: range containing 0, zero point round(-min / scale), codes round(x/s + zp)
@@ -202,7 +205,9 @@ def _rewrite(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput, codes:
         low = op("Min", [op("ReduceMin", [x], "min", **axes), zero], "min_or_zero")
         high = op("Max", [op("ReduceMax", [x], "max", **axes), zero], "max_or_zero")
         scale = op("Div", [op("Sub", [high, low], "range"), const(np.array(255.0, np.float32), "levels")], "scale")
-        zp_float = op("Round", [op("Div", [op("Neg", [low], "neg_min"), scale], "zp_unrounded")], "zp")
+        zp_float = index.fresh_name(f"{proxy_path}/{ZERO_POINT_TENSOR}")
+        new.append(helper.make_node("Round", [op("Div", [op("Neg", [low], "neg_min"), scale], "zp_unrounded")],
+                                    [zp_float], name=zp_float))
         shifted = op("Add", [op("Div", [x, scale], "x_over_scale"), zp_float], "x_shifted")
         clipped = op("Clip", [op("Round", [shifted], "round"), zero, const(np.array(255.0, np.float32), "top")],
                      "clip")

@@ -54,7 +54,7 @@ from onnx import TensorProto
 from torch import nn
 
 from quark_brevitas.brevitas_adapter import iter_quantizers
-from quark_brevitas.export.dynamic import CODE_NODE
+from quark_brevitas.export.dynamic import CODE_NODE, ZERO_POINT_TENSOR
 from quark_brevitas.export.errors import ExportMismatchError
 from quark_brevitas.export.onnx_types import FLOAT8_ONNX_TYPES
 from quark_brevitas.export.passes.graph import GraphIndex
@@ -115,6 +115,7 @@ class _Site:
     float8: bool
     dynamic: bool = False  # codes of a dynamic quantizer (quark_brevitas.export.dynamic): PyTorch's scale per call
     pin: str = ""  # the tensor replaced by a graph input
+    zero_point: str = ""  # an asymmetric dynamic quantizer's zero point tensor (pinned and probed too)
     position: int = -1  # index of ``pin`` in ``chain`` (integer codes)
 
 
@@ -211,7 +212,9 @@ def _sites(proto: onnx.ModelProto, proxies: set[str]) -> tuple[list[_Site], list
             found = (resolved, found[1]) if resolved is not None else found
         if found is not None and node.name.rsplit("/", 1)[-1].startswith(CODE_NODE.rsplit("/", 1)[-1]):
             if found[0] in proxies:
-                sites.append(_Site(found[0], found[1], node, [node.output[0]], [], None, False, dynamic=True))
+                zero_point = node.name.replace(CODE_NODE, ZERO_POINT_TENSOR)
+                sites.append(_Site(found[0], found[1], node, [node.output[0]], [], None, False, dynamic=True,
+                                   zero_point=zero_point if zero_point in index.producer else ""))
             else:
                 unmatched.append(node.name)
             continue
@@ -279,8 +282,56 @@ def _non_tie(inputs: np.ndarray, probe: np.ndarray, expected: np.ndarray, *, exa
         return 0, 0, 0.0
     x, a, b = inputs[differ].astype(np.float64), probe[differ].astype(np.float64), expected[differ].astype(np.float64)
     spacing = np.abs(a - b)
-    tie = np.abs(np.abs(x - a) - np.abs(x - b)) <= 2 * TIE_FRACTION * spacing
+    tie = _is_tie(x, a, b)
     return int(tie.sum()), int((~tie).sum()), float(spacing.max())
+
+
+def _compare_zero_point(probe: np.ndarray, expected: np.ndarray, shift: np.ndarray | None) -> tuple[int, int]:
+    """(zero points at rounding ties, other differing zero points) of a dynamic quantizer's zero point probe; a
+    zero point at a tie may be the other candidate (``shift``, see :func:`_zero_point_shift`)."""
+    probe = probe.astype(np.float64).reshape(expected.shape)
+    differ = probe != expected
+    tie = differ & (shift is not None) & (probe == expected + (shift if shift is not None else 0.0))
+    return int(tie.sum()), int((differ & ~tie).sum())
+
+
+def _is_tie(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Whether ``x`` lies within :data:`TIE_FRACTION` of a step of the midpoint between the values ``a`` and ``b``."""
+    return np.abs(np.abs(x - a) - np.abs(x - b)) <= 2 * TIE_FRACTION * np.abs(a - b)
+
+
+def _zero_point_shift(call: _Call) -> np.ndarray | None:
+    """For an asymmetric dynamic quantizer: per zero point (shaped like PyTorch's), the other candidate minus
+    PyTorch's (+-1) where it was a rounding tie, else 0; ``None`` when no zero point of the call is at a tie.
+
+    Why: a dynamic asymmetric quantizer rounds its zero point ``-min(min x, 0) / scale`` from each input (per token,
+    or per tensor). The file computes it with the same formula (checked bit for bit on PyTorch's input), but its
+    input differs from PyTorch's by float rounding of the ops before it; when the unrounded zero point lies within
+    :data:`TIE_FRACTION` of a half-integer (all-MiniLM-L6-v2: 149.49998 on a padding token), that moves the whole
+    row by one code. It is a rounding tie like an element's, only shared by the row: the pinned check pins the
+    zero point to PyTorch's and accepts the file's own only where it is PyTorch's or, at such a tie, the other
+    candidate.
+    """
+    if call.signed or call.zero_point is None or call.scale is None:
+        return None
+    scale = call.scale.astype(np.float32)
+    # the zero point's statistic reduces over the axes along which the scale is broadcast (per token: the last)
+    axes = tuple(axis for axis in range(call.inputs.ndim) if _broadcast_dim(scale, call.inputs.ndim, axis) == 1)
+    low = np.minimum(call.inputs.min(axis=axes, keepdims=True), np.float32(0))
+    unrounded = (-low / scale).astype(np.float64)
+    fraction = unrounded - np.floor(unrounded)
+    tie = np.abs(fraction - 0.5) <= TIE_FRACTION
+    if not tie.any():
+        return None
+    picked, below = call.zero_point.astype(np.float64), np.floor(unrounded)
+    other = np.clip(np.where(picked == below, below + 1, below), 0, 255)  # the candidate PyTorch did not pick
+    return np.where(tie, other - picked, 0.0)
+
+
+def _broadcast_dim(array: np.ndarray, ndim: int, axis: int) -> int:
+    """Size of ``array`` along ``axis`` once broadcast (right-aligned) to ``ndim`` dimensions."""
+    offset = axis - (ndim - array.ndim)
+    return int(array.shape[offset]) if offset >= 0 else 1
 
 
 def check_pinned(proto: onnx.ModelProto, model: nn.Module, args: tuple[torch.Tensor, ...],
@@ -298,13 +349,22 @@ def check_pinned(proto: onnx.ModelProto, model: nn.Module, args: tuple[torch.Ten
     feed = {name: _numpy(t) for name, t in zip(input_names, args)}
     index = GraphIndex(proto.graph)
     # Run 1: the file as it is, with the chain tensors as outputs, to learn their shapes.
-    chain_names = [t for s in sites if not s.float8 for t in s.chain]
+    chain_names = [t for s in sites if not s.float8 for t in (*s.chain, *([s.zero_point] if s.zero_point else []))]
     shapes = {name: value.shape for name, value in runner(_with_outputs(proto, chain_names), feed).items()}
     pinned = onnx.ModelProto()
     pinned.CopyFrom(proto)
     pinned_index = GraphIndex(pinned.graph)
     producers = pinned_index.producer
     expected: dict[str, tuple[_Site, np.ndarray, np.ndarray]] = {}
+    zero_points: dict[str, tuple[_Site, np.ndarray, np.ndarray | None]] = {}  # pinned dynamic zero points
+
+    def pin(tensor: str, values: np.ndarray, elem_type: int) -> None:
+        """Replace ``tensor`` by a graph input fed with ``values``; what the file computed becomes an output."""
+        producer = producers[tensor]
+        producer.output[list(producer.output).index(tensor)] = f"{tensor}__probe"
+        pinned.graph.input.append(onnx.helper.make_tensor_value_info(tensor, elem_type, None))
+        pinned.graph.output.append(onnx.helper.make_empty_tensor_value_info(f"{tensor}__probe"))
+        feed[tensor] = values
     for site in sites:
         site_calls = calls.get(site.proxy, [])
         if site.call >= len(site_calls):
@@ -326,6 +386,17 @@ def check_pinned(proto: onnx.ModelProto, model: nn.Module, args: tuple[torch.Ten
             inputs = call.inputs.astype(np.float64) / call.scale.astype(np.float64) + zero_point.astype(np.float64)
             values = _codes(call.values / call.scale.astype(np.float64), np.ones((), np.float64), zero_point,
                             np.uint8 if unsigned_file else np.int8)
+            if site.zero_point and not call.signed and call.zero_point is not None \
+                    and site.zero_point not in zero_points and site.zero_point in shapes:
+                # Pinned like the codes: the file dequantizes them with its own zero point, and a zero point at a
+                # rounding tie (see _zero_point_shift) would otherwise shift a whole row of pinned codes.
+                file_zero_point = call.zero_point.reshape(shapes[site.zero_point])
+                uint8 = site.quantize.op_type == "DynamicQuantizeLinear"
+                pin(site.zero_point, file_zero_point.astype(np.uint8 if uint8 else np.float32),
+                    TensorProto.UINT8 if uint8 else TensorProto.FLOAT)
+                shift = _zero_point_shift(call)
+                zero_points[site.zero_point] = (site, file_zero_point.astype(np.float64),
+                                                None if shift is None else shift.reshape(file_zero_point.shape))
         else:
             scale, zero_point, code_type = _scale_zero_point(index, site.quantize)
             if scale is None or zero_point is None or scale.ndim != 0:
@@ -343,14 +414,8 @@ def check_pinned(proto: onnx.ModelProto, model: nn.Module, args: tuple[torch.Ten
             inputs = call.inputs.astype(np.float64) / float(scale) + float(zero_point)
         if site.pin in expected:  # two quantizers sharing one tensor: pin once
             continue
-        probe = f"{site.pin}__probe"
-        producer = producers[site.pin]
-        producer.output[list(producer.output).index(site.pin)] = probe
-        pinned.graph.input.append(onnx.helper.make_tensor_value_info(
-            site.pin, TensorProto.FLOAT if site.float8 else (TensorProto.INT8 if values.dtype == np.int8
-                                                            else TensorProto.UINT8), None))
-        pinned.graph.output.append(onnx.helper.make_empty_tensor_value_info(probe))
-        feed[site.pin] = values
+        pin(site.pin, values, TensorProto.FLOAT if site.float8 else (TensorProto.INT8 if values.dtype == np.int8
+                                                                    else TensorProto.UINT8))
         expected[site.pin] = (site, values, inputs)
     out = runner(pinned, feed)
     summary = PinnedSummary(pinned=len(expected), tie_elements=0, unpinned=tuple(unmatched))
@@ -360,6 +425,16 @@ def check_pinned(proto: onnx.ModelProto, model: nn.Module, args: tuple[torch.Ten
             probe = _apply_clips(probe, site.clips[site.position:] if site.position >= 0 else [], index)
             probe = probe.astype(np.float64)
         ties, wrong, largest = _non_tie(inputs, probe, values, exact=not site.float8)
+        if site.zero_point in zero_points:
+            zero_point_ties, zero_point_wrong = _compare_zero_point(out[f"{site.zero_point}__probe"],
+                                                                    *zero_points[site.zero_point][1:])
+            ties += zero_point_ties
+            if zero_point_wrong:
+                raise ExportMismatchError(
+                    f"at quantizer '{site.proxy}' (node {site.zero_point}), with every quantizer before it pinned "
+                    f"to PyTorch's codes, {zero_point_wrong} of its dynamic zero point(s) differ from PyTorch's away "
+                    "from rounding ties: the file computes the zero point (or its input) differently.",
+                    max_abs_diff=float("inf"), tolerance=tolerance, path=path)
         summary.tie_elements += ties
         summary.per_quantizer[site.proxy] = ties
         if wrong:

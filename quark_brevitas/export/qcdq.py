@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,9 +37,10 @@ from quark_brevitas.export.inspect import Quantizer, candidate_opsets, inspect_q
 from quark_brevitas.export.kv import past_axes
 from quark_brevitas.export.onnx_types import uses_float8
 from quark_brevitas.export.orchestrate import ExportFormat, GraphNames, brevitas_export, export_verified
+from quark_brevitas.export.passes.float8 import relu_as_max_before_float8_quantizers
 from quark_brevitas.export.passes.float_bias import FLOAT_BIAS_REWRITE, move_float_biases_out
 from quark_brevitas.export.passes.folding import fold_constant_quantization
-from quark_brevitas.export.passes.graph import clean_graph, opset_of
+from quark_brevitas.export.passes.graph import clean_graph, opset_of, traced_module_paths
 from quark_brevitas.export.passes.kernels import rewrite_for_integer_kernels
 from quark_brevitas.export.runtime import create_ort_session, run_model_proto, run_onnx
 from quark_brevitas.export.summary import bias_dtypes, count_ops, float_initializer_bytes, weight_dtypes
@@ -182,16 +184,20 @@ class QCDQFormat(ExportFormat[ExportReport]):
                             names=names, where=target(opset), export_weight_q_node=weight_q_node,
                             dynamic_axes=axes)
             proto = onnx.load(str(raw_path))
+        paths = {id(module): name for name, module in model.named_modules()}  # module paths in the traced module
+        dynamic, plans = _in_graph(proto, paths, self.dynamic, self.plans)
         self.folded = fold_constant_quantization(proto.graph)
         self.rewrites = rewrite_for_integer_kernels(proto) if self.integer_kernels else ()
-        paths = {id(module): name for name, module in model.named_modules()}  # module paths in the traced module
-        if self.dynamic:
-            done = insert_dynamic_quantization(proto, self.dynamic, paths)
+        relus = relu_as_max_before_float8_quantizers(proto) if uses_float8(proto) else 0
+        if relus:  # onnxruntime's default session would drop them (passes/float8.py)
+            self.rewrites = (*self.rewrites, ("Relu before float8 QuantizeLinear written as Max(x, 0)", relus))
+        if dynamic:
+            done = insert_dynamic_quantization(proto, dynamic, paths)
             self.rewrites = (*self.rewrites, ("Linear inputs quantized dynamically (MatMulInteger)", done))
         clean_graph(proto.graph)
-        if self.plans:
+        if plans:
             try:
-                proto = insert_dequantize(proto, self.plans)
+                proto = insert_dequantize(proto, plans)
             except QuarkBrevitasError as exc:
                 raise ExportError(str(exc)) from exc
             clean_graph(proto.graph)
@@ -269,6 +275,23 @@ class QCDQFormat(ExportFormat[ExportReport]):
         if self.chosen_opset != report.opset and not self.plans and not self.packed:  # pragma: no cover
             logger.warning("asked for opset %d, file declares %d", self.chosen_opset, report.opset)
         return report
+
+
+def _in_graph(proto: onnx.ModelProto, paths: dict[int, str], dynamic: Sequence[DynamicInput],
+              plans: Sequence[PlannedWeight]) -> tuple[list[DynamicInput], list[PlannedWeight]]:
+    """The dynamic inputs and planned weights whose layer the traced graph uses. A quantized layer whose result
+    nothing reads (a pooler behind a wrapper that returns only ``last_hidden_state``) has no node in the graph:
+    it is not an error, there is just nothing to rewrite; logged at INFO level, naming the layers."""
+    used = traced_module_paths(proto.graph)
+
+    def in_graph(layer: nn.Module) -> bool:
+        path = paths.get(id(layer))
+        return path is None or path == "" or path in used  # the model itself (path "") is always traced
+
+    unused = sorted({paths[id(item.layer)] for item in (*dynamic, *plans) if not in_graph(item.layer)})
+    if unused:
+        logger.info("quantized layer(s) not used by the traced graph, left out of the file: %s", ", ".join(unused))
+    return [d for d in dynamic if in_graph(d.layer)], [p for p in plans if in_graph(p.layer)]
 
 
 def export_onnx_qcdq(

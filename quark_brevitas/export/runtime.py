@@ -1,7 +1,8 @@
 """Running exported ONNX files in onnxruntime (CPU).
 
-:func:`create_ort_session` opens a file with the session settings it needs (float8 files get the QDQ
-fusions and ``ReluQuantRewrite`` disabled, see :mod:`quark_brevitas.export`), :func:`run_onnx` feeds
+:func:`create_ort_session` opens a file with the session settings it needs (float8 files with onnxruntime's
+default options: the exporter writes them so that its rewrites keep them right, see
+:mod:`quark_brevitas.export.passes.float8`), :func:`run_onnx` feeds
 it tensors or arrays, and a small thread-safe cache keeps recently used sessions keyed by the file's
 identity so that repeated verification does not reload them.
 """
@@ -22,11 +23,8 @@ from onnx import TensorProto
 
 from quark_brevitas.export.args import PathLike, TensorArgs, normalize_args
 from quark_brevitas.export.errors import ExportArgumentError, ExportError
-from quark_brevitas.export.onnx_types import uses_float8
 from quark_brevitas.export.passes.graph import attr
 
-# onnxruntime rewrites that are wrong for float8 QDQ graphs (see module docstring).
-_FLOAT8_DISABLED_ORT_OPTIMIZERS = ("ReluQuantRewrite",)
 # MatMulNBits compute precision: 1 = float32 (see create_ort_session).
 _MATMULNBITS_ACCURACY_LEVEL = "1"
 
@@ -55,11 +53,11 @@ def _has_blocked_8bit_weights(model: onnx.ModelProto) -> bool:
 def create_ort_session(path: PathLike) -> ort.InferenceSession:
     """Create a CPU onnxruntime session for an ONNX file written by :func:`export_onnx_qcdq`.
 
-    For files with float8 tensors the onnxruntime QDQ fusions and the ``ReluQuantRewrite`` rule
-    are disabled: with them onnxruntime 1.31 either rejects the graph (float8 fed to integer
-    ``QLinearConv``/``QGemm``) or silently removes a ``Relu`` in front of a float8
-    ``QuantizeLinear``. The same holds for files with blocked 8-bit weights (MXINT8, int5-8 per
-    group): onnxruntime fuses them with int8 activations into ``MatMulIntegerToFloat`` as if their
+    Files with float8 tensors run with onnxruntime's default options, as users open them: the one
+    rewrite that broke them (``ReluQuantRewrite`` dropping a ``Relu`` in front of a float8
+    ``QuantizeLinear``) no longer matches the exported graph (:mod:`quark_brevitas.export.passes.float8`).
+    Files with blocked 8-bit weights (MXINT8, int5-8 per group) get the QDQ fusions disabled:
+    onnxruntime fuses them with int8 activations into ``MatMulIntegerToFloat`` as if their
     scales were per channel and fails at run time. Integer files use onnxruntime's default (fully
     optimized) settings, except that the ``MatMulNBits`` kernels onnxruntime makes of weight-only
     ``DequantizeLinear -> MatMul`` run in float32 (accuracy level 1) rather than on int8-quantized
@@ -72,15 +70,12 @@ def create_ort_session(path: PathLike) -> ort.InferenceSession:
     # onnxruntime fuses DequantizeLinear (blocked int4/int8) -> MatMul into MatMulNBits, by default at
     # accuracy level 4, which quantizes the activations to int8 on the fly: not what the file says.
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", _MATMULNBITS_ACCURACY_LEVEL)
-    disabled: list[str] = []
     header = onnx.load(str(file), load_external_data=False)
-    if uses_float8(header) or _has_blocked_8bit_weights(header):
+    if _has_blocked_8bit_weights(header):
         options.add_session_config_entry("session.disable_quant_qdq", "1")
-        disabled = list(_FLOAT8_DISABLED_ORT_OPTIMIZERS)
     try:
         return ort.InferenceSession(
-            str(file), options, providers=["CPUExecutionProvider"], disabled_optimizers=disabled
-        )
+            str(file), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types
         raise ExportError(f"onnxruntime (CPU) cannot load {file}: {exc}") from exc
 

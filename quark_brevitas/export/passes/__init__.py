@@ -8,6 +8,8 @@
   :mod:`~quark_brevitas.export.passes.layout`, :mod:`~quark_brevitas.export.passes.clips`,
   :mod:`~quark_brevitas.export.passes.bias` and :mod:`~quark_brevitas.export.passes.unsigned`, on the nodes
   :mod:`~quark_brevitas.export.passes.qparams` recognises;
+- :mod:`~quark_brevitas.export.passes.float8`: Relu in front of float8 quantizers as ``Max(x, 0)``, which
+  onnxruntime's default session does not drop;
 - :mod:`~quark_brevitas.export.passes.float_bias`: moving float biases out of quantized layers when
   onnxruntime's int32 bias rounding breaks the tolerance.
 """

@@ -40,6 +40,18 @@ def module_path(node_name: str) -> str:
     return node_name.lstrip("/").replace("/", ".")
 
 
+def traced_module_paths(graph: onnx.GraphProto) -> set[str]:
+    """Every module path (and each of its parent paths) that names a node of ``graph``: the modules whose
+    computation the traced graph contains. A module that ran during tracing but whose result nothing reads (a
+    BERT pooler behind a wrapper returning only ``last_hidden_state``) has no node left after torch's dead-code
+    elimination, so it is not in the set."""
+    paths: set[str] = set()
+    for node in graph.node:
+        parts = module_path(node.name).split(".")
+        paths.update(".".join(parts[:k]) for k in range(1, len(parts)))
+    return paths
+
+
 def single_output(node: onnx.NodeProto) -> bool:
     """Whether the node produces exactly one (named) output, so moving it around moves one tensor."""
     return sum(1 for name in node.output if name) == 1
