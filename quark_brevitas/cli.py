@@ -46,6 +46,7 @@ from torch import nn
 from quark_brevitas.api import ModelExporter, ModelQuantizer
 from quark_brevitas.config import Config
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
+from quark_brevitas.extras import available, install_hint
 from quark_brevitas.presets import DEFAULT_PRESET, DESCRIPTIONS, PRESETS, get_preset
 
 __all__ = ["main"]
@@ -657,7 +658,11 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     ranking = analysis.sensitivity(subject.model, config, subject.calib, exact=args.exact,
                                    max_batches=None if args.exact else args.batches)
     written = [*analysis.write_rows(layers, output, "layers"), *analysis.write_rows(ranking, output, "sensitivity")]
-    if not args.no_plots:
+    if not args.no_plots and not available("matplotlib"):
+        # The tables and files are the result; the pictures are optional and need an extra.
+        logger.warning("plots skipped: they need matplotlib, which is not installed; install it with %s (or pass "
+                       "--no-plots)", install_hint("matplotlib"))
+    elif not args.no_plots:
         written.append(analysis.plot_layer_sqnr(layers, output / "layers.png",
                                                 title=f"{subject.label}, {source}: error per layer"))
         written.append(analysis.plot_sensitivity(ranking, output / "sensitivity.png",
