@@ -24,11 +24,8 @@ _NORMAL = "#1f77b4"
 
 
 def _pyplot() -> Any:
-    matplotlib = require("matplotlib", "plots")
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+    require("matplotlib", "plots").use("Agg", force=True)  # before pyplot: files only, no display
+    return require("matplotlib.pyplot", "plots")
 
 
 def _finite_cap(values: Sequence[float | None]) -> float:
