@@ -23,6 +23,7 @@ import logging
 import pathlib
 import random
 import statistics
+import tempfile
 import time
 import warnings
 
@@ -143,13 +144,15 @@ def _run(label: str, model: nn.Module, base: Config, data, output: pathlib.Path)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", default="mixed_precision_output", help="directory for the PNG charts")
+    parser.add_argument("--output", default=None,
+                        help="directory for the PNG charts (default: a new folder in the system's temporary directory)")
     args = parser.parse_args()
     logging.getLogger("quark_brevitas").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     start = time.perf_counter()
-    output = pathlib.Path(args.output)
+    output = pathlib.Path(args.output) if args.output else pathlib.Path(tempfile.mkdtemp(prefix="mixed_precision_"))
+    print(f"charts go to {output}")
     data = load_digits_data()
     all_rows, all_checks = [], []
     # The transformer's forward is not FX-traceable as Preprocess wants it: no pre-quantization steps.

@@ -2,12 +2,15 @@
 
 Run: ``python examples/analysis_digits.py [OUTPUT_DIR]`` (about 20 s; the plots need ``pip install
 'quark_brevitas[plot]'``). Writes ``layers.{json,csv,png}``, ``sensitivity.{json,csv,png}`` and
-``mixed_precision.yaml`` (run it with ``quark-brevitas quantize --config OUTPUT_DIR/mixed_precision.yaml``).
+``mixed_precision.yaml`` (run it with ``quark-brevitas quantize --config OUTPUT_DIR/mixed_precision.yaml``) into
+OUTPUT_DIR, by default a new folder in the system's temporary directory (never the repository); the last line
+says where.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 from quark_brevitas import ModelQuantizer
@@ -58,4 +61,4 @@ def main(output: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "analysis_output"))
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="quark_brevitas_analysis_")))

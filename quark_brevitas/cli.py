@@ -46,6 +46,7 @@ from torch import nn
 from quark_brevitas.api import ModelExporter, ModelQuantizer
 from quark_brevitas.config import Config
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
+from quark_brevitas.extras import available, install_hint
 from quark_brevitas.outputs import OutputError, check_output_dir, output_dir
 from quark_brevitas.presets import DEFAULT_PRESET, DESCRIPTIONS, PRESETS, get_preset
 
@@ -55,6 +56,10 @@ logger = logging.getLogger("quark_brevitas.cli")
 
 DEFAULT_OUTPUT = "quark_brevitas_output"
 DEFAULT_MODEL = "quark_brevitas.digits:DigitsCNN"
+#: (batch, sequence) of the example input made for a Hugging Face checkpoint that stores none.
+DEFAULT_TOKEN_SHAPE = (1, 16)
+#: What a Hugging Face checkpoint's saved tokenizer turns into that example input.
+EXAMPLE_TEXT = "The quick brown fox jumps over the lazy dog while seven small cats sleep near the warm red house."
 EXPORT_FORMATS = ("qcdq", "qonnx")
 ONNX_NAME = "digits_quant.onnx"
 
@@ -124,6 +129,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="a Hugging Face model folder (from_pretrained, safetensors): quantize it into the "
                           "checkpoint --output, block by block when it is made of blocks")
     llm.add_argument("--calib-text", metavar="FILE", default=None, help="plain-text calibration file (with --model)")
+    llm.add_argument("--tokenizer", metavar="DIR", default=None,
+                     help="a folder holding the model's tokenizer (default: --model, which then must hold it)")
     llm.add_argument("--eval-text", metavar="FILE", default=None,
                      help="held-out text for perplexity / embedding cosine (default: the last tenth of --calib-text)")
     llm.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per sequence (default 128)")
@@ -142,22 +149,28 @@ def _build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export", parents=[verbosity],
         help="export a saved checkpoint to ONNX QCDQ or QONNX",
-        description="Rebuild a checkpoint written by 'quantize --save-checkpoint' (or save_quantized) and export "
-                    "it; the file is checked against the rebuilt PyTorch model (onnxruntime for QCDQ, qonnx for "
-                    "QONNX).",
+        description="Rebuild a checkpoint written by 'quantize --save-checkpoint', 'quantize --model' (a Hugging "
+                    "Face model) or save_quantized and export it; the file is checked against the rebuilt PyTorch "
+                    "model (onnxruntime for QCDQ, qonnx for QONNX).",
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a checkpoint directory")
     export.add_argument("--format", choices=EXPORT_FORMATS, default="qcdq", help="qcdq (default) or qonnx")
     export.add_argument("--output", metavar="FILE", required=True, help="the .onnx file to write")
     export.add_argument("--input-shape", metavar="SHAPE", type=_shape, default=None,
                         help="example input shape such as 1,1,8,8 (random values; for a Hugging Face model "
-                             "BATCH,SEQUENCE of random token ids; default: the checkpoint's stored example input)")
+                             "BATCH,SEQUENCE of random token ids; default: the checkpoint's stored example input, "
+                             "for a Hugging Face model without one a sentence through its saved tokenizer, else "
+                             f"random token ids of shape {','.join(map(str, DEFAULT_TOKEN_SHAPE))})")
     export.add_argument("--model", metavar="MODULE:CALLABLE", default=None,
                         help="callable returning the float architecture (default: the Hugging Face class and "
                              f"config recorded in the checkpoint, else {DEFAULT_MODEL})")
     export.set_defaults(func=_cmd_export)
 
-    plan = sub.add_parser("plan", parents=[verbosity, config_args], help="show which digits CNN layers get quantized")
+    plan = sub.add_parser("plan", parents=[verbosity, config_args],
+                          help="show which layers of the digits CNN (or of a Hugging Face model) get quantized")
+    plan.add_argument("--model", metavar="DIR", default=None,
+                      help="a Hugging Face model folder: its plan, built without reading the weights (default "
+                           "config: the one 'quantize --model' uses)")
     plan.set_defaults(func=_cmd_plan)
 
     presets = sub.add_parser("presets", parents=[verbosity], help="list the presets")
@@ -253,7 +266,8 @@ def _cmd_quantize_llm(args: argparse.Namespace) -> int:
         eval_text=_read_text(args.eval_text, "--eval-text") if args.eval_text is not None else None,
         seq_len=args.seq_len, batch_size=args.batch_size, calib_sequences=args.calib_sequences,
         eval_sequences=args.eval_sequences, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-        resume=not args.no_resume, offload=args.offload, overwrite=args.overwrite)
+        resume=not args.no_resume, offload=args.offload, overwrite=args.overwrite,
+        tokenizer_dir=args.tokenizer)
     rows = report.rows()
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
@@ -265,6 +279,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         return _cmd_quantize_llm(args)
     if args.calib_text is not None:
         raise CLIError("--calib-text needs --model DIR (the digits CNN calibrates on its own data)")
+    if args.tokenizer is not None:
+        raise CLIError("--tokenizer needs --model DIR (the digits CNN takes images, not text)")
     from quark_brevitas.digits import evaluate, example_input, load_digits_data, train_digits_cnn
 
     config, source = _resolve_config(args)  # before any work, so a bad config fails fast
@@ -421,31 +437,71 @@ def _check_example(model: nn.Module, example: Any, source: str, where: str) -> N
                        f"{type(exc).__name__}: {_first_line(exc)}{hint}") from exc
 
 
+def _checkpoint_model(args: argparse.Namespace, info: Any) -> tuple[nn.Module, str]:
+    """The quantized model of the checkpoint and where its architecture came from: ``--model``, else a Hugging
+    Face checkpoint's recorded architecture (the class and config in the manifest, or ``float_model/`` of one
+    written block by block by ``quantize --model``), else the digits CNN."""
+    from quark_brevitas.checkpoint import load_quantized
+    from quark_brevitas.export.hf import float_model_from_record
+    from quark_brevitas.hf.streaming import FLOAT_MODEL_DIR, load_pretrained_quantized
+
+    record = info.manifest.get("huggingface")
+    if args.model is not None:
+        return load_quantized(_float_model(args.model), args.checkpoint), args.model
+    if isinstance(info.manifest.get("block_stack"), str):
+        model = load_pretrained_quantized(info.directory)
+        return model, f"{type(model).__name__} from the checkpoint's {FLOAT_MODEL_DIR}/config.json"
+    if record:
+        model = load_quantized(float_model_from_record(record), args.checkpoint)
+        return model, f"{record['class'].rsplit('.', 1)[-1]} from the checkpoint's config"
+    return load_quantized(_float_model(DEFAULT_MODEL), args.checkpoint), DEFAULT_MODEL
+
+
+def _tokenizer_example(directory: Path) -> tuple[dict[str, torch.Tensor], str] | None:
+    """:data:`EXAMPLE_TEXT` through the tokenizer saved with a Hugging Face checkpoint (``float_model/`` or the
+    checkpoint folder itself), at most :data:`DEFAULT_TOKEN_SHAPE` tokens; ``None`` if it saved none."""
+    from quark_brevitas.hf.lm import TOKENIZER_FILES, load_tokenizer
+    from quark_brevitas.hf.streaming import FLOAT_MODEL_DIR
+
+    for folder in (directory / FLOAT_MODEL_DIR, directory):
+        if any((folder / name).is_file() for name in TOKENIZER_FILES):
+            tokenizer = load_tokenizer(folder)
+            encoded = tokenizer(EXAMPLE_TEXT, return_tensors="pt", truncation=True,
+                                max_length=DEFAULT_TOKEN_SHAPE[1])
+            example = {key: value for key, value in encoded.items() if isinstance(value, torch.Tensor)}
+            shape = list(example["input_ids"].shape)
+            return example, f"a sentence through the tokenizer in {folder}, shape {shape}"
+    return None
+
+
+def _export_example(args: argparse.Namespace, info: Any, model: nn.Module) -> tuple[Any, str]:
+    """The example input the export is traced and verified with, and a label for it: ``--input-shape``
+    (random values, or random token ids for a model with a vocabulary), else the checkpoint's stored one,
+    else for a Hugging Face language model a tokenized sentence or random token ids of
+    :data:`DEFAULT_TOKEN_SHAPE` with a full attention mask."""
+    from quark_brevitas.export.hf import token_example
+
+    if args.input_shape is not None:
+        tokens = token_example(model, args.input_shape)
+        if tokens is not None:
+            return tokens, f"random token ids, shape {list(args.input_shape)}"
+        return (torch.randn(args.input_shape, generator=torch.Generator().manual_seed(0)),
+                f"random, shape {list(args.input_shape)}")
+    if info.example_input is not None:
+        return info.example_input, "stored in the checkpoint"
+    tokens = token_example(model, DEFAULT_TOKEN_SHAPE)
+    if tokens is not None:
+        return _tokenizer_example(info.directory) or \
+            (tokens, f"random token ids, shape {list(DEFAULT_TOKEN_SHAPE)}, full attention mask")
+    raise CLIError(f"checkpoint {args.checkpoint!r} stores no example input; pass --input-shape")
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
-    from quark_brevitas.checkpoint import load_quantized, read_checkpoint
-    from quark_brevitas.export.hf import float_model_from_record, token_example
+    from quark_brevitas.checkpoint import read_checkpoint
 
     info = read_checkpoint(args.checkpoint)
-    record = info.manifest.get("huggingface")
-    if args.model is None and record:
-        float_model = float_model_from_record(record)
-        model_source = f"{record['class'].rsplit('.', 1)[-1]} from the checkpoint's config"
-    else:
-        float_model = _float_model(args.model or DEFAULT_MODEL)
-        model_source = args.model or DEFAULT_MODEL
-    tokens = token_example(float_model, args.input_shape) if args.input_shape is not None else None
-    if tokens is not None:
-        example: Any = tokens
-        example_source = f"random token ids, shape {list(args.input_shape)}"
-    elif args.input_shape is not None:
-        example = torch.randn(args.input_shape, generator=torch.Generator().manual_seed(0))
-        example_source = f"random, shape {list(args.input_shape)}"
-    elif info.example_input is not None:
-        example = info.example_input
-        example_source = "stored in the checkpoint"
-    else:
-        raise CLIError(f"checkpoint {args.checkpoint!r} stores no example input; pass --input-shape")
-    model = load_quantized(float_model, args.checkpoint)
+    model, model_source = _checkpoint_model(args, info)
+    example, example_source = _export_example(args, info, model)
     where = "--input-shape" if args.input_shape is not None else f"checkpoint {args.checkpoint!r}"
     _check_example(model, example, example_source, where)
     exporter = ModelExporter(args.output)
@@ -473,10 +529,44 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 # ===================================================================== plan / presets
+def _plan_model(args: argparse.Namespace) -> int:
+    """``plan --model DIR``: the plan of a Hugging Face folder's model, built on the meta device (no weights
+    read), with the block stack that ``quantize --model`` walks and what the algorithms infer in it."""
+    from quark_brevitas.algorithms import describe_algorithms
+    from quark_brevitas.backend import plan_table
+    from quark_brevitas.blockwise import find_block_stack
+    from quark_brevitas.hf.lm import default_llm_config
+    from quark_brevitas.hf.streaming import load_skeleton
+
+    if not (Path(args.model) / "config.json").is_file():
+        raise CLIError(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
+    config, source = default_llm_config(), "default (int4 per-group 128 + GPTQ)"
+    if args.config is not None or args.preset is not None:
+        config, source = _resolve_config(args)
+    skeleton, _ = load_skeleton(args.model)
+    try:
+        rows = ModelQuantizer(config).plan(skeleton)
+    except ConfigError as exc:
+        raise CLIError(f"{args.config or source}: {exc}") from exc
+    stack = find_block_stack(skeleton)
+    blocks = f"{len(skeleton.get_submodule(stack))} blocks in {stack}" if stack else "none (quantized in memory)"
+    pre = ", ".join(type(a).__name__ for a in config.pre_quant_opt_config) or "-"
+    post = ", ".join(type(a).__name__ for a in config.algo_config) or "-"
+    print(f"{type(skeleton).__name__} plan ({args.model}; {source}; pre-quant: {pre}; algorithms: {post})")
+    print(f"block stack: {blocks}")
+    print(plan_table(rows))
+    described = describe_algorithms(config, skeleton)
+    if described:
+        print("\n" + "\n".join(described))
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from quark_brevitas.algorithms import describe_algorithms
     from quark_brevitas.backend import plan_table
 
+    if args.model is not None:
+        return _plan_model(args)
     config, source = _resolve_config(args)
     rows = _plan_digits(config, args)
     pre = ", ".join(type(a).__name__ for a in config.pre_quant_opt_config) or "-"
@@ -585,7 +675,11 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     ranking = analysis.sensitivity(subject.model, config, subject.calib, exact=args.exact,
                                    max_batches=None if args.exact else args.batches)
     written = [*analysis.write_rows(layers, output, "layers"), *analysis.write_rows(ranking, output, "sensitivity")]
-    if not args.no_plots:
+    if not args.no_plots and not available("matplotlib"):
+        # The tables and files are the result; the pictures are optional and need an extra.
+        logger.warning("plots skipped: they need matplotlib, which is not installed; install it with %s (or pass "
+                       "--no-plots)", install_hint("matplotlib"))
+    elif not args.no_plots:
         written.append(analysis.plot_layer_sqnr(layers, output / "layers.png",
                                                 title=f"{subject.label}, {source}: error per layer"))
         written.append(analysis.plot_sensitivity(ranking, output / "sensitivity.png",

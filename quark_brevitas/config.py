@@ -240,12 +240,26 @@ class Config:
         path = Path(path)
         if not path.is_file():
             raise ConfigError("", f"config file {str(path)!r} does not exist")
-        text = path.read_text()
+        text = _read_config_text(path)
         if path.suffix.lower() == ".json":
             return cls.from_json(text)
         if path.suffix.lower() in (".yaml", ".yml"):
             return cls.from_yaml(text)
         raise ConfigError("", f"config file {str(path)!r}: unknown extension; allowed: .json, .yaml, .yml")
+
+
+def _read_config_text(path: Path) -> str:
+    """The text of a config file; a file that cannot be read, or is not UTF-8 text (a model checkpoint or other
+    binary file given by mistake), is a one-line :class:`ConfigError` naming it instead of a decoding traceback."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError("", f"config file {str(path)!r} cannot be read ({exc.strerror or exc})") from exc
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("", f"config file {str(path)!r} is not text (byte {exc.start} is not UTF-8); a JSON or "
+                              "YAML config (.json, .yaml, .yml) is expected") from exc
 
 
 # Quark's Brevitas extension exports both names for the same classes.

@@ -33,7 +33,7 @@ from typing import Any
 
 from quark_brevitas.errors import QuarkBrevitasError
 
-__all__ = ["MARKER_FILE", "OVERWRITE_HINT", "OutputError", "add_file", "check_output_dir", "commit",
+__all__ = ["MARKER_FILE", "OVERWRITE_HINT", "OutputError", "add_file", "add_folder", "check_output_dir", "commit",
            "file_sha256", "foreign_entries", "open_work_dir", "output_dir", "work_dir", "write_file"]
 
 logger = logging.getLogger(__name__)
@@ -190,6 +190,25 @@ def add_file(directory: str | os.PathLike[str], name: str, write: Callable[[Path
     checkpoint) and record it in the folder's marker, so that a later run may replace it."""
     directory = Path(directory)
     target = write_file(directory / name, write)
+    _write_marker(directory, (_marker_entries(directory) or set()) | {name})
+    return target
+
+
+def add_folder(directory: str | os.PathLike[str], name: str, write: Callable[[Path], Any]) -> Path:
+    """Write the folder ``directory/name`` (``write`` fills a temporary sibling, renamed into place when it is
+    complete) inside a folder quark_brevitas wrote, and record it in the folder's marker: e.g. the tokenizer
+    saved beside a checkpoint, for export's example input. An earlier entry of ours by that name is replaced."""
+    directory = Path(directory)
+    target = directory / name
+    tmp = Path(tempfile.mkdtemp(dir=directory, prefix=f".{name}.", suffix=".tmp"))
+    try:
+        write(tmp)
+        if target.exists():
+            _remove(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
     _write_marker(directory, (_marker_entries(directory) or set()) | {name})
     return target
 

@@ -362,15 +362,8 @@ def test_rows_plots_and_files(mlp: MLP, batches: list[torch.Tensor], tmp_path: P
 
 
 def test_missing_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import builtins
+    import sys
 
-    real_import = builtins.__import__
-
-    def fake_import(name, *args, **kwargs):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            raise ImportError("No module named 'matplotlib'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # how an absent package imports: ModuleNotFoundError
     with pytest.raises(ValueError, match=r"quark_brevitas\[plot\]"):
         plot_pareto({"a": [(1.0, 1.0)]}, tmp_path / "x.png")

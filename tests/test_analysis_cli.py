@@ -78,12 +78,19 @@ def test_analysis_example_runs(tmp_path: Path) -> None:
     import sys
 
     pytest.importorskip("matplotlib")
-    example = Path(__file__).resolve().parents[1] / "examples" / "analysis_digits.py"
-    out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(example), str(out)], capture_output=True, text=True, timeout=300,
-                            env=env, cwd=tmp_path)
+    repo = Path(__file__).resolve().parents[1]
+    cwd, temp = tmp_path / "cwd", tmp_path / "temp"
+    cwd.mkdir()
+    temp.mkdir()
+    # No output argument: the default is a new folder in the temp dir, never the cwd (the repository, when the
+    # example is run from there).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temp), "PYTHONPATH": str(repo)}
+    result = subprocess.run([sys.executable, str(repo / "examples" / "analysis_digits.py")], capture_output=True,
+                            text=True, timeout=300, env=env, cwd=cwd)
     assert result.returncode == 0, result.stderr
+    assert list(cwd.iterdir()) == []
+    out = Path(result.stdout.strip().splitlines()[-1].removeprefix("wrote ").rstrip("/"))
+    assert out.parent == temp
     assert "most sensitive:" in result.stdout and "hurts most:" in result.stdout
     for name in ("layers.json", "layers.csv", "layers.png", "sensitivity.json", "sensitivity.png"):
         assert (out / name).is_file(), name

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_brevitas.analysis.report import most_harmful_layer, rows_as_dicts
-from quark_brevitas.errors import QuarkBrevitasError
+from quark_brevitas.extras import require
 
 __all__ = ["plot_layer_sqnr", "plot_pareto", "plot_sensitivity"]
 
@@ -24,15 +24,8 @@ _NORMAL = "#1f77b4"
 
 
 def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise QuarkBrevitasError(f"plots need matplotlib ({exc}); install it with pip install "
-                                 "'quark_brevitas[plot]' (or pip install matplotlib)") from exc
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+    require("matplotlib", "plots").use("Agg", force=True)  # before pyplot: files only, no display
+    return require("matplotlib.pyplot", "plots")
 
 
 def _finite_cap(values: Sequence[float | None]) -> float:

@@ -10,7 +10,6 @@ vocabulary, not a float tensor. transformers is imported only when a record asks
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,15 +17,18 @@ import torch
 from torch import nn
 
 from quark_brevitas.export.errors import ExportError
+from quark_brevitas.extras import require
 
 
 def _import(qualified: str) -> Any:
     module_name, _, name = qualified.rpartition(".")
+    module = require(module_name, f"the checkpoint's model class {qualified!r}")
     try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise ExportError(f"cannot import {qualified!r} recorded in the checkpoint ({type(exc).__name__}: {exc}); "
-                          "install transformers (pip install 'quark_brevitas[hf]')") from exc
+        return getattr(module, name)
+    except AttributeError as exc:
+        raise ExportError(f"cannot import {qualified!r} recorded in the checkpoint ({exc}); the installed "
+                          f"{module_name.partition('.')[0]} lacks it (the checkpoint was written with another "
+                          "version?)") from exc
 
 
 def float_model_from_record(record: Mapping[str, Any]) -> nn.Module:

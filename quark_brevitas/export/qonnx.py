@@ -53,6 +53,7 @@ from quark_brevitas.export.errors import ExportArgumentError, ExportError, Expor
 from quark_brevitas.export.inspect import DEFAULT_INT_OPSET
 from quark_brevitas.export.orchestrate import ExportFormat, GraphNames, brevitas_export, export_verified
 from quark_brevitas.export.verify import VerificationResult
+from quark_brevitas.extras import require
 
 __all__ = ["QONNX_DOMAIN", "QONNXExportReport", "export_qonnx", "run_qonnx"]
 
@@ -95,14 +96,7 @@ class QONNXExportReport:
 
 
 def _import_qonnx() -> Any:
-    try:
-        from qonnx.core import modelwrapper
-    except ImportError as exc:
-        raise ExportError(
-            f"QONNX export needs the 'qonnx' package ({exc}); install it with "
-            "pip install 'quark_brevitas[qonnx]' (or pip install qonnx)"
-        ) from exc
-    return modelwrapper
+    return require("qonnx.core.modelwrapper", "QONNX export")
 
 
 def _check_quantizers(model: nn.Module) -> None:

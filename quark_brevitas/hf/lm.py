@@ -26,13 +26,19 @@ from torch import nn
 
 from quark_brevitas import algos
 from quark_brevitas.config import Config, QLayerConfig, QTensorConfig
-from quark_brevitas.errors import QuarkBrevitasError
+from quark_brevitas.errors import ModelError, QuarkBrevitasError
+from quark_brevitas.extras import require
 from quark_brevitas.types import QSchemeType
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMReport", "PerplexityMeter", "default_llm_config", "generate_text", "is_causal_lm", "mean_pooled",
-           "quantize_folder", "sentence_batches", "split_held_out", "text_batches"]
+__all__ = ["TOKENIZER_FILES", "LLMReport", "PerplexityMeter", "default_llm_config", "generate_text", "is_causal_lm",
+           "load_tokenizer", "mean_pooled", "quantize_folder", "sentence_batches", "split_held_out", "text_batches"]
+
+#: Files of which a folder holding a Hugging Face tokenizer has at least one (``save_pretrained`` writes the first
+#: two; the others are the vocabularies of slow tokenizers).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
+                   "spiece.model", "sentencepiece.bpe.model")
 
 
 def default_llm_config() -> Config:
@@ -40,6 +46,32 @@ def default_llm_config() -> Config:
     (no FX pre-processing: Hugging Face models cannot be traced)."""
     weight = QTensorConfig(qscheme=QSchemeType.per_group, group_size=128, bit_width=4)
     return Config(QLayerConfig(weight=weight), pre_quant_opt_config=[], algo_config=[algos.GPTQ()])
+
+
+def load_tokenizer(folder: str | os.PathLike[str], model_dir: str | os.PathLike[str] | None = None) -> Any:
+    """The tokenizer saved in ``folder`` (``AutoTokenizer``, local files only).
+
+    Text calibration needs it to turn text into token ids, and a model folder may lack it (a checkpoint saved
+    with ``model.save_pretrained`` alone): then, instead of transformers' long traceback, a :class:`ModelError`
+    names the folder, the files looked for and the remedies. ``model_dir``, when the tokenizer folder was given
+    separately, is named too.
+    """
+    folder = Path(folder)
+    transformers = require("transformers", "a Hugging Face tokenizer")
+    remedy = (f"save the model's tokenizer there (tokenizer.save_pretrained({str(folder)!r})) or point to a folder "
+              "that has it (quantize --tokenizer DIR)")
+    if not folder.is_dir():
+        raise ModelError(f"tokenizer folder {str(folder)!r} does not exist or is not a directory")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        owner = f" (for the model {str(model_dir)!r})" if model_dir is not None and Path(model_dir) != folder else ""
+        raise ModelError(f"{str(folder)!r}{owner} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         f"calibration text needs one to become token ids: {remedy}")
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError, ImportError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"{str(folder)!r}: its tokenizer cannot be loaded ({type(exc).__name__}: {first}); "
+                         f"{remedy}") from exc
 
 
 # ===================================================================== text into batches
@@ -193,22 +225,23 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
                     eval_text: str | None = None, seq_len: int = 128, batch_size: int = 4,
                     calib_sequences: int = 128, eval_sequences: int = 32, prompt: str | None = None,
                     max_new_tokens: int = 32, resume: bool = True, offload: str | None = None,
-                    overwrite: bool = False) -> LLMReport:
+                    overwrite: bool = False, tokenizer_dir: str | os.PathLike[str] | None = None) -> LLMReport:
     """Quantize the Hugging Face model in ``model_dir`` on ``calib_text`` into ``output`` and measure it on
-    held-out text (``eval_text``, or the last tenth of ``calib_text``); see the module docstring.
+    held-out text (``eval_text``, or the last tenth of ``calib_text``); see the module docstring. The tokenizer
+    is ``model_dir``'s unless ``tokenizer_dir`` names another folder.
 
     ``output`` must not be ``model_dir``, and must not hold files quark_brevitas did not write unless
     ``overwrite`` (checked before any work; see :mod:`quark_brevitas.outputs`)."""
-    import transformers
+    transformers = require("transformers", "a Hugging Face model folder")
 
     from quark_brevitas.blocks.stack import detect_block_stack as find_block_stack
     from quark_brevitas.hf import streaming
-    from quark_brevitas.outputs import add_file, check_output_dir
+    from quark_brevitas.outputs import add_file, add_folder, check_output_dir
 
     model_dir = Path(model_dir)
     output = check_output_dir(output, overwrite=overwrite, sources=[model_dir])  # before the slow work
     config = config if config is not None else default_llm_config()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = load_tokenizer(model_dir if tokenizer_dir is None else tokenizer_dir, model_dir)
     skeleton, hf_config = streaming.load_skeleton(model_dir)
     causal = is_causal_lm(hf_config)
     if eval_text is None:
@@ -251,6 +284,7 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
         quant_model = ModelQuantizer(config).quantize_model(float_model, calib)
         times["quantize"] = time.perf_counter() - start
         save_quantized(quant_model, output, overwrite=overwrite)
+        add_folder(output, streaming.FLOAT_MODEL_DIR, tokenizer.save_pretrained)  # for export's example input
         start = time.perf_counter()
         measured = _Measure(causal, evaluation, reference.embeddings)
         _run(quant_model, evaluation, measured)

@@ -69,6 +69,7 @@ from quark_brevitas.config import Config
 from quark_brevitas.container import Container
 from quark_brevitas.data import BatchToInputs, CalibrationData, Shard
 from quark_brevitas.errors import ModelError
+from quark_brevitas.extras import require
 from quark_brevitas.outputs import check_output_dir, commit, file_sha256, open_work_dir, work_dir
 from quark_brevitas.outputs import write_file as _write_atomic
 from quark_brevitas.pipeline import CONFIG_ATTRIBUTE, Pipeline, SavedStructure, restrict_structure
@@ -195,8 +196,8 @@ def load_skeleton(folder: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
 
     The class is the config's first ``architectures`` entry (``AutoModel`` if it names none).
     """
-    import transformers
-    from accelerate import init_empty_weights
+    transformers = require("transformers", "a Hugging Face model folder")
+    init_empty_weights = require("accelerate", "a Hugging Face model folder").init_empty_weights
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
