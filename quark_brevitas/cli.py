@@ -534,7 +534,7 @@ def _plan_model(args: argparse.Namespace) -> int:
     read), with the block stack that ``quantize --model`` walks and what the algorithms infer in it."""
     from quark_brevitas.algorithms import describe_algorithms
     from quark_brevitas.backend import plan_table
-    from quark_brevitas.blockwise import find_block_stack
+    from quark_brevitas.blocks.stack import detect_block_stack as find_block_stack
     from quark_brevitas.hf.lm import default_llm_config
     from quark_brevitas.hf.streaming import load_skeleton
 

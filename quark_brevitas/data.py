@@ -27,7 +27,7 @@ Two more kinds of calibration data serve the block-by-block data phase and distr
   processes (:func:`quark_brevitas.brevitas_adapter.all_reduce_statistics`), so every process ends
   with the same quantized model.
 - :class:`BlockInputs`: the cached inputs of one block (or of one layer outside the blocks), which the
-  block-by-block engine (:mod:`quark_brevitas.blockwise`) gives the algorithms instead of the user's
+  block-by-block engine (:mod:`quark_brevitas.blocks`) gives the algorithms instead of the user's
   loader. Its batches are the block's ``(args, kwargs)``.
 """
 

@@ -3,7 +3,7 @@
 :func:`quantize_pretrained` never holds the float model. It builds the model's skeleton without weights
 (``accelerate.init_empty_weights``: parameters on the ``meta`` device, buffers real), reads the layers outside
 the block stack (embeddings, final norm, ``lm_head``) from the folder's safetensors files, and then runs the
-block-by-block data phase (:mod:`quark_brevitas.blockwise`) with a block source that reads each block's
+block-by-block data phase (:mod:`quark_brevitas.blocks`) with a block source that reads each block's
 weights just before it is quantized and, once its outputs are cached, writes the quantized block to the
 output checkpoint and drops it. Peak memory is about one block (float, then quantized, plus what the
 algorithms need for it), the layers outside the blocks and the cached activations (in memory, or on disk with
