@@ -28,6 +28,11 @@ import warnings
 # holds however the package is first reached (the top-level package may import this module lazily).
 warnings.filterwarnings("ignore", message="fast_hadamard_transform package not found")
 
+# Brevitas's own modules import each other in a cycle that only resolves when ``brevitas.graph`` comes first:
+# importing ``brevitas.nn.equalized_layer`` (introspection, structure) before it fails inside Brevitas with
+# "cannot import name 'EqualizedModule' from partially initialized module".
+import brevitas.graph  # noqa: E402, F401, I001 - the first Brevitas import, see above
+
 from quark_brevitas.brevitas_adapter.version import (  # noqa: E402 - after the warnings filter
     SUPPORTED_BREVITAS,
     brevitas_version,

@@ -39,7 +39,7 @@ from torch import nn
 
 from quark_brevitas.activation_store import ActivationStore
 from quark_brevitas.blockwise import BlockSource, BlockwiseEngine, StoreFactory, _Placeholder, _Solo
-from quark_brevitas.brevitas_adapter import ignore_missing_keys, load_quant_model_mode
+from quark_brevitas.brevitas_adapter import barrier, current_shard, ignore_missing_keys, load_quant_model_mode
 from quark_brevitas.checkpoint import (
     CONFIG_FILE,
     FORMAT,
@@ -235,13 +235,6 @@ class _FolderBlocks(BlockSource):
 
 
 # ===================================================================== writing, block by block
-def _barrier(shard: Shard | None) -> None:
-    if shard is not None:
-        import torch.distributed as dist
-
-        dist.barrier(group=shard.group)
-
-
 def _record(module: nn.Module, name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The manifest entries of one part (modules, tensors, frozen parameters) under its full name, and its
     tensors."""
@@ -288,10 +281,10 @@ class _Writer:
                 "resume=False to start over (its progress is then discarded) or choose another output directory"
             )
         if state is None:
-            _barrier(self.shard)
+            barrier(self.shard)
             if self.writes and self.progress.exists():
                 shutil.rmtree(self.progress)
-            _barrier(self.shard)
+            barrier(self.shard)
             self.progress.mkdir(parents=True, exist_ok=True)
             return 0
         logger.info("Resuming %s after block %d", self.directory, state["done"])
@@ -316,11 +309,11 @@ class _Writer:
             _write_atomic(self.directory / _block_file(index),
                           lambda p: save_file(tensors, str(p), metadata={"format": FORMAT}))
             _write_atomic(self.progress / f"block-{index:05d}.json", lambda p: p.write_text(json.dumps(record)))
-        _barrier(self.shard)  # every process has the next block's inputs on disk
+        barrier(self.shard)  # every process has the next block's inputs on disk
         if self.writes:
             state = {"fingerprint": self.fingerprint, "done": index}
             _write_atomic(self.progress / _STATE_FILE, lambda p: p.write_text(json.dumps(state)))
-        _barrier(self.shard)
+        barrier(self.shard)
         for old in self.progress.glob(f"inputs-r{self.rank}-*"):
             if int(old.name.rsplit("-", 1)[1]) <= index:
                 shutil.rmtree(old, ignore_errors=True)
@@ -355,7 +348,7 @@ class _Writer:
             hf_config.save_pretrained(self.directory / FLOAT_MODEL_DIR)
             _write_atomic(self.directory / MANIFEST_FILE, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
             (self.directory / "model.safetensors").unlink(missing_ok=True)  # a single-file checkpoint's weights
-        _barrier(self.shard)
+        barrier(self.shard)
         if self.writes:
             shutil.rmtree(self.progress, ignore_errors=True)
 
@@ -427,10 +420,8 @@ def quantize_pretrained(
     _materialise_outside(model, stack, weights, hf_config)
     plan = pipeline.prepare(model, calib_loader, batch_to_inputs=batch_to_inputs, distributed=distributed,
                             loaded_later=stack)
-    if plan.data is not None and plan.data.shard is not None:
-        shard = plan.data.shard
-    else:
-        shard = Shard.current() if distributed is not False else None
+    shard = (plan.data.shard if plan.data is not None and plan.data.shard is not None
+             else current_shard(distributed))
     before = model
     model = pipeline._run_algorithms("pre_quant_opt_config", model, None, data_driven=False)
     if model is not before:
