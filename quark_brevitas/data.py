@@ -20,10 +20,11 @@ attention masks) keep their dtype. Everything moves to the model's device.
 
 Two more kinds of calibration data serve the block-by-block data phase and distributed calibration:
 
-- :class:`Shard`: under ``torch.distributed`` each process takes every ``world_size``-th batch. Its
-  :meth:`CalibrationData.all_reduce` is ``torch.distributed.all_reduce``, and at the end of every
-  :meth:`~CalibrationData.forward` pass the statistics Brevitas accumulated inside the model
-  (activation ranges, GPTQ/GPFQ Hessians, activation-equalization ranges) are combined across the
+- :class:`Shard` (defined in :mod:`quark_brevitas.brevitas_adapter.distributed`, with everything else that
+  talks to ``torch.distributed``; re-exported here): under ``torch.distributed`` each process takes every
+  ``world_size``-th batch. Its :meth:`CalibrationData.all_reduce` is ``torch.distributed.all_reduce``, and at
+  the end of every :meth:`~CalibrationData.forward` pass the statistics Brevitas accumulated inside the
+  model (activation ranges, GPTQ/GPFQ Hessians, activation-equalization ranges) are combined across the
   processes (:func:`quark_brevitas.brevitas_adapter.all_reduce_statistics`), so every process ends
   with the same quantized model.
 - :class:`BlockInputs`: the cached inputs of one block (or of one layer outside the blocks), which the
@@ -36,7 +37,6 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quark_brevitas.blocks.store import map_tensors
-from quark_brevitas.brevitas_adapter import StopFwdException, all_reduce_statistics
+from quark_brevitas.brevitas_adapter import Shard, StopFwdException, all_reduce_statistics
 from quark_brevitas.errors import CalibrationDataError, ModelError
 
 logger = logging.getLogger(__name__)
@@ -149,44 +149,6 @@ def _is_one_shot(loader: Any) -> bool:
         return iter(loader) is loader
     except TypeError:
         return False
-
-
-@dataclass(frozen=True)
-class Shard:
-    """This process's share of calibration data sharded over ``torch.distributed`` processes: the batches
-    whose index is ``rank`` modulo ``world_size``. ``group``: the process group (``None``: the default one)."""
-
-    rank: int
-    world_size: int
-    group: Any = None
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"Shard: rank must be in [0, world_size), got rank {self.rank}, world_size "
-                             f"{self.world_size}")
-
-    @classmethod
-    def current(cls) -> Shard | None:
-        """The shard of this process if a ``torch.distributed`` process group of more than one process is
-        initialised (``torchrun``), else ``None``."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return None
-        return cls(dist.get_rank(), dist.get_world_size())
-
-    def owns(self, index: int) -> bool:
-        return index % self.world_size == self.rank
-
-    def global_index(self, local: int) -> int:
-        """The index in the whole loader of this process's ``local``-th batch."""
-        return local * self.world_size + self.rank
-
-    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        import torch.distributed as dist
-
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
-        return tensor
 
 
 class CalibrationData:

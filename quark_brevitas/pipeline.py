@@ -14,8 +14,8 @@ The data phase runs on the whole model at once, or, for a model made of repeated
 decoder and encoder stacks, or the stack named by ``blocks=`` / Quark's ``model_decoder_layers``), block by
 block: :mod:`quark_brevitas.blocks` calls :meth:`Pipeline.quantize_unit` on one block at a time with the
 block's cached inputs, so the work grows linearly with the depth. Calibration data may be sharded over
-``torch.distributed`` processes (:class:`~quark_brevitas.data.Shard`); every process then ends with the same
-model.
+``torch.distributed`` processes (:mod:`quark_brevitas.brevitas_adapter.distributed`); every process then ends
+with the same model.
 
 Every stage runs in list order on a copy of the caller's model (``inplace=True`` opts out; the block-by-block
 path copies one block at a time), and the config travels with the quantized model (attribute
@@ -38,9 +38,10 @@ from quark_brevitas import algos
 from quark_brevitas.algorithms import SavedStructure, handler_for
 from quark_brevitas.backend import PlannedLayer
 from quark_brevitas.blocks.run import blockwise_obstacle, choose_block_stack, named_decoder_layers, quantize_blocks
+from quark_brevitas.brevitas_adapter import current_shard, require_equal_shares
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
-from quark_brevitas.data import BatchToInputs, CalibrationData, Shard, model_device_dtype
+from quark_brevitas.data import BatchToInputs, CalibrationData, model_device_dtype
 from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.resolve import Resolver
 from quark_brevitas.ties import run_untied
@@ -270,39 +271,22 @@ class Pipeline:
         """The checks before any work (the plan resolved against ``model``, data present where needed) and
         the calibration data as the data phase will read it (sharded under ``torch.distributed``)."""
         rows = self._checked_plan(model, loaded_later)
-        data = CalibrationData.wrap(calib_loader, batch_to_inputs, shard=self._shard(distributed))
+        shard = current_shard(distributed)
+        if shard is not None:
+            logger.info("Calibration data sharded over %d processes (this is rank %d)", shard.world_size, shard.rank)
+        data = CalibrationData.wrap(calib_loader, batch_to_inputs, shard=shard)
         activations = self._require_data(rows, data)
         needs_data = activations or any(a.needs_data for a in [*self.config.pre_quant_opt_config,
                                                                  *self.config.algo_config])
         self._check_shards(data, needs_data)
         return DataPlan(data if needs_data else None, activations, needs_data)
 
-    @staticmethod
-    def _shard(distributed: bool | None) -> Shard | None:
-        """This process's shard: sharded when a process group of several processes is initialised, unless
-        ``distributed=False``; ``distributed=True`` requires one."""
-        shard = Shard.current() if distributed is not False else None
-        if distributed is True and shard is None:
-            raise ModelError("distributed=True needs an initialised torch.distributed process group of at least "
-                             "two processes (launch with torchrun and call torch.distributed.init_process_group)")
-        if shard is not None:
-            logger.info("Calibration data sharded over %d processes (this is rank %d)", shard.world_size, shard.rank)
-        return shard
-
     def _check_shards(self, data: CalibrationData | None, needs_data: bool) -> None:
         """Brevitas's bias correction averages its corrections over processes assuming equal shares."""
         if data is None or data.shard is None or not needs_data:
             return
         if any(isinstance(a, algos.BiasCorrection) for a in self.config.algo_config):
-            try:
-                total = len(data.loader)
-            except TypeError:
-                total = len(list(data.loader))
-            if total % data.shard.world_size:
-                raise CalibrationDataError(
-                    f"BiasCorrection over {data.shard.world_size} processes needs a number of calibration batches "
-                    f"divisible by {data.shard.world_size} (Brevitas averages equal shares); got {total}"
-                )
+            require_equal_shares(data.loader, data.shard, "BiasCorrection")
 
     def block_stack(self, model: nn.Module, blocks: str | bool | None, needs_data: bool) -> str | None:
         """The block stack for the block-by-block data phase, or ``None`` for the whole-model path."""

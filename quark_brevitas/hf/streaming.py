@@ -46,7 +46,7 @@ from quark_brevitas.blocks.sources import BlockPlaceholder as _Placeholder
 from quark_brevitas.blocks.sources import BlockSource
 from quark_brevitas.blocks.sources import SoloLayer as _Solo
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory
-from quark_brevitas.brevitas_adapter import ignore_missing_keys, load_quant_model_mode
+from quark_brevitas.brevitas_adapter import barrier, current_shard, ignore_missing_keys, load_quant_model_mode
 from quark_brevitas.checkpoint import (
     CHECKSUMS_KEY,
     CONFIG_FILE,
@@ -249,13 +249,6 @@ class _FolderBlocks(BlockSource):
 
 
 # ===================================================================== writing, block by block
-def _barrier(shard: Shard | None) -> None:
-    if shard is not None:
-        import torch.distributed as dist
-
-        dist.barrier(group=shard.group)
-
-
 def _record(module: nn.Module, name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The manifest entries of one part (modules, tensors, frozen parameters) under its full name, and its
     tensors."""
@@ -309,10 +302,10 @@ class _Writer:
                            "cached)", damaged)
             state = None
         if state is None:
-            _barrier(self.shard)
+            barrier(self.shard)
             if self.writes and self.progress.exists():
                 shutil.rmtree(self.progress)
-            _barrier(self.shard)
+            barrier(self.shard)
             self.progress.mkdir(parents=True, exist_ok=True)
             return 0
         logger.info("Resuming %s after block %d", self.directory, state["done"])
@@ -353,11 +346,11 @@ class _Writer:
                                  lambda p: save_file(tensors, str(p), metadata={"format": FORMAT}))
             record["sha256"] = file_sha256(path)  # checked on resume and, through the manifest, on load
             _write_atomic(self.progress / f"block-{index:05d}.json", lambda p: p.write_text(json.dumps(record)))
-        _barrier(self.shard)  # every process has the next block's inputs on disk
+        barrier(self.shard)  # every process has the next block's inputs on disk
         if self.writes:
             state = {"fingerprint": self.fingerprint, "done": index}
             _write_atomic(self.progress / _STATE_FILE, lambda p: p.write_text(json.dumps(state)))
-        _barrier(self.shard)
+        barrier(self.shard)
         for old in self.progress.glob(f"inputs-r{self.rank}-*"):
             if int(old.name.rsplit("-", 1)[1]) <= index:
                 shutil.rmtree(old, ignore_errors=True)
@@ -395,11 +388,11 @@ class _Writer:
             _write_atomic(self.directory / CONFIG_FILE, lambda p: p.write_text(config.to_json() + "\n"))
             hf_config.save_pretrained(self.directory / FLOAT_MODEL_DIR)
             _write_atomic(self.directory / MANIFEST_FILE, lambda p: p.write_text(json.dumps(manifest, indent=1) + "\n"))
-        _barrier(self.shard)
+        barrier(self.shard)
         if self.writes:
             shutil.rmtree(self.progress, ignore_errors=True)
             commit(self.directory, self.output)
-        _barrier(self.shard)
+        barrier(self.shard)
 
 
 class _ProgressStores(StoreFactory):
@@ -477,20 +470,18 @@ def quantize_pretrained(
     _materialise_outside(model, stack, weights, hf_config)
     plan = pipeline.prepare(model, calib_loader, batch_to_inputs=batch_to_inputs, distributed=distributed,
                             loaded_later=stack)
-    if plan.data is not None and plan.data.shard is not None:
-        shard = plan.data.shard
-    else:
-        shard = Shard.current() if distributed is not False else None
+    shard = (plan.data.shard if plan.data is not None and plan.data.shard is not None
+             else current_shard(distributed))
     before = model
     model = pipeline._run_algorithms("pre_quant_opt_config", model, None, data_driven=False)
     if model is not before:
         raise ModelError("a data-free pre-quantization step (Preprocess) changed the model's structure; a model "
                          "quantized block by block from its folder cannot be traced: set trace_model=False or "
                          "remove Preprocess")
-    _barrier(shard)  # every process has checked the folders before the first one creates the work folder
+    barrier(shard)  # every process has checked the folders before the first one creates the work folder
     if shard is None or shard.rank == 0:
         open_work_dir(work)
-    _barrier(shard)
+    barrier(shard)
     writer = _Writer(work, output, stack, shard, _fingerprint(config, hf_config, model_dir, stack, plan.data))
     start = writer.start(resume)
     writer.on_block = on_block

@@ -1,0 +1,195 @@
+"""The one door to Brevitas internals.
+
+quark_brevitas builds on Brevitas's public classes (quantized layers, quantizer injectors, graph
+algorithms), but some things it needs are Brevitas internals: global flags, private tracing,
+attributes of quantizer proxies and quant tensors, the export managers' handler lists, quantizers
+that ship in ``brevitas_examples``. Every such use lives in this package, behind a small function with
+a docstring that says why it is needed; the rest of the package imports these functions from here
+(``from quark_brevitas.brevitas_adapter import ...``), never from the submodules, so the layout below
+can change without touching callers. Each internal relied on has one canary test
+(``tests/test_adapter_<submodule>.py``) that fails with a clear message if a Brevitas release changes it.
+
+Submodules, one concept each:
+
+- :mod:`.version`: the supported Brevitas range (checked once, at import) and FX tracing;
+- :mod:`.introspection`: the quantizer walk and questions about proxies and quant tensors;
+- :mod:`.grids`: scales, their initialisation state, and integer weight grids;
+- :mod:`.modes`: global flags, calibration / algorithm contexts, export-mode clean-up;
+- :mod:`.structure`: equalized wrappers and parameter identity of replaced layers;
+- :mod:`.distributed`: sharded calibration data and combining statistics across processes;
+- :mod:`.precision`: float32 quantizers for half-precision models;
+- :mod:`.mse`: sampled MSE calibration of activation quantizers.
+"""
+
+import warnings
+
+# Brevitas announces on import that an optional CUDA kernel package is missing; it is irrelevant on CPU and
+# would otherwise greet every user of the library. Installed here, before the first Brevitas import, so it
+# holds however the package is first reached (the top-level package may import this module lazily).
+warnings.filterwarnings("ignore", message="fast_hadamard_transform package not found")
+
+# Brevitas's own modules import each other in a cycle that only resolves when ``brevitas.graph`` comes first:
+# importing ``brevitas.nn.equalized_layer`` (introspection, structure) before it fails inside Brevitas with
+# "cannot import name 'EqualizedModule' from partially initialized module".
+import brevitas.graph  # noqa: E402, F401, I001 - the first Brevitas import, see above
+
+from quark_brevitas.brevitas_adapter.version import (  # noqa: E402 - after the warnings filter
+    SUPPORTED_BREVITAS,
+    brevitas_version,
+    check_supported_version,
+    is_graph_module,
+    symbolic_trace,
+)
+
+# Before the other submodules reach into Brevitas: an unsupported release fails here with an install command,
+# not with an ImportError of some internal.
+check_supported_version()
+
+from quark_brevitas.brevitas_adapter.distributed import (  # noqa: E402
+    Reducer,
+    Shard,
+    all_reduce_statistics,
+    barrier,
+    current_shard,
+    equalization_statistics,
+    gpxq_optimizers,
+    require_equal_shares,
+    runtime_stats_modules,
+)
+from quark_brevitas.brevitas_adapter.grids import (  # noqa: E402
+    IntWeightFormat,
+    WeightGrid,
+    init_weight_scales,
+    int_weight_format,
+    mark_scale_initialised,
+    restart_activation_statistics,
+    scale_impl,
+    scale_parameters,
+    weight_grid,
+)
+from quark_brevitas.brevitas_adapter.introspection import (  # noqa: E402
+    FLOAT8_DTYPES,
+    EqualizedModule,
+    QuantizerSite,
+    QuantLayer,
+    StopFwdException,
+    float8_dtype,
+    generative_quantizers,
+    groupwise_parts,
+    has_static_activation_quantizers,
+    injector_value,
+    input_quantizer,
+    is_dynamic_activation,
+    is_float_quantizer,
+    is_groupwise,
+    iter_quantizers,
+    plain_tensor,
+    quantized_units,
+    quantizer_kind,
+    quantizer_names,
+    weight_quant_disabled,
+    weight_quantization_pairs,
+)
+from quark_brevitas.brevitas_adapter.modes import (  # noqa: E402
+    a2gpfq_available,
+    a2gpfq_mode,
+    activation_equalization_mode,
+    bias_correction_mode,
+    calibration_mode,
+    export_handler_proxy_types,
+    full_state_dict,
+    gpfq_mode,
+    gptq_mode,
+    ignore_missing_keys,
+    load_quant_model_mode,
+    norm_correction_mode,
+    quantization_disabled,
+    require_onnxoptimizer,
+    reset_export_mode,
+)
+from quark_brevitas.brevitas_adapter.mse import MSE_SAMPLE_ELEMENTS, sampled_activation_mse  # noqa: E402
+from quark_brevitas.brevitas_adapter.pickling import register_pickling  # noqa: E402
+from quark_brevitas.brevitas_adapter.precision import (  # noqa: E402
+    HALF_DTYPES,
+    float32_quantizer_kwargs,
+    keep_quantizers_float32,
+)
+from quark_brevitas.brevitas_adapter.structure import (  # noqa: E402
+    adopt_parameters,
+    equalized_scale_shape,
+    swap_parameter,
+    wrap_equalized,
+)
+
+register_pickling()  # torch.save(model) says what to use instead of a PicklingError
+
+__all__ = [
+    "FLOAT8_DTYPES",
+    "HALF_DTYPES",
+    "MSE_SAMPLE_ELEMENTS",
+    "SUPPORTED_BREVITAS",
+    "EqualizedModule",
+    "IntWeightFormat",
+    "QuantLayer",
+    "QuantizerSite",
+    "Reducer",
+    "Shard",
+    "StopFwdException",
+    "WeightGrid",
+    "a2gpfq_available",
+    "a2gpfq_mode",
+    "activation_equalization_mode",
+    "adopt_parameters",
+    "all_reduce_statistics",
+    "barrier",
+    "bias_correction_mode",
+    "brevitas_version",
+    "calibration_mode",
+    "check_supported_version",
+    "current_shard",
+    "equalization_statistics",
+    "equalized_scale_shape",
+    "export_handler_proxy_types",
+    "float32_quantizer_kwargs",
+    "float8_dtype",
+    "full_state_dict",
+    "generative_quantizers",
+    "gpfq_mode",
+    "gptq_mode",
+    "gpxq_optimizers",
+    "groupwise_parts",
+    "has_static_activation_quantizers",
+    "ignore_missing_keys",
+    "init_weight_scales",
+    "injector_value",
+    "input_quantizer",
+    "int_weight_format",
+    "is_dynamic_activation",
+    "is_float_quantizer",
+    "is_graph_module",
+    "is_groupwise",
+    "iter_quantizers",
+    "keep_quantizers_float32",
+    "load_quant_model_mode",
+    "mark_scale_initialised",
+    "norm_correction_mode",
+    "plain_tensor",
+    "quantization_disabled",
+    "quantized_units",
+    "quantizer_kind",
+    "quantizer_names",
+    "require_equal_shares",
+    "require_onnxoptimizer",
+    "reset_export_mode",
+    "restart_activation_statistics",
+    "runtime_stats_modules",
+    "sampled_activation_mse",
+    "scale_impl",
+    "scale_parameters",
+    "swap_parameter",
+    "symbolic_trace",
+    "weight_grid",
+    "weight_quant_disabled",
+    "weight_quantization_pairs",
+    "wrap_equalized",
+]

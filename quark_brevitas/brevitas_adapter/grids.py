@@ -1,0 +1,205 @@
+"""Scales and weight grids: where a quantizer's scale lives, when it counts as initialised, and the exact
+integer grid a weight quantizer puts its weight on.
+
+Brevitas initialises scales (and zero points) from statistics lazily, keeps "already initialised" in
+per-module flags (``init_done``, ``counter``) and computes integer weights inside ``IntQuant``. The
+algorithms that choose weights themselves (GPTQ, AWQ's scaling and clipping), QAT's learnable scales and
+re-calibration after an algorithm changed a layer's inputs need to read or reset that state; every such
+touch is here, with its canary in ``tests/test_adapter_grids.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from brevitas.proxy.parameter_quant import WeightQuantProxyFromInjectorBase
+from torch import nn
+
+from quark_brevitas.brevitas_adapter.introspection import (
+    QuantLayer,
+    injector_value,
+    is_dynamic_activation,
+    is_groupwise,
+    iter_quantizers,
+    quant_switched,
+)
+from quark_brevitas.errors import QuarkBrevitasError
+
+__all__ = [
+    "IntWeightFormat",
+    "WeightGrid",
+    "init_weight_scales",
+    "int_weight_format",
+    "mark_scale_initialised",
+    "restart_activation_statistics",
+    "scale_impl",
+    "scale_parameters",
+    "weight_grid",
+]
+
+
+# ===================================================================== scales
+def scale_impl(proxy: nn.Module) -> nn.Module | None:
+    """The module holding the proxy's learnable scale (a ``value`` parameter), if it has one."""
+    for module in proxy.modules():
+        if isinstance(getattr(module, "value", None), nn.Parameter):
+            return module
+    return None
+
+
+def scale_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Every learnable scale / threshold parameter of the model, by qualified parameter name.
+
+    Brevitas keeps them inside each proxy's ``scaling_impl`` (zero points live elsewhere).
+    """
+    found: dict[str, nn.Parameter] = {}
+    for site in iter_quantizers(model, enabled_only=False):
+        for name, param in site.proxy.named_parameters():
+            if "scaling_impl" in name.split("."):
+                found[f"{site.name}.{name}"] = param
+    return found
+
+
+def mark_scale_initialised(impl: nn.Module) -> None:
+    """Tell a scale module that its value is final: parameter-from-stats scalings stop initialising
+    from statistics (``init_done``), runtime-stats scalings stop collecting (``counter``)."""
+    if hasattr(impl, "init_done"):
+        impl.init_done = True
+    if hasattr(impl, "counter"):
+        impl.counter = getattr(impl, "collect_stats_steps", impl.counter) + 1
+
+
+def init_weight_scales(model: nn.Module) -> None:
+    """Compute every weight scale (and zero point) from its float weight now.
+
+    Parameter-from-stats weight scales are otherwise initialised lazily on the first quantized
+    forward pass; doing it at replacement makes weight-only quantization data-free and gives
+    GPTQ/GPFQ the initialised grid they require (calibration mode does not touch weight quantizers).
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, QuantLayer) and module.weight_quant.is_quant_enabled:
+                module.quant_weight()
+
+
+# ===================================================================== weight grids and statistics (LLM algorithms)
+class WeightGrid(NamedTuple):
+    """The integer grid a layer's weight quantizer puts its weight on, per weight element.
+
+    ``scale`` and ``zero_point`` are broadcast to the weight's shape (``[out, in]`` for Linear layers), so column
+    ``j`` of the weight uses ``scale[:, j]`` whatever the granularity (per tensor, per channel, per group).
+    :meth:`quantize` repeats Brevitas's integer quantization (``IntQuant``) operation for operation, so values it
+    returns are exactly what Brevitas's quantized weight holds for them.
+    """
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    min_int: torch.Tensor
+    max_int: torch.Tensor
+    to_int: Callable[[torch.Tensor], torch.Tensor]
+    clamp: Callable[..., torch.Tensor]
+    bit_width: int
+
+    def quantize(self, weight: torch.Tensor, columns: Any = slice(None)) -> torch.Tensor:
+        """``weight`` (the weight, or its ``columns``) quantized and dequantized on this grid."""
+        scale, zero_point = self.scale[:, columns], self.zero_point[:, columns]
+        codes = self.clamp(self.to_int(weight / scale + zero_point), min_val=self.min_int, max_val=self.max_int)
+        return (codes - zero_point) * scale
+
+
+def _int_weight_quant(layer: nn.Module) -> Any:
+    """The layer's integer weight quantizer proxy and its ``IntQuant`` (whether or not quantization is switched off
+    for the moment, e.g. by :func:`quantization_disabled`)."""
+    proxy = getattr(layer, "weight_quant", None)
+    int_quant = getattr(getattr(proxy, "tensor_quant", None), "int_quant", None)
+    if not isinstance(proxy, WeightQuantProxyFromInjectorBase) or int_quant is None:
+        raise QuarkBrevitasError(f"{type(layer).__name__} has no integer weight quantizer")
+    return proxy, int_quant
+
+
+def _restore_initial_values(modules: Iterable[nn.Module], initial: dict[type, float]) -> int:
+    """Put statistics-initialised scale / zero-point modules back in their state before initialisation: ``value``
+    (and the runtime statistics' ``buffer``) to their initial value (1 for scales, 0 for zero points, which the
+    first statistic multiplies or is added to), ``init_done`` / ``counter`` back to the start; returns how many."""
+    count = 0
+    with torch.no_grad():
+        for module in modules:
+            value = initial.get(type(module))
+            if value is None:
+                continue
+            module.value.fill_(value)
+            if hasattr(module, "buffer"):
+                module.buffer.fill_(value)
+            if hasattr(module, "init_done"):
+                module.init_done = False
+            if hasattr(module, "counter"):
+                module.counter = 0
+            count += 1
+    return count
+
+
+def weight_grid(layer: nn.Module, weight: torch.Tensor | None = None) -> WeightGrid:
+    """(Re-)initialise ``layer``'s integer weight quantizer from ``weight`` (default: the layer's own weight) and
+    return its grid.
+
+    The library's weight quantizers compute their scale (and zero point) once from the float weight and keep it
+    as a parameter (``init_done``); algorithms that change the weight (AWQ's scaling and clipping) or choose the
+    grid for a weight they are still building (GPTQ) re-initialise it from the tensor they mean. Passing a tensor
+    other than the layer's weight works because a weight quantizer tracking one parameter takes its statistics
+    from the tensor it is called with.
+    """
+    from brevitas.core.scaling.standalone import ParameterFromStatsFromParameterScaling
+    from brevitas.core.zero_point import ParameterFromStatsFromParameterZeroPoint
+
+    proxy, int_quant = _int_weight_quant(layer)
+    target = layer.weight if weight is None else weight
+    _restore_initial_values(proxy.modules(), {ParameterFromStatsFromParameterScaling: 1.0,
+                                              ParameterFromStatsFromParameterZeroPoint: 0.0})
+    with torch.no_grad(), quant_switched(proxy, False):  # also inside quantization_disabled
+        quant = proxy(target)
+    bit_width = quant.bit_width
+    scale = quant.scale.expand_as(target).detach()
+    zero_point = torch.as_tensor(quant.zero_point, dtype=scale.dtype, device=scale.device).expand_as(target).detach()
+    return WeightGrid(scale, zero_point, int_quant.min_int(bit_width), int_quant.max_int(bit_width),
+                      int_quant.float_to_int_impl, int_quant.tensor_clamp_impl, int(bit_width))
+
+
+class IntWeightFormat(NamedTuple):
+    """The format of an integer weight quantizer: bits, elements per group (-1: no groups) and whether one scale
+    covers the whole tensor."""
+
+    bit_width: int
+    group_size: int
+    per_tensor: bool
+
+
+def int_weight_format(layer: nn.Module) -> IntWeightFormat | None:
+    """The format of ``layer``'s integer weight quantizer, or ``None`` if the layer has none (float formats, or no
+    weight quantization)."""
+    try:
+        proxy, _ = _int_weight_quant(layer)
+    except QuarkBrevitasError:
+        return None
+    with torch.no_grad(), quant_switched(proxy, False):
+        bit_width = int(proxy.bit_width())
+        scale = proxy.scale()
+    group_size = int(injector_value(proxy, "group_size")) if is_groupwise(proxy) else -1
+    return IntWeightFormat(bit_width, group_size, group_size == -1 and scale.numel() == 1)
+
+
+def restart_activation_statistics(model: nn.Module) -> int:
+    """Make the static activation quantizers of ``model`` forget their calibration, so that the next calibration
+    starts afresh; returns how many were reset.
+
+    Brevitas's runtime-statistics scales and zero points keep a step counter, fold the first statistic into their
+    buffer and the final average into their value, both starting from 1 (a scale) or 0 (a zero point);
+    recalibrating after an algorithm has changed a layer's inputs (AWQ's folded scales) needs all three restored.
+    """
+    from brevitas.core.scaling.standalone import ParameterFromRuntimeStatsScaling
+    from brevitas.core.zero_point import ParameterFromRuntimeZeroPoint
+
+    initial = {ParameterFromRuntimeStatsScaling: 1.0, ParameterFromRuntimeZeroPoint: 0.0}
+    return sum(_restore_initial_values(site.proxy.modules(), initial) for site in iter_quantizers(model)
+               if site.kind == "act" and not is_dynamic_activation(site.proxy))
