@@ -24,7 +24,7 @@ from quark_brevitas.config import (
 )
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.quantizers import build_quantizer, verify_spec
-from quark_brevitas.schema import config_json_schema
+from quark_brevitas.config.schema import config_json_schema
 from quark_brevitas.types import Dtype, QSchemeType, RoundType, ScaleType, ZeroPointType
 
 PG, PC, PT = QSchemeType.per_group, QSchemeType.per_channel, QSchemeType.per_tensor
