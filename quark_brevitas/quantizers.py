@@ -239,6 +239,12 @@ def verify_spec(spec: QuantizationSpec, role: str, path: str) -> None:
         _row(spec.resolved(path), role, path)
 
 
+def table_keys() -> tuple[QuantizerKey, ...]:
+    """The rows of the translation table, in order (a test checks they are the config package's
+    ``SUPPORTED_QUANTIZERS``, the torch-free statement of the same combinations)."""
+    return tuple(_TABLE)
+
+
 def _row(spec: QuantizationSpec, role: str, path: str) -> type:
     """The table's base quantizer for a resolved spec; the same ConfigError as the config check if the table
     lacks the row (the two tables are kept equal by a test, so this names the spec rather than a KeyError)."""
@@ -294,4 +300,5 @@ def _percentile_lets(spec: QuantizationSpec) -> dict[str, Any]:
     return {"high_percentile_q": percentile, "low_percentile_q": 100.0 - percentile}
 
 
-__all__ = ["DEFAULT_PERCENTILE", "RoundHalfAwayFromZeroSte", "build_quantizer", "scheme_of", "verify_spec"]
+__all__ = ["DEFAULT_PERCENTILE", "RoundHalfAwayFromZeroSte", "build_quantizer", "scheme_of", "table_keys",
+           "verify_spec"]
