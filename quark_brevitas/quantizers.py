@@ -2,9 +2,12 @@
 
 Every supported combination of (role, quant type, param type, scheme, symmetry) maps to the closest
 existing Brevitas quantizer class in ``_TABLE``; bit widths, scale type, rounding, zero-point type and
-percentile are applied with ``.let(...)``. Anything not in the table is rejected by :func:`verify_spec`
-at config time with a message saying what is supported — there are no silent fallbacks. A spec's
-``dtype`` short form is spelled out first (:func:`quark_brevitas.config.resolve_dtype`).
+percentile are applied with ``.let(...)``. Which combinations exist, and every rule a spec must follow, is
+stated without Brevitas in :mod:`quark_brevitas.config.checks` (its ``SUPPORTED_QUANTIZERS`` are this
+table's keys; a test keeps them equal), so anything not in the table is rejected at config time
+with a message saying what is supported — there are no silent fallbacks. This module builds the injectors
+once the model is planned. A spec's ``dtype`` short form is spelled out first
+(:func:`quark_brevitas.config.resolve_dtype`).
 
 The *scheme* column refines ``qscheme``: ``per_group`` with float scales, ``mx`` (``per_group`` with
 ``scale_type=pof2``: one power-of-two scale per block chosen by the OCP MX rule, shared exponent
@@ -26,7 +29,6 @@ the symmetric MXINT8 range).
 
 from __future__ import annotations
 
-from dataclasses import is_dataclass
 from typing import Any
 
 import torch
@@ -52,15 +54,27 @@ from brevitas.quant.float_quant_ocp import (
 from torch import nn
 
 from quark_brevitas.brevitas_adapter import generative_quantizers as bq_gen
-from quark_brevitas.dtypes import Spec as QuantizationSpec
-from quark_brevitas.dtypes import spec_defaults
-from quark_brevitas.errors import ConfigError
-from quark_brevitas.serialization import check_fields
-from quark_brevitas.types import ParamType, QSchemeType, QuantType, RoundType, ScaleType, ZeroPointType
+from quark_brevitas.config.checks import (
+    BIAS_BIT_WIDTHS,
+    DEFAULT_PERCENTILE,
+    DYNAMIC_PER_TENSOR,
+    DYNAMIC_PER_TOKEN,
+    FLOAT,
+    INT,
+    MX,
+    PER_CHANNEL,
+    PER_GROUP,
+    PER_TENSOR,
+    ROLE_KIND,
+    QuantizerKey,
+    scheme_of,
+    unsupported,
+)
+from quark_brevitas.config.checks import verify_spec as verify_spec_rules
+from quark_brevitas.config.enums import ParamType, RoundType, ScaleType, ZeroPointType
+from quark_brevitas.config.specs import QuantizationSpec
 
 P = ParamType
-INT = QuantType.int_quant
-FLOAT = QuantType.float_quant
 _GROUP = {"scaling_per_output_type": ScalingPerOutputType.GROUP}
 _OCP_MX_INT = {"int_scaling_impl": IntScaling, "narrow_range": True}
 
@@ -123,12 +137,9 @@ _ZERO_MIN_MAX = {"scaling_stats_impl": ZeroInclusiveMinMax}
 _ZERO_PERCENTILE = {"scaling_stats_impl": ZeroInclusivePercentileInterval}
 _ZERO_MSE = {"mse_scale": MSEAsymmetricScaleSubInjector.let(mse_init_op=ZeroInclusiveMinMax)}
 
-# Schemes (the refined qscheme column of the table).
-PER_TENSOR, PER_CHANNEL, PER_GROUP, MX = "per_tensor", "per_channel", "per_group", "mx"
-DYNAMIC_PER_TENSOR, DYNAMIC_PER_TOKEN = "dynamic_per_tensor", "dynamic_per_token"
-
-# (kind, quant type, param type, scheme, symmetric) -> Brevitas base quantizer.
-_TABLE: dict[tuple[str, QuantType, ParamType, str, bool], type] = {
+# (kind, quant type, param type, scheme, symmetric) -> Brevitas base quantizer; the keys are
+# quark_brevitas.config.checks.SUPPORTED_QUANTIZERS, in the same order.
+_TABLE: dict[QuantizerKey, type] = {
     # integer weights (narrow range, signed when symmetric, unsigned + zero point when not)
     ("weight", INT, P.stats, PER_TENSOR, True): bq_int.Int8WeightPerTensorFloat,
     ("weight", INT, P.stats, PER_CHANNEL, True): bq_int.Int8WeightPerChannelFloat,
@@ -176,12 +187,8 @@ _TABLE: dict[tuple[str, QuantType, ParamType, str, bool], type] = {
     ("act", FLOAT, P.stats, DYNAMIC_PER_TOKEN, True): bq_gen.FP8e4m3OCPDynamicActPerRowFloat.let(**_PER_TOKEN),
 }
 
-_BIAS: dict[int, type] = {
-    8: bq_int.Int8Bias,
-    16: bq_int.Int16Bias,
-    24: bq_int.Int24Bias,
-    32: bq_int.Int32Bias,
-}
+_BIAS: dict[int, type] = dict(zip(BIAS_BIT_WIDTHS, (bq_int.Int8Bias, bq_int.Int16Bias, bq_int.Int24Bias,
+                                                      bq_int.Int32Bias), strict=True))
 
 _SCALE_LETS: dict[ScaleType, dict[str, Any]] = {
     ScaleType.float: {},
@@ -223,176 +230,29 @@ _ROUNDING: dict[RoundType | None, dict[str, Any]] = {
     RoundType.round: {"float_to_int_impl": RoundHalfAwayFromZeroSte},
 }
 
-INT_BIT_WIDTHS = {"weight": range(2, 9), "act": range(2, 17), "group": range(2, 9)}
-FLOAT_BIT_WIDTHS = range(4, 9)
-DEFAULT_PERCENTILE = 99.999
-_ROLE_KIND = {"weight": "weight", "input_tensors": "act", "output_tensors": "act", "bias": "bias"}
-
-
-def _allowed(values: Any) -> str:
-    return ", ".join(str(getattr(v, "name", v)) for v in values)
-
-
-def _check_types(spec: QuantizationSpec, path: str) -> None:
-    """Field types by the spec's own annotations (the generic check the config parser uses too), then the
-    one value range that does not depend on the role. A spec is recognised by shape: this module sits
-    below :mod:`quark_brevitas.config` and cannot import the class."""
-    if isinstance(spec, type) or not is_dataclass(spec) or not callable(getattr(spec, "resolved", None)):
-        raise ConfigError(path, f"must be a QuantizationSpec (QTensorConfig) or None, got {type(spec).__name__}")
-    check_fields(spec, path)
-    if spec.percentile is not None and not 0 < spec.percentile <= 100:
-        raise ConfigError(f"{path}.percentile", f"must be in (0, 100] (e.g. 99.999; 100 = max), got {spec.percentile}")
-
-
-_BIAS_FIXED = ("qscheme", "symmetric", "scale_type", "quant_type", "param_type", "exponent_bit_width",
-               "mantissa_bit_width", "dtype", "group_size", "ch_axis", "round_method", "is_dynamic",
-               "zero_point_type", "mx_element_dtype", "percentile")
-
-
-def _verify_bias(spec: QuantizationSpec, path: str) -> None:
-    if spec.bit_width not in _BIAS:
-        raise ConfigError(f"{path}.bit_width", f"bias bit width {spec.bit_width} unsupported; allowed: {sorted(_BIAS)}")
-    defaults = spec_defaults(spec)
-    for name in _BIAS_FIXED:
-        if getattr(spec, name) != defaults[name]:
-            raise ConfigError(
-                f"{path}.{name}",
-                "bias is quantized to integers with scale = input scale x weight scale; only bit_width "
-                f"can be set (leave {name} at its default {defaults[name]!r})",
-            )
-
-
-def scheme_of(spec: QuantizationSpec, kind: str) -> str:
-    """The table's scheme column for a resolved spec: per_tensor, per_channel, per_group, mx,
-    dynamic_per_tensor or dynamic_per_token."""
-    if spec.qscheme is QSchemeType.per_group:
-        return MX if spec.scale_type is ScaleType.pof2 else PER_GROUP
-    if kind == "act" and spec.is_dynamic:
-        return DYNAMIC_PER_TENSOR if spec.qscheme is QSchemeType.per_tensor else DYNAMIC_PER_TOKEN
-    return spec.qscheme.name
-
-
-def _verify_granularity(spec: QuantizationSpec, kind: str, path: str) -> None:
-    """qscheme, group_size, ch_axis and is_dynamic, and how they fit the tensor role."""
-    qscheme = spec.qscheme
-    if qscheme is QSchemeType.per_group:
-        if spec.group_size is None:
-            raise ConfigError(f"{path}.group_size", "per_group needs group_size (elements per group, e.g. 32 or "
-                              "128; 32 for MX)")
-        if spec.group_size < 2:
-            raise ConfigError(f"{path}.group_size", f"must be >= 2, got {spec.group_size}")
-    elif spec.group_size is not None:
-        raise ConfigError(f"{path}.group_size", f"only used with qscheme=per_group (qscheme is {qscheme.name}); "
-                          "remove it or set qscheme=per_group")
-    if spec.ch_axis is not None:
-        allowed = {QSchemeType.per_channel: (0,), QSchemeType.per_group: (1,)}.get(qscheme, ())
-        if kind == "act":
-            raise ConfigError(f"{path}.ch_axis", "activations follow the layer: one scale per token is over the "
-                              "last dimension, groups run over the channels (Conv) or the last dimension (Linear); "
-                              "leave ch_axis None")
-        if spec.ch_axis not in allowed:
-            raise ConfigError(f"{path}.ch_axis", f"{spec.ch_axis} is not supported for {qscheme.name} weights; "
-                              f"allowed: None{''.join(f', {a}' for a in allowed)} (0: output channels for "
-                              "per_channel, 1: input channels for per_group)")
-    if kind == "weight":
-        if spec.is_dynamic:
-            raise ConfigError(f"{path}.is_dynamic", "weights are quantized once from their values; is_dynamic is "
-                              "for activations (leave it None or False)")
-        return
-    if qscheme is QSchemeType.per_channel and not spec.is_dynamic:
-        raise ConfigError(f"{path}.qscheme", "static activations are quantized per_tensor only; allowed: "
-                          "per_tensor, or per_channel (one scale per token) / per_group with is_dynamic=True")
-    if qscheme is QSchemeType.per_group and spec.is_dynamic is False:
-        raise ConfigError(f"{path}.is_dynamic", "per_group activation scales are computed from each input "
-                          "(dynamic); leave is_dynamic None or set it True")
-
-
-def _verify_format(spec: QuantizationSpec, kind: str, scheme: str, path: str) -> None:
-    if spec.quant_type is INT:
-        for name in ("exponent_bit_width", "mantissa_bit_width"):
-            if getattr(spec, name) is not None:
-                raise ConfigError(f"{path}.{name}", "only used by float_quant; leave it None for int_quant")
-        widths = INT_BIT_WIDTHS["group" if kind == "act" and scheme in (PER_GROUP, MX) else kind]
-        if spec.bit_width not in widths:
-            what = "weights" if kind == "weight" else "activations" if widths is INT_BIT_WIDTHS["act"] else \
-                f"{scheme} activations"
-            raise ConfigError(f"{path}.bit_width", f"{spec.bit_width} is out of range for int_quant {what}; "
-                              f"allowed: {widths.start}..{widths.stop - 1}")
-        return
-    e, m = spec.exponent_bit_width, spec.mantissa_bit_width
-    for name, value in (("exponent_bit_width", e), ("mantissa_bit_width", m)):
-        if value is None:
-            raise ConfigError(f"{path}.{name}", "float_quant needs exponent_bit_width and mantissa_bit_width "
-                              "(e.g. 4 and 3 for fp8 e4m3, 5 and 2 for fp8 e5m2), or a float dtype")
-    if spec.bit_width not in FLOAT_BIT_WIDTHS:
-        raise ConfigError(f"{path}.bit_width", f"{spec.bit_width} is out of range for float_quant; "
-                          f"allowed: {FLOAT_BIT_WIDTHS.start}..{FLOAT_BIT_WIDTHS.stop - 1}")
-    if e < 1 or m < 0:
-        raise ConfigError(f"{path}.exponent_bit_width" if e < 1 else f"{path}.mantissa_bit_width",
-                          f"need exponent_bit_width >= 1 and mantissa_bit_width >= 0; got e={e}, m={m}")
-    if 1 + e + m != spec.bit_width:
-        raise ConfigError(f"{path}.bit_width", "float_quant needs 1 (sign) + exponent_bit_width + "
-                          f"mantissa_bit_width == bit_width; got 1 + {e} + {m} != {spec.bit_width}")
-    if not spec.symmetric:
-        raise ConfigError(f"{path}.symmetric", "asymmetric float_quant is not supported; use symmetric=True")
-    if spec.zero_point_type is not None:
-        raise ConfigError(f"{path}.zero_point_type", "float formats have no zero point; leave it None")
-
-
-def _verify_options(spec: QuantizationSpec, kind: str, scheme: str, path: str) -> None:
-    """param_type, percentile, zero_point_type and symmetry rules that depend on the scheme."""
-    dynamic = kind == "act" and scheme in (PER_GROUP, MX, DYNAMIC_PER_TENSOR, DYNAMIC_PER_TOKEN)
-    if scheme == MX and not spec.symmetric:
-        raise ConfigError(f"{path}.symmetric", "per_group with scale_type=pof2 is the OCP MX shared-exponent rule, "
-                          "which is symmetric; use symmetric=True, or scale_type=float for asymmetric per_group")
-    if spec.param_type is ParamType.mse and (scheme == MX or dynamic):
-        why = ("OCP MX takes the shared exponent from max|block|" if scheme == MX
-               else "dynamic scales come from each input's range at run time, MSE is a calibration search")
-        raise ConfigError(f"{path}.param_type", f"mse is not supported for {scheme} {kind}s: {why}; use stats")
-    if spec.percentile is not None and (kind != "act" or dynamic or spec.param_type is not ParamType.stats):
-        raise ConfigError(f"{path}.percentile", "only used by static activations with param_type=stats (the "
-                          "calibration statistic); weights use max|w|, dynamic scales each input's range, mse "
-                          "its search. Remove it")
-    if kind == "act" and scheme == PER_GROUP and not spec.symmetric:
-        raise ConfigError(f"{path}.symmetric", "asymmetric per_group activations are not supported (Brevitas's "
-                          "dynamic per-group zero point fails on grouped inputs); use symmetric=True, or "
-                          "asymmetric per_tensor / per_channel (per token) with is_dynamic=True")
-    if spec.zero_point_type is ZeroPointType.float32:
-        if spec.symmetric:
-            raise ConfigError(f"{path}.zero_point_type", "float32 zero points are for asymmetric int (symmetric "
-                              "quantization has zero point 0); set symmetric=False or remove it")
-        if dynamic or scheme == PER_GROUP:
-            raise ConfigError(f"{path}.zero_point_type", f"float32 zero points are supported for per_tensor and "
-                              f"per_channel weights and static activations, not {scheme} {kind}s; use int32")
-
-
 def verify_spec(spec: QuantizationSpec, role: str, path: str) -> None:
-    """Raise ConfigError unless ``spec`` maps to a Brevitas quantizer for ``role``.
+    """Raise ConfigError unless ``spec`` maps to a Brevitas quantizer for ``role`` (``weight``,
+    ``input_tensors``, ``output_tensors`` or ``bias``): the rules of
+    :func:`quark_brevitas.config.checks.verify_spec`, then the row of this table that will build it."""
+    verify_spec_rules(spec, role, path)
+    if ROLE_KIND[role] != "bias":
+        _row(spec.resolved(path), role, path)
 
-    ``role`` is one of ``weight``, ``input_tensors``, ``output_tensors``, ``bias``.
-    """
-    _check_types(spec, path)
-    kind = _ROLE_KIND[role]
-    if kind == "bias":
-        _verify_bias(spec, path)
-        return
-    spec = spec.resolved(path)
-    if spec.scale_type not in _SCALE_LETS:
-        raise ConfigError(f"{path}.scale_type", f"{spec.scale_type.name} is not supported; allowed: "
-                          f"{_allowed(_SCALE_LETS)}")
-    _verify_granularity(spec, kind, path)
-    scheme = scheme_of(spec, kind)
-    _verify_format(spec, kind, scheme, path)
-    _verify_options(spec, kind, scheme, path)
-    key = (kind, spec.quant_type, spec.param_type, scheme, spec.symmetric)
+
+def table_keys() -> tuple[QuantizerKey, ...]:
+    """The rows of the translation table, in order (a test checks they are the config package's
+    ``SUPPORTED_QUANTIZERS``, the torch-free statement of the same combinations)."""
+    return tuple(_TABLE)
+
+
+def _row(spec: QuantizationSpec, role: str, path: str) -> type:
+    """The table's base quantizer for a resolved spec; the same ConfigError as the config check if the table
+    lacks the row (the two tables are kept equal by a test, so this names the spec rather than a KeyError)."""
+    kind = ROLE_KIND[role]
+    key = (kind, spec.quant_type, spec.param_type, scheme_of(spec, kind), spec.symmetric)
     if key not in _TABLE:
-        raise ConfigError(path, f"no Brevitas quantizer for {spec.short()} as {role}; supported: "
-                          + "; ".join(sorted(_describe(k) for k in _TABLE if k[0] == kind)))
-
-
-def _describe(key: tuple[str, QuantType, ParamType, str, bool]) -> str:
-    _, quant_type, param_type, scheme, symmetric = key
-    return f"{quant_type.name} {param_type.name} {scheme} {'sym' if symmetric else 'asym'}"
+        raise unsupported(spec, role, path)
+    return _TABLE[key]
 
 
 def build_quantizer(spec: QuantizationSpec | None, role: str) -> Any:
@@ -403,11 +263,11 @@ def build_quantizer(spec: QuantizationSpec | None, role: str) -> Any:
     if spec is None:
         return None
     spec = spec.resolved()
-    kind = _ROLE_KIND[role]
+    kind = ROLE_KIND[role]
     if kind == "bias":
         return _BIAS[spec.bit_width]
     scheme = scheme_of(spec, kind)
-    base = _TABLE[(kind, spec.quant_type, spec.param_type, scheme, spec.symmetric)]
+    base = _row(spec, role, role)
     lets: dict[str, Any] = {"bit_width": spec.bit_width, **_ROUNDING[spec.round_method]}
     if scheme != MX:  # the MX rows carry the OCP power-of-two rule themselves
         lets.update(_SCALE_LETS[spec.scale_type])
@@ -440,4 +300,5 @@ def _percentile_lets(spec: QuantizationSpec) -> dict[str, Any]:
     return {"high_percentile_q": percentile, "low_percentile_q": 100.0 - percentile}
 
 
-__all__ = ["DEFAULT_PERCENTILE", "RoundHalfAwayFromZeroSte", "build_quantizer", "scheme_of", "verify_spec"]
+__all__ = ["DEFAULT_PERCENTILE", "RoundHalfAwayFromZeroSte", "build_quantizer", "scheme_of", "table_keys",
+           "verify_spec"]

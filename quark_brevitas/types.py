@@ -1,117 +1,24 @@
-"""Quark's quantization enums (reference 000: ``quark.torch.quantization.config.type``), and the three
-enums of Quark's Brevitas extension config (reference 003: ``QuantType``, ``ParamType``, ``Backend``).
+"""Quark's quantization enums under Quark's module name (``quark.torch.quantization.config.type`` ->
+``quark_brevitas.types``), so code written for Quark runs after changing only its imports.
 
-Every enum and member of the references exists here under the same name, so code written for
-Quark runs after changing only its imports; :mod:`quark_brevitas.config` re-exports the reference 003
-enums, as ``quark.torch.extensions.brevitas.config`` does. They live here, with no dependencies, so that
-the modules below the config dataclasses (the dtype tables, the translation table) can use them without
-importing :mod:`quark_brevitas.config`. Members carry string values so that configs
-serialise to readable JSON/YAML. Whether a member is *supported* by the Brevitas translation is
-decided in one place, :mod:`quark_brevitas.quantizers`; unsupported members are rejected at
-config-verification time with a message, never silently mapped to something else.
+The enums are defined in :mod:`quark_brevitas.config.enums`; this module re-exports the same objects.
 """
 
 from __future__ import annotations
 
-from enum import Enum
-
-
-class QSchemeType(Enum):
-    """Granularity of the quantization parameters."""
-
-    per_tensor = "per_tensor"
-    per_channel = "per_channel"
-    per_group = "per_group"
-
-
-class ZeroPointType(Enum):
-    """The dtype of the zero point."""
-
-    int32 = "int32"
-    float32 = "float32"
-
-
-class Dtype(Enum):
-    """Data types used for quantized tensors."""
-
-    int8 = "int8"
-    uint8 = "uint8"
-    int4 = "int4"
-    uint4 = "uint4"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-    fp8_e4m3 = "fp8_e4m3"
-    fp8_e5m2 = "fp8_e5m2"
-    fp6_e3m2 = "fp6_e3m2"
-    fp6_e2m3 = "fp6_e2m3"
-    fp4 = "fp4"
-    mx = "mx"
-    mx6 = "mx6"
-    mx9 = "mx9"
-
-
-class ScaleType(Enum):
-    """How scale values are represented."""
-
-    float = "float"
-    pof2 = "pof2"
-    float32 = "float32"
-    float16 = "float16"
-    bfloat16 = "bfloat16"
-
-
-class RoundType(Enum):
-    """Rounding methods used when mapping to the quantized grid."""
-
-    round = "round"
-    floor = "floor"
-    half_even = "half_even"
-
-
-class DeviceType(Enum):
-    """Target devices for deployment."""
-
-    CPU = "cpu"
-    IPU = "ipu"
-
-
-class QuantizationMode(Enum):
-    """Eager (module replacement) or FX graph mode."""
-
-    eager_mode = "eager_mode"
-    fx_graph_mode = "fx_graph_mode"
-
-
-class TQTThresholdInitMeth(Enum):
-    """Threshold initialisation of the TQT algorithm (Table 2 of arXiv:1903.08066)."""
-
-    _3SD = "_3sd"
-    _LL_J = "_ll_j"
-
-
-class QuantType(Enum):
-    """The fundamental data type of the quantized values: integers or (OCP) floating point."""
-
-    int_quant = "int_quant"
-    float_quant = "float_quant"
-
-
-class ParamType(Enum):
-    """How scale and zero point are determined: statistics (max / percentile) or MSE search."""
-
-    stats = "stats"
-    mse = "mse"
-
-
-class Backend(Enum):
-    """The backend target for quantization.
-
-    - ``layerwise``: only quantizes inputs, weights, biases (and optionally outputs) of compute-heavy
-      layers, which are replaced one by one by their Brevitas counterparts.
-    """
-
-    layerwise = "layerwise"
-
+from quark_brevitas.config.enums import (
+    Backend,
+    DeviceType,
+    Dtype,
+    ParamType,
+    QSchemeType,
+    QuantizationMode,
+    QuantType,
+    RoundType,
+    ScaleType,
+    TQTThresholdInitMeth,
+    ZeroPointType,
+)
 
 __all__ = [
     "Backend",

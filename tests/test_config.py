@@ -28,8 +28,8 @@ from quark_brevitas.config import (
     QuantType,
     verify_config,
 )
+from quark_brevitas.config.serialization import Polymorphic, Text, check_fields, from_plain, to_plain
 from quark_brevitas.errors import ConfigError
-from quark_brevitas.serialization import Polymorphic, Text, check_fields, from_plain, to_plain
 from quark_brevitas.types import QSchemeType, ScaleType
 
 W8A8 = QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig(), bias=QTensorConfig(bit_width=32))

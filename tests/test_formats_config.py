@@ -22,9 +22,9 @@ from quark_brevitas.config import (
     QuantType,
     verify_config,
 )
+from quark_brevitas.config.schema import config_json_schema
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.quantizers import build_quantizer, verify_spec
-from quark_brevitas.schema import config_json_schema
 from quark_brevitas.types import Dtype, QSchemeType, RoundType, ScaleType, ZeroPointType
 
 PG, PC, PT = QSchemeType.per_group, QSchemeType.per_channel, QSchemeType.per_tensor

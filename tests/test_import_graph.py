@@ -1,7 +1,8 @@
 """The package's modules import each other without cycles.
 
-Layering keeps configs plain data: ``types``/``errors`` <- ``dtypes`` <- ``serialization`` <- ``quantizers``
-<- ``verification`` <- ``config`` <- ``resolve``, ``backend``, ``api``, ... A cycle means two modules can only
+Layering keeps configs plain data: inside the ``config`` package, ``enums``/``errors`` <- ``formats`` <-
+``serialization`` <- ``specs`` <- ``algorithms`` <- ``checks`` <- ``model_config`` <- ``config`` (its ``__init__``),
+then ``quantizers``, ``resolve``, ``backend``, ``api``, ... above it. A cycle means two modules can only
 be understood (and imported) together, so this test parses every module of ``quark_brevitas`` with ``ast``
 (without importing it), collects *every* import of a ``quark_brevitas`` module (module level, inside
 functions, and under ``if TYPE_CHECKING:``: an annotation that needs an import is a dependency too) and
@@ -126,15 +127,33 @@ def test_package_has_no_import_cycle() -> None:
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
+#: The config package from the bottom up: each module may import only those before it (and ``errors``).
+CONFIG_LAYERS = ["enums", "formats", "serialization", "specs", "algorithms", "checks", "model_config"]
+
+
 def test_config_layers_import_downwards_only() -> None:
-    """The data modules never reach up to config (or to what sits above it)."""
+    """The plain-data modules of the config package import only the ones below them (never the package's
+    ``__init__``, nor anything outside it but ``errors``), so they load without torch in this order."""
     graph = import_graph()
-    below_config = ["types", "errors", "dtypes", "serialization", "quantizers", "verification", "algos"]
-    for name in below_config:
-        module = f"{PACKAGE}.{name}"
+    allowed = {f"{PACKAGE}.errors"}
+    for name in CONFIG_LAYERS:
+        module = f"{PACKAGE}.config.{name}"
+        assert module in graph, f"{module} not found in {sorted(graph)}"
         reachable = _reachable(graph, module)
-        assert f"{PACKAGE}.config" not in reachable, f"{module} reaches config: {sorted(reachable)}"
-    assert _reachable(graph, f"{PACKAGE}.serialization") <= {f"{PACKAGE}.errors"}, "serialization must stay generic"
+        assert reachable <= allowed, f"{module} reaches {sorted(reachable - allowed)}"
+        allowed.add(module)
+    assert _reachable(graph, f"{PACKAGE}.config.serialization") <= {f"{PACKAGE}.errors"}, \
+        "serialization must stay generic"
+    # The package and the Quark-path re-exports add only what is below them.
+    for module in (f"{PACKAGE}.config", f"{PACKAGE}.types", f"{PACKAGE}.algos"):
+        assert module in graph and _reachable(graph, module) <= allowed, f"{module} reaches {_reachable(graph, module)}"
+
+
+def test_package_init_imports_nothing_at_module_level() -> None:
+    """``quark_brevitas/__init__.py`` imports its public names on first use (PEP 562), so importing any module
+    of the package (which runs the package first) does not pull in torch or the rest of the library."""
+    graph = import_graph()
+    assert graph[PACKAGE] <= {f"{PACKAGE}.version"}, sorted(graph[PACKAGE])
 
 
 def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:

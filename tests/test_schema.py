@@ -10,8 +10,8 @@ import yaml
 
 from quark_brevitas import algos
 from quark_brevitas.config import Config, QLayerConfig, QTensorConfig
+from quark_brevitas.config.schema import SCHEMA_PATH, config_json_schema, schema_text
 from quark_brevitas.presets import PRESETS, get_preset
-from quark_brevitas.schema import SCHEMA_PATH, config_json_schema, schema_text
 from quark_brevitas.types import QSchemeType
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -28,7 +28,7 @@ def validator():
 
 def test_shipped_schema_is_generated_one() -> None:
     assert json.loads(SCHEMA_PATH.read_text()) == config_json_schema(), (
-        "quark_brevitas/config.schema.json is stale; regenerate it with: python -m quark_brevitas.schema")
+        "quark_brevitas/config.schema.json is stale; regenerate it with: python -m quark_brevitas.config.schema")
     assert SCHEMA_PATH.read_text() == schema_text()
 
 

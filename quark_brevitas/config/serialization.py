@@ -9,7 +9,7 @@ A config class states each field's type once, in its annotation. This module rea
   names raise :class:`ConfigError` naming the path and what is allowed, with "did you mean" suggestions;
 - :func:`check_fields`: an object built in Python -> the same type rules, in Python spellings
   (``True``/``None`` rather than ``true``/``null``); verification runs it before any semantic check;
-- :mod:`quark_brevitas.schema` turns the same tree into the JSON Schema of config files.
+- :mod:`quark_brevitas.config.schema` turns the same tree into the JSON Schema of config files.
 
 Supported annotations: ``bool`` (never an ``int``), ``int`` (never a ``bool``), ``float`` (an ``int`` is
 fine), ``str``, an ``Enum`` (written by member name; member values are accepted in files too),
@@ -18,8 +18,8 @@ two markers: :class:`Text` (a non-empty string, named in messages) and :class:`P
 instance of one of the registered subclasses of a base).
 
 The module is generic: it imports nothing of quark_brevitas but its errors, and gets every class from
-the annotations it walks, so the config dataclasses, the translation table and verification (which sit
-above it) can all use it without importing each other.
+the annotations it walks, so the config dataclasses and the checks (which sit above it) can all use it
+without importing each other.
 """
 
 from __future__ import annotations

@@ -1,0 +1,253 @@
+"""The whole config: :class:`Config` (Quark's Brevitas extension config, reference 003, with the hierarchy
+of Quark's general config, references 001 and 002), its file formats and :func:`verify_config`.
+
+Config sits at the top of the plain-data modules: it holds the layer specs (:mod:`.specs`) and the algorithm
+configs (:mod:`.algorithms`), reads and writes files through :mod:`.serialization` and is checked by
+:mod:`.checks`. Nothing here imports torch or Brevitas, so a config file loads and verifies quickly, on any
+machine. Layer types may be given as ``nn.Module`` classes: they are spelled by name without importing torch
+(a class of ``torch.nn`` can only exist once torch is imported; only a ``"torch.nn.X"`` string key makes this
+module import torch, to check that ``X`` exists there).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Annotated, Any
+
+from quark_brevitas.config import algorithms
+from quark_brevitas.config.checks import (
+    HIERARCHY_LEVELS,
+    verify_algorithms,
+    verify_layer_config,
+    verify_partial_layer_config,
+)
+from quark_brevitas.config.enums import Backend
+from quark_brevitas.config.serialization import (
+    Polymorphic,
+    Text,
+    check_fields,
+    from_plain,
+    key_path,
+    to_plain,
+    with_version,
+    without_version,
+)
+from quark_brevitas.config.specs import QuantizationConfig
+from quark_brevitas.errors import ConfigError
+
+__all__ = [
+    "CONFIG_KEYS",
+    "FORMAT_VERSION",
+    "READABLE_FORMAT_VERSIONS",
+    "Config",
+    "layer_type_key",
+    "type_name",
+    "verify_config",
+]
+
+#: The format version :meth:`Config.to_dict` writes, and the versions :meth:`Config.from_dict` reads
+#: (1: files written before versions were recorded, which carry no ``format_version``).
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
+
+
+#: How the fields of the hierarchy and the algorithm lists are written (see :mod:`quark_brevitas.config.serialization`).
+LayerName = Annotated[str, Text("module name or pattern")]
+LayerTypeName = Annotated[str, Text("layer type name (e.g. 'Conv2d', 'torch.nn.Conv2d' or 'package.module.Class')")]
+PreQuantAlgorithm = Annotated[algorithms.PreQuantOptConfig, Polymorphic(algorithms.registered)]
+PostQuantAlgorithm = Annotated[algorithms.AlgoConfig, Polymorphic(algorithms.registered)]
+
+
+@dataclass(eq=True)
+class Config:
+    """Everything needed to quantize a model.
+
+    - ``global_quant_config``: applied to every compute-heavy layer unless a level below overrides it.
+    - ``pre_quant_opt_config``: algorithms run on the float model before quantization, in order (one algorithm
+      without a list, or ``None``, is accepted as Quark writes them).
+    - ``algo_config``: algorithms run on the quantized model after calibration, in order (idem).
+    - ``backend``: how layers are replaced (``Backend.layerwise``).
+    - ``layer_type_quant_config``: per layer type; keys are ``nn.Module`` classes or their names
+      (``nn.Conv2d``, ``"Conv2d"``, ``"torch.nn.Conv2d"``), stored as names (see :func:`layer_type_key`).
+    - ``layer_quant_config``: per layer name; keys are module names or fnmatch patterns
+      (``"fc1"``, ``"encoder.layer.*.attention.*"``).
+    - ``exclude``: module names or patterns that stay in float (a block excludes its layers).
+
+    For one module, a tensor spec left ``None`` at the layer-name level defers to the layer-type
+    level, then to the global level; ``None`` there means not quantized. See :mod:`quark_brevitas.resolve`.
+    """
+
+    global_quant_config: QuantizationConfig
+    pre_quant_opt_config: list[PreQuantAlgorithm] = field(default_factory=lambda: [algorithms.Preprocess()])
+    algo_config: list[PostQuantAlgorithm] = field(default_factory=list)
+    backend: Backend = Backend.layerwise
+    layer_type_quant_config: dict[LayerTypeName, QuantizationConfig] = field(default_factory=dict)
+    layer_quant_config: dict[LayerName, QuantizationConfig] = field(default_factory=dict)
+    exclude: list[LayerName] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Quark writes one algorithm without a list (``algo_config=GPTQConfig(...)``) and ``None`` for none.
+        for name in ("pre_quant_opt_config", "algo_config"):
+            value = getattr(self, name)
+            if value is None:
+                setattr(self, name, [])
+            elif isinstance(value, algorithms.AlgorithmConfig):
+                setattr(self, name, [value])
+            elif isinstance(value, tuple):
+                setattr(self, name, list(value))
+        # One spelling per layer type, so that a config equals its own round trip through a file.
+        if isinstance(self.layer_type_quant_config, Mapping):
+            self.layer_type_quant_config = _normalised_type_keys(self.layer_type_quant_config)
+        if isinstance(self.exclude, tuple):
+            self.exclude = list(self.exclude)
+
+    # ----------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, JSON-compatible dict: ``format_version`` first, enums by name, algorithms as
+        ``{"name": ..., **params}``, layer types by name."""
+        plain = to_plain(self)
+        if isinstance(self.layer_type_quant_config, Mapping):  # classes may have been added after construction
+            plain["layer_type_quant_config"] = {layer_type_key(key): layer
+                                                for key, layer in plain["layer_type_quant_config"].items()}
+        return with_version(plain, FORMAT_VERSION)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Build and verify a Config from :meth:`to_dict` output or a config file's content (with or
+        without ``format_version``). Errors name the offending path."""
+        config = from_plain(cls, without_version(data, READABLE_FORMAT_VERSIONS))
+        verify_config(config)
+        return config
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Config:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("", f"not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> Config:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError("", f"not valid YAML: {exc}") from exc
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Config:
+        """Load a config from a ``.json``, ``.yaml`` or ``.yml`` file."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("", f"config file {str(path)!r} does not exist")
+        text = _read_config_text(path)
+        if path.suffix.lower() == ".json":
+            return cls.from_json(text)
+        if path.suffix.lower() in (".yaml", ".yml"):
+            return cls.from_yaml(text)
+        raise ConfigError("", f"config file {str(path)!r}: unknown extension; allowed: .json, .yaml, .yml")
+
+
+def _read_config_text(path: Path) -> str:
+    """The text of a config file; a file that cannot be read, or is not UTF-8 text (a model checkpoint or other
+    binary file given by mistake), is a one-line :class:`ConfigError` naming it instead of a decoding traceback."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError("", f"config file {str(path)!r} cannot be read ({exc.strerror or exc})") from exc
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("", f"config file {str(path)!r} is not text (byte {exc.start} is not UTF-8); a JSON or "
+                              "YAML config (.json, .yaml, .yml) is expected") from exc
+
+
+CONFIG_KEYS = [f.name for f in fields(Config)]
+
+
+# ===================================================================== layer-type keys
+def _loaded_torch_nn() -> ModuleType | None:
+    """``torch.nn`` if torch is already imported, else ``None``: a class of ``torch.nn`` (or a subclass of
+    ``nn.Module``) cannot exist before that, so the layer-type keys never need to import torch for it."""
+    return sys.modules.get("torch.nn")
+
+
+def type_name(cls: type) -> str:
+    """The name a layer type is written with in configs: ``"Conv2d"`` for a class of ``torch.nn``,
+    ``"package.module.Class"`` for any other class."""
+    nn = _loaded_torch_nn()
+    if nn is not None and getattr(nn, cls.__name__, None) is cls:
+        return cls.__name__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def layer_type_key(key: Any) -> Any:
+    """The stored form of a ``layer_type_quant_config`` key.
+
+    An ``nn.Module`` class becomes :func:`type_name`; ``"torch.nn.Conv2d"`` and
+    ``"torch.nn.modules.conv.Conv2d"`` become ``"Conv2d"`` (torch is imported to check the class exists);
+    other strings are kept as written (they are matched against the layer map by short or qualified name,
+    without importing anything). Anything else is returned unchanged for :func:`verify_config` to reject
+    with its path.
+    """
+    if isinstance(key, type):
+        nn = _loaded_torch_nn()
+        return type_name(key) if nn is not None and issubclass(key, nn.Module) else key
+    if isinstance(key, str) and key.startswith("torch.nn."):
+        from torch import nn  # the user named a torch class: check it exists there
+
+        short = key.rsplit(".", 1)[-1]
+        cls = getattr(nn, short, None)
+        if isinstance(cls, type) and key in (f"torch.nn.{short}", f"{cls.__module__}.{cls.__qualname__}"):
+            return short
+    return key
+
+
+def _normalised_type_keys(levels: Mapping[Any, Any]) -> dict[Any, Any]:
+    result: dict[Any, Any] = {}
+    spelled: dict[Any, Any] = {}
+    for key, value in levels.items():
+        normal = layer_type_key(key)
+        if normal in result:
+            raise ConfigError(
+                key_path("layer_type_quant_config", normal),
+                f"given twice (as {spelled[normal]!r} and {key!r}); keep one entry per layer type",
+            )
+        result[normal] = value
+        spelled[normal] = key
+    return result
+
+
+# ===================================================================== verification
+def verify_config(config: Config) -> None:
+    """Check that ``config`` can be honoured exactly; raise :class:`ConfigError` otherwise.
+
+    Runs before the model is touched. Every rejected combination names its field and what is allowed
+    (see :mod:`quark_brevitas.config.checks`).
+    """
+    if not isinstance(config, Config):
+        raise ConfigError("", f"expected a quark_brevitas Config, got {type(config).__name__}")
+    # Checked as rebuilt, so that layer types added to the dict after construction are spelled by name too.
+    config = replace(config)
+    check_fields(config)
+    verify_layer_config(config.global_quant_config, "global_quant_config")
+    for level in HIERARCHY_LEVELS:
+        for key, layer in getattr(config, level).items():
+            verify_partial_layer_config(layer, key_path(level, key))
+    verify_algorithms(config.pre_quant_opt_config, config.algo_config, config)
