@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark_brevitas.algorithms.ties import untie_differing
 from quark_brevitas.brevitas_adapter import (
     brevitas_version,
     full_state_dict,
@@ -62,7 +63,6 @@ from quark_brevitas.container import Container
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
 from quark_brevitas.outputs import check_output_dir, file_sha256, output_dir
 from quark_brevitas.pipeline import CONFIG_ATTRIBUTE, Pipeline, SavedStructure
-from quark_brevitas.ties import untie_differing
 from quark_brevitas.version import __version__
 
 __all__ = [

@@ -36,6 +36,7 @@ from torch import nn
 
 from quark_brevitas import algos
 from quark_brevitas.algorithms import SavedStructure, handler_for
+from quark_brevitas.algorithms.ties import run_untied
 from quark_brevitas.backend import PlannedLayer
 from quark_brevitas.blocks.run import blockwise_obstacle, choose_block_stack, named_decoder_layers, quantize_blocks
 from quark_brevitas.brevitas_adapter import current_shard, require_equal_shares
@@ -44,7 +45,6 @@ from quark_brevitas.container import Container
 from quark_brevitas.data import BatchToInputs, CalibrationData, model_device_dtype
 from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.resolve import Resolver
-from quark_brevitas.ties import run_untied
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ def test_float8_table_matches_torch() -> None:
 
 
 def test_quantized_units_are_outermost_layers_and_equalized_wrappers() -> None:
-    from quark_brevitas.layers import QuantMultiheadAttention
+    from quark_brevitas.backend.layers import QuantMultiheadAttention
 
     attention = QuantMultiheadAttention(8, 2, batch_first=True, packed_in_proj=False)
     model = nn.Sequential(adapter.wrap_equalized(quant_linear(), 8, [1, -1]), attention)

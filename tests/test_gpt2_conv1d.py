@@ -17,8 +17,8 @@ from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from quark_brevitas import load_quantized, save_quantized  # noqa: E402
 from quark_brevitas.api import ModelQuantizer  # noqa: E402
+from quark_brevitas.backend.layers import QuantConv1D  # noqa: E402
 from quark_brevitas.config import Config, QuantizationConfig, QuantizationSpec  # noqa: E402
-from quark_brevitas.layers import QuantConv1D  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
 W8_CHANNEL = QuantizationSpec(qscheme=QSchemeType.per_channel)

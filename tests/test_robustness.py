@@ -385,7 +385,7 @@ def test_tied_weights_stay_tied_unless_an_algorithm_changes_them(preset: str, ti
     torch.manual_seed(0)
     model = TiedLM().eval()
     ids = [torch.randint(0, 32, (4, 8)) for _ in range(2)]
-    with caplog.at_level(logging.WARNING, logger="quark_brevitas.ties"):
+    with caplog.at_level(logging.WARNING, logger="quark_brevitas.algorithms.ties"):
         quantized = ModelQuantizer(get_preset(preset)).quantize_model(model, ids)
     assert (quantized.lm_head.weight is quantized.embed.weight) is tied
     assert torch.equal(quantized.embed.weight, model.embed.weight)  # the embedding is never changed behind its back

@@ -28,6 +28,7 @@ from brevitas.graph.base import ModuleToModuleByInstance
 from brevitas.graph.utils import set_module
 from torch import nn
 
+from quark_brevitas.backend.layers import QuantConv1D, QuantMultiheadAttention
 from quark_brevitas.brevitas_adapter import (
     HALF_DTYPES,
     EqualizedModule,
@@ -39,7 +40,6 @@ from quark_brevitas.brevitas_adapter import (
 )
 from quark_brevitas.config import Config, QuantizationConfig
 from quark_brevitas.errors import ConfigError, ModelError
-from quark_brevitas.layers import QuantConv1D, QuantMultiheadAttention
 from quark_brevitas.quantizers import build_quantizer
 from quark_brevitas.resolve import EXCLUDED, GLOBAL, Resolver
 from quark_brevitas.types import QSchemeType
@@ -378,7 +378,7 @@ class LayerwiseBackend:
                 if half:
                     kwargs = float32_quantizer_kwargs(kwargs)
                 new = ModuleToModuleByInstance(old, mapping.quant_class, **kwargs).init_new_module(old, name=row.name)
-                adopt_parameters(new, old)  # tied weights stay tied (quark_brevitas.ties)
+                adopt_parameters(new, old)  # tied weights stay tied (quark_brevitas.algorithms.ties)
                 if half:
                     keep_quantizers_float32(new)
                 if row.name == "":
