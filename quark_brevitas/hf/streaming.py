@@ -34,17 +34,25 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from quark_brevitas.blocks.disk import (
+    CheckpointBlocks,
+    FolderBlocks,
+    FolderWeights,
+    block_file,
+    materialise,
+    meta_parameters,
+    random_fill,
+)
 from quark_brevitas.blocks.engine import BlockwiseEngine
-from quark_brevitas.blocks.sources import BlockPlaceholder as _Placeholder
-from quark_brevitas.blocks.sources import BlockSource
-from quark_brevitas.blocks.sources import SoloLayer as _Solo
+from quark_brevitas.blocks.sources import BlockSource, SoloLayer
+from quark_brevitas.blocks.stack import detect_block_stack, outside_layers
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory
 from quark_brevitas.brevitas_adapter import barrier, current_shard, ignore_missing_keys, load_quant_model_mode
 from quark_brevitas.checkpoint import (
@@ -55,16 +63,11 @@ from quark_brevitas.checkpoint import (
     MANIFEST_FILE,
     WEIGHTS_INDEX_FILE,
     CheckpointError,
-    _check_state,
-    _check_structure,
-    _dtype_name,
-    _state_tensors,
-    _structure,
-    _versions,
-    checksums,
     read_checkpoint,
     read_safetensors,
 )
+from quark_brevitas.checkpoint.load import check_state, check_structure
+from quark_brevitas.checkpoint.manifest import dtype_name, library_versions, module_structure, state_tensors
 from quark_brevitas.config import Config
 from quark_brevitas.container import Container
 from quark_brevitas.data import BatchToInputs, CalibrationData, Shard
@@ -87,108 +90,6 @@ REST_FILE = "model-rest.safetensors"
 _STATE_FILE = "state.json"
 #: How a user starts an interrupted run over, in the Python API and on the command line.
 _RESTART_HINT = "pass resume=False (--no-resume on the command line)"
-
-
-def _block_file(index: int) -> str:
-    return f"model-block-{index:05d}.safetensors"
-
-
-# ===================================================================== reading a folder
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
-def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
-    """``(offset of the data, header)`` of a safetensors file: an 8-byte little-endian header length, then
-    the JSON header naming each tensor's dtype, shape and byte range."""
-    with open(path, "rb") as handle:
-        length = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(length))
-    header.pop("__metadata__", None)
-    return 8 + length, header
-
-
-class FolderWeights:
-    """The tensors of a Hugging Face model folder by name, read from its safetensors files on demand.
-
-    Tensors are read with plain file reads into fresh tensors rather than through a memory map of the file
-    (what ``safetensors.safe_open`` does): a map of a whole multi-gigabyte file counts toward the process's
-    memory limits and, once touched, its resident size; only the asked tensors should. Names are the
-    model's state-dict keys; a file saved from the base model (without ``base_model_prefix``) or with it
-    is read either way.
-    """
-
-    def __init__(self, folder: str | os.PathLike[str], base_model_prefix: str = "") -> None:
-        self.folder = Path(folder)
-        self.prefix = base_model_prefix
-        index = self.folder / "model.safetensors.index.json"
-        single = self.folder / "model.safetensors"
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-            files = sorted({self.folder / name for name in weight_map.values()})
-        elif single.is_file():
-            files = [single]
-        else:
-            raise CheckpointError(f"{self.folder} has no model.safetensors (or model.safetensors.index.json): "
-                                  "save the model with save_pretrained (safetensors is its default)")
-        self.entries: dict[str, tuple[Path, int, dict[str, Any]]] = {}
-        for path in files:
-            start, header = _safetensors_header(path)
-            for key, entry in header.items():
-                if entry["dtype"] not in _DTYPES:
-                    raise CheckpointError(f"{path}: tensor {key!r} has dtype {entry['dtype']}, which cannot be read")
-                self.entries[key] = (path, start, entry)
-
-    def key(self, name: str) -> str | None:
-        """The file's name for the model's tensor ``name`` (``None`` if the folder lacks it)."""
-        if name in self.entries:
-            return name
-        if self.prefix:
-            stripped = name[len(self.prefix) + 1:] if name.startswith(self.prefix + ".") else None
-            if stripped in self.entries:
-                return stripped
-            if f"{self.prefix}.{name}" in self.entries:
-                return f"{self.prefix}.{name}"
-        return None
-
-    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The tensors ``names`` (those the folder has), read into memory."""
-        tensors: dict[str, torch.Tensor] = {}
-        for name in names:
-            key = self.key(name)
-            if key is None:
-                continue
-            path, start, entry = self.entries[key]
-            begin, end = entry["data_offsets"]
-            raw = torch.empty(end - begin, dtype=torch.uint8)
-            with open(path, "rb") as handle:
-                handle.seek(start + begin)
-                if handle.readinto(raw.numpy()) != end - begin:
-                    raise CheckpointError(f"{path} is truncated (tensor {key!r})")
-            tensors[name] = raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-        return tensors
-
-
-def _materialise(module: nn.Module, prefix: str, weights: FolderWeights, skip: str | None = None) -> None:
-    """Give ``module``'s tensors their values from the folder (``prefix``: the module's name + ``.``);
-    parameters left on ``meta`` are reported by the caller. ``skip``: a submodule name left alone."""
-    state = module.state_dict(keep_vars=True)
-    wanted = [k for k in state if skip is None or not (k == skip or k.startswith(skip + "."))]
-    found = weights.read(prefix + k for k in wanted)
-    loaded = {}
-    for key in wanted:
-        tensor = found.get(prefix + key)
-        if tensor is None:
-            continue
-        current = state[key]
-        loaded[key] = tensor.to(current.dtype) if current.is_floating_point() else tensor
-    module.load_state_dict(loaded, strict=False, assign=True)
-
-
-def _meta_parameters(module: nn.Module, skip: str | None = None) -> list[str]:
-    return [name for name, tensor in (*module.named_parameters(), *module.named_buffers())
-            if tensor.is_meta and (skip is None or not name.startswith(skip + "."))]
 
 
 def load_skeleton(folder: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
@@ -217,35 +118,12 @@ def _tie(model: nn.Module, hf_config: Any) -> None:
 
 
 def _materialise_outside(model: nn.Module, stack: str, weights: FolderWeights, hf_config: Any) -> None:
-    _materialise(model, "", weights, skip=stack)
+    materialise(model, "", weights, skip=stack)
     _tie(model, hf_config)
-    missing = _meta_parameters(model, skip=stack)
+    missing = meta_parameters(model, skip=stack)
     if missing:
         raise CheckpointError(f"{weights.folder} lacks tensor {missing[0]!r} of {type(model).__name__}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-
-
-class _FolderBlocks(BlockSource):
-    """Blocks read from a float model folder just before they run; once finished, written out (if a writer
-    is given) and dropped."""
-
-    releases = True
-
-    def __init__(self, weights: FolderWeights, stack: str, writer: _Writer | None = None) -> None:
-        self.weights, self.stack, self.writer = weights, stack, writer
-
-    def load(self, index: int, current: nn.Module) -> nn.Module:
-        name = f"{self.stack}.{index}"
-        _materialise(current, name + ".", self.weights)
-        missing = _meta_parameters(current)
-        if missing:
-            raise CheckpointError(f"{self.weights.folder} lacks tensor {name}.{missing[0]}")
-        return current
-
-    def finish(self, index: int, block: nn.Module) -> nn.Module:
-        if self.writer is not None:
-            self.writer.block_done(index, block)
-        return _Placeholder()
 
 
 # ===================================================================== writing, block by block
@@ -256,10 +134,10 @@ def _record(module: nn.Module, name: str) -> tuple[dict[str, Any], dict[str, tor
     def full(key: str) -> str:
         return f"{name}.{key}" if key else name
 
-    tensors = {full(k): v for k, v in _state_tensors(module.state_dict()).items()}
+    tensors = {full(k): v for k, v in state_tensors(module.state_dict()).items()}
     record = {
-        "modules": {full(k): v for k, v in _structure(module).items()},
-        "tensors": {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in tensors.items()},
+        "modules": {full(k): v for k, v in module_structure(module).items()},
+        "tensors": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in tensors.items()},
         "frozen": [full(n) for n, p in module.named_parameters() if not p.requires_grad],
     }
     return record, tensors
@@ -315,7 +193,7 @@ class _Writer:
         """Why a finished block of the interrupted run cannot be reused (missing, or its bytes differ from
         those written, by the SHA-256 recorded then), or ``None`` if blocks ``0..done`` are intact."""
         for index in range(done + 1):
-            path = self.directory / _block_file(index)
+            path = self.directory / block_file(index)
             try:
                 recorded = json.loads((self.progress / f"block-{index:05d}.json").read_text()).get("sha256")
             except (OSError, ValueError, AttributeError):
@@ -342,7 +220,7 @@ class _Writer:
             from safetensors.torch import save_file
 
             record, tensors = _record(block, name)
-            path = _write_atomic(self.directory / _block_file(index),
+            path = _write_atomic(self.directory / block_file(index),
                                  lambda p: save_file(tensors, str(p), metadata={"format": FORMAT}))
             record["sha256"] = file_sha256(path)  # checked on resume and, through the manifest, on load
             _write_atomic(self.progress / f"block-{index:05d}.json", lambda p: p.write_text(json.dumps(record)))
@@ -363,10 +241,10 @@ class _Writer:
 
             inside = self.stack + "."
             rest_state = {k: v for k, v in model.state_dict().items() if not k.startswith(inside)}
-            rest = _state_tensors(rest_state)
+            rest = state_tensors(rest_state)
             _write_atomic(self.directory / REST_FILE, lambda p: save_file(rest, str(p), metadata={"format": FORMAT}))
-            modules = {k: v for k, v in _structure(model).items() if not k.startswith(inside)}
-            tensors = {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in rest.items()}
+            modules = {k: v for k, v in module_structure(model).items() if not k.startswith(inside)}
+            tensors = {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in rest.items()}
             frozen = [n for n, p in model.named_parameters() if not p.requires_grad and not n.startswith(inside)]
             weight_map = dict.fromkeys(rest, REST_FILE)
             digests = {REST_FILE: file_sha256(self.directory / REST_FILE)}
@@ -375,10 +253,10 @@ class _Writer:
                 modules.update(record["modules"])
                 tensors.update(record["tensors"])
                 frozen.extend(record["frozen"])
-                weight_map.update(dict.fromkeys(record["tensors"], _block_file(index)))
-                digests[_block_file(index)] = record["sha256"]
+                weight_map.update(dict.fromkeys(record["tensors"], block_file(index)))
+                digests[block_file(index)] = record["sha256"]
             manifest = {
-                "format": FORMAT, "format_version": FORMAT_VERSION, "versions": _versions(),
+                "format": FORMAT, "format_version": FORMAT_VERSION, "versions": library_versions(),
                 "model_class": type(model).__name__, "training": False, "modules": modules, "graph_code": {},
                 "tensors": tensors, "frozen_parameters": frozen, "example_input": None, "block_stack": self.stack,
                 CHECKSUMS_KEY: digests,
@@ -486,8 +364,8 @@ def quantize_pretrained(
     start = writer.start(resume)
     writer.on_block = on_block
     stores = _ProgressStores(writer, StoreFactory.for_offload(offload))
-    engine = BlockwiseEngine(pipeline, model, stack, plan.data, _FolderBlocks(weights, stack, writer), stores=stores,
-                             on_block=on_block)
+    engine = BlockwiseEngine(pipeline, model, stack, plan.data, FolderBlocks(weights, stack, writer.block_done),
+                             stores=stores, on_block=on_block)
     engine.on_captured = lambda digest: writer.check_inputs(digest, resumed=start > 0)
     count = len(engine.stack)
     hidden = ActivationStore.open(writer.inputs_dir(start)) if start > 0 and plan.data is not None else None
@@ -500,42 +378,8 @@ def quantize_pretrained(
     return output
 
 
-def _random_fill(module: nn.Module, seed: int) -> None:
-    """Finite placeholder values for a skeleton's parameters, overwritten by a checkpoint afterwards (the
-    structure phase initialises weight scales from them)."""
-    generator = torch.Generator().manual_seed(seed)
-    for name, parameter in list(module.named_parameters(recurse=True)):
-        if parameter.is_meta:
-            owner_name, _, attribute = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            value = torch.randn(parameter.shape, generator=generator) * 0.02
-            setattr(owner, attribute, nn.Parameter(value.to(parameter.dtype), requires_grad=parameter.requires_grad))
-
-
-class _CheckpointBlocks(BlockSource):
-    """The quantized blocks of a streamed checkpoint, each rebuilt (the pipeline's structure phase on the block)
-    and loaded just before it is needed; dropped after unless ``keep``."""
-
-    def __init__(self, pipeline: Pipeline, directory: Path, stack: str, saved: SavedStructure, keep: bool) -> None:
-        self.pipeline, self.directory, self.stack, self.saved, self.keep = pipeline, directory, stack, saved, keep
-        self.releases = not keep
-        self.checksums: dict[str, str] = checksums(directory)
-
-    def load(self, index: int, current: nn.Module) -> nn.Module:
-        name = f"{self.stack}.{index}"
-        _random_fill(current, index)
-        block = self.pipeline.rebuild_unit(current, name, restrict_structure(self.saved, name, name))
-        state = _read_file(self.directory / _block_file(index), name, self.checksums.get(_block_file(index)))
-        with ignore_missing_keys(), load_quant_model_mode(block):
-            block.load_state_dict(state, strict=True)
-        return block.eval()
-
-    def finish(self, index: int, block: nn.Module) -> nn.Module:
-        return block if self.keep else _Placeholder()
-
-
 def _quantized_skeleton(directory: str | os.PathLike[str], container: Container | None,
-                        keep: bool) -> tuple[nn.Module, str, _CheckpointBlocks, Any]:
+                        keep: bool) -> tuple[nn.Module, str, CheckpointBlocks, Any]:
     """A streamed checkpoint's model with everything but the blocks rebuilt and loaded, its block stack, the
     source of its quantized blocks and the checkpoint's description."""
     info = read_checkpoint(directory)
@@ -548,12 +392,12 @@ def _quantized_skeleton(directory: str | os.PathLike[str], container: Container 
     model = pipeline._run_algorithms("pre_quant_opt_config", model, None, data_driven=False)
     saved = SavedStructure(modules=dict(info.manifest["modules"]),
                            tensors={k: tuple(v["shape"]) for k, v in info.manifest["tensors"].items()})
-    _random_fill(model, -1, skip=stack)
+    random_fill(model, -1, skip=stack)
     _tie(model, hf_config)
-    for name in _outside_layers(pipeline, model, stack):
+    for name in outside_layers(pipeline, model, stack):
         parent_name, _, attribute = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        solo = _Solo(attribute, getattr(parent, attribute))
+        solo = SoloLayer(attribute, getattr(parent, attribute))
         solo = pipeline.rebuild_unit(solo, parent_name, restrict_structure(saved, name, parent_name))
         setattr(parent, attribute, getattr(solo, attribute))
     rest = read_safetensors(info.directory / REST_FILE, info.manifest.get(CHECKSUMS_KEY, {}).get(REST_FILE))
@@ -563,7 +407,7 @@ def _quantized_skeleton(directory: str | os.PathLike[str], container: Container 
         raise CheckpointError(f"{info.directory}: tensor {unexpected[0]!r} does not fit the rebuilt model")
     model.eval()
     setattr(model, CONFIG_ATTRIBUTE, info.config)
-    return model, stack, _CheckpointBlocks(pipeline, info.directory, stack, saved, keep), info
+    return model, stack, CheckpointBlocks(pipeline, info.directory, stack, saved, keep), info
 
 
 def load_pretrained_quantized(directory: str | os.PathLike[str], *, container: Container | None = None) -> nn.Module:
@@ -575,36 +419,12 @@ def load_pretrained_quantized(directory: str | os.PathLike[str], *, container: C
     for index in range(len(modules)):
         modules[index] = blocks.load(index, modules[index])
     prefix = f"checkpoint {str(info.directory)!r} does not fit its recorded model"
-    _check_structure(model, info.manifest, prefix)
+    check_structure(model, info.manifest, prefix)
     recorded = {k: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"]), device="meta")
                 for k, v in info.manifest["tensors"].items()}
-    _check_state(model, recorded, prefix)
+    check_state(model, recorded, prefix)
     logger.info("Loaded %s (%d blocks)", info.directory, len(modules))
     return model
-
-
-def _random_fill(module: nn.Module, seed: int, skip: str | None = None) -> None:
-    """Finite placeholder values for a skeleton's parameters still on ``meta`` (the structure phase
-    initialises weight scales from them), overwritten by the checkpoint's values afterwards."""
-    generator = torch.Generator().manual_seed(seed + 1)
-    for name, parameter in list(module.named_parameters()):
-        if not parameter.is_meta or (skip is not None and name.startswith(skip + ".")):
-            continue
-        owner_name, _, attribute = name.rpartition(".")
-        value = torch.randn(parameter.shape, generator=generator) * 0.02
-        setattr(module.get_submodule(owner_name), attribute,
-                nn.Parameter(value.to(parameter.dtype), requires_grad=parameter.requires_grad))
-
-
-def _outside_layers(pipeline: Pipeline, model: nn.Module, stack: str) -> list[str]:
-    rows = pipeline.backend.plan(model, pipeline.config, check_names=False)
-    return [row.name for row in rows if row.quantized and row.name and not row.name.startswith(stack + ".")]
-
-
-def _read_file(path: Path, name: str, checksum: str | None) -> dict[str, torch.Tensor]:
-    """A block's tensors from its file (checked against its recorded SHA-256), with the block's name taken off
-    the keys."""
-    return {key.removeprefix(name + "."): tensor for key, tensor in read_safetensors(path, checksum).items()}
 
 
 def evaluate_pretrained(
@@ -626,13 +446,11 @@ def evaluate_pretrained(
         model, stack, blocks, _ = _quantized_skeleton(source, container, keep=False)
     else:
         model, hf_config = load_skeleton(source)
-        from quark_brevitas.blocks.stack import detect_block_stack as find_block_stack
-
-        found = find_block_stack(model)
+        found = detect_block_stack(model)
         if found is None:
             raise ModelError(f"{type(model).__name__} has no block stack to stream")
         stack = found
         weights = FolderWeights(source, getattr(model, "base_model_prefix", ""))
         _materialise_outside(model, stack, weights, hf_config)
-        blocks = _FolderBlocks(weights, stack)
+        blocks = FolderBlocks(weights, stack)
     BlockwiseEngine(None, model, stack, data, blocks).evaluate(on_output)

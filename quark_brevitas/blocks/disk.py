@@ -1,0 +1,197 @@
+"""Block sources on disk, for models larger than memory: float blocks read from a Hugging Face safetensors
+folder just before they run (:class:`FolderBlocks`), and the quantized blocks of a streamed checkpoint rebuilt and
+loaded one at a time (:class:`CheckpointBlocks`). :mod:`quark_brevitas.hf.streaming` drives them through the
+block engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quark_brevitas.algorithms import SavedStructure
+from quark_brevitas.blocks.protocol import UnitRebuilder
+from quark_brevitas.blocks.sources import BlockPlaceholder, BlockSource
+from quark_brevitas.brevitas_adapter import ignore_missing_keys, load_quant_model_mode
+from quark_brevitas.checkpoint import CheckpointError, checksums, read_safetensors
+from quark_brevitas.pipeline import restrict_structure
+
+__all__ = ["SAFETENSORS_DTYPES", "CheckpointBlocks", "FolderBlocks", "FolderWeights", "block_file", "materialise",
+           "meta_parameters", "random_fill", "read_block_file", "safetensors_header"]
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def block_file(index: int) -> str:
+    return f"model-block-{index:05d}.safetensors"
+
+
+
+def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """``(offset of the data, header)`` of a safetensors file: an 8-byte little-endian header length, then
+    the JSON header naming each tensor's dtype, shape and byte range."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+class FolderWeights:
+    """The tensors of a Hugging Face model folder by name, read from its safetensors files on demand.
+
+    Tensors are read with plain file reads into fresh tensors rather than through a memory map of the file
+    (what ``safetensors.safe_open`` does): a map of a whole multi-gigabyte file counts toward the process's
+    memory limits and, once touched, its resident size; only the asked tensors should. Names are the
+    model's state-dict keys; a file saved from the base model (without ``base_model_prefix``) or with it
+    is read either way.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], base_model_prefix: str = "") -> None:
+        self.folder = Path(folder)
+        self.prefix = base_model_prefix
+        index = self.folder / "model.safetensors.index.json"
+        single = self.folder / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = sorted({self.folder / name for name in weight_map.values()})
+        elif single.is_file():
+            files = [single]
+        else:
+            raise CheckpointError(f"{self.folder} has no model.safetensors (or model.safetensors.index.json): "
+                                  "save the model with save_pretrained (safetensors is its default)")
+        self.entries: dict[str, tuple[Path, int, dict[str, Any]]] = {}
+        for path in files:
+            start, header = safetensors_header(path)
+            for key, entry in header.items():
+                if entry["dtype"] not in SAFETENSORS_DTYPES:
+                    raise CheckpointError(f"{path}: tensor {key!r} has dtype {entry['dtype']}, which cannot be read")
+                self.entries[key] = (path, start, entry)
+
+    def key(self, name: str) -> str | None:
+        """The file's name for the model's tensor ``name`` (``None`` if the folder lacks it)."""
+        if name in self.entries:
+            return name
+        if self.prefix:
+            stripped = name[len(self.prefix) + 1:] if name.startswith(self.prefix + ".") else None
+            if stripped in self.entries:
+                return stripped
+            if f"{self.prefix}.{name}" in self.entries:
+                return f"{self.prefix}.{name}"
+        return None
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` (those the folder has), read into memory."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name in names:
+            key = self.key(name)
+            if key is None:
+                continue
+            path, start, entry = self.entries[key]
+            begin, end = entry["data_offsets"]
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            with open(path, "rb") as handle:
+                handle.seek(start + begin)
+                if handle.readinto(raw.numpy()) != end - begin:
+                    raise CheckpointError(f"{path} is truncated (tensor {key!r})")
+            tensors[name] = raw.view(SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        return tensors
+
+
+def materialise(module: nn.Module, prefix: str, weights: FolderWeights, skip: str | None = None) -> None:
+    """Give ``module``'s tensors their values from the folder (``prefix``: the module's name + ``.``);
+    parameters left on ``meta`` are reported by the caller. ``skip``: a submodule name left alone."""
+    state = module.state_dict(keep_vars=True)
+    wanted = [k for k in state if skip is None or not (k == skip or k.startswith(skip + "."))]
+    found = weights.read(prefix + k for k in wanted)
+    loaded = {}
+    for key in wanted:
+        tensor = found.get(prefix + key)
+        if tensor is None:
+            continue
+        current = state[key]
+        loaded[key] = tensor.to(current.dtype) if current.is_floating_point() else tensor
+    module.load_state_dict(loaded, strict=False, assign=True)
+
+
+def meta_parameters(module: nn.Module, skip: str | None = None) -> list[str]:
+    return [name for name, tensor in (*module.named_parameters(), *module.named_buffers())
+            if tensor.is_meta and (skip is None or not name.startswith(skip + "."))]
+
+
+
+class FolderBlocks(BlockSource):
+    """Blocks read from a float model folder just before they run; once finished, handed to ``on_finish`` (the
+    streaming writer, if any) and dropped."""
+
+    releases = True
+
+    def __init__(self, weights: FolderWeights, stack: str,
+                 on_finish: Callable[[int, nn.Module], None] | None = None) -> None:
+        self.weights, self.stack, self.on_finish = weights, stack, on_finish
+
+    def load(self, index: int, current: nn.Module) -> nn.Module:
+        name = f"{self.stack}.{index}"
+        materialise(current, name + ".", self.weights)
+        missing = meta_parameters(current)
+        if missing:
+            raise CheckpointError(f"{self.weights.folder} lacks tensor {name}.{missing[0]}")
+        return current
+
+    def finish(self, index: int, block: nn.Module) -> nn.Module:
+        if self.on_finish is not None:
+            self.on_finish(index, block)
+        return BlockPlaceholder()
+
+
+
+def random_fill(module: nn.Module, seed: int, skip: str | None = None) -> None:
+    """Finite placeholder values for a skeleton's parameters still on ``meta`` (the structure phase
+    initialises weight scales from them), overwritten by the checkpoint's values afterwards."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, parameter in list(module.named_parameters()):
+        if not parameter.is_meta or (skip is not None and name.startswith(skip + ".")):
+            continue
+        owner_name, _, attribute = name.rpartition(".")
+        value = torch.randn(parameter.shape, generator=generator) * 0.02
+        setattr(module.get_submodule(owner_name), attribute,
+                nn.Parameter(value.to(parameter.dtype), requires_grad=parameter.requires_grad))
+
+
+
+def read_block_file(path: Path, name: str, checksum: str | None) -> dict[str, torch.Tensor]:
+    """A block's tensors from its file (checked against its recorded SHA-256), with the block's name taken off
+    the keys."""
+    return {key.removeprefix(name + "."): tensor for key, tensor in read_safetensors(path, checksum).items()}
+
+
+
+class CheckpointBlocks(BlockSource):
+    """The quantized blocks of a streamed checkpoint, each rebuilt (the pipeline's structure phase on the block)
+    and loaded just before it is needed; dropped after unless ``keep``."""
+
+    def __init__(self, rebuilder: UnitRebuilder, directory: Path, stack: str, saved: SavedStructure,
+                 keep: bool) -> None:
+        self.rebuilder, self.directory, self.stack, self.saved, self.keep = rebuilder, directory, stack, saved, keep
+        self.releases = not keep
+        self.checksums: dict[str, str] = checksums(directory)
+
+    def load(self, index: int, current: nn.Module) -> nn.Module:
+        name = f"{self.stack}.{index}"
+        random_fill(current, index)
+        block = self.rebuilder.rebuild_unit(current, name, restrict_structure(self.saved, name, name))
+        state = read_block_file(self.directory / block_file(index), name, self.checksums.get(block_file(index)))
+        with ignore_missing_keys(), load_quant_model_mode(block):
+            block.load_state_dict(state, strict=True)
+        return block.eval()
+
+    def finish(self, index: int, block: nn.Module) -> nn.Module:
+        return block if self.keep else BlockPlaceholder()

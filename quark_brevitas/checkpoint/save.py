@@ -1,0 +1,110 @@
+"""Writing a quantized model as a checkpoint folder (see :mod:`quark_brevitas.checkpoint`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from torch import nn
+
+from quark_brevitas.checkpoint.manifest import (
+    CHECKSUMS_KEY,
+    CONFIG_FILE,
+    EXAMPLE_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    CheckpointError,
+    ExampleInput,
+    dtype_name,
+    example_tensors,
+    graph_code,
+    huggingface_architecture,
+    library_versions,
+    model_dtype_name,
+    module_structure,
+    state_tensors,
+)
+from quark_brevitas.config import Config, verify_config
+from quark_brevitas.outputs import check_output_dir, file_sha256, output_dir
+from quark_brevitas.pipeline import CONFIG_ATTRIBUTE
+
+__all__ = ["save_quantized"]
+
+logger = logging.getLogger(__name__)
+
+
+def save_quantized(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    example_input: ExampleInput | None = None,
+    config: Config | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model`` (returned by ``ModelQuantizer.quantize_model``) as a checkpoint directory.
+
+    - ``example_input``: optional model input (a tensor, a tuple of positional tensors or a dict of
+      keyword tensors), stored so that ``quark-brevitas export`` can export the checkpoint without
+      being given an input.
+    - ``config``: only for models not produced by ``quantize_model`` (which carry their Config).
+
+    - ``overwrite``: also write into a folder that holds files quark_brevitas did not write (a Hugging Face
+      model folder, other work); without it such a folder is refused (:class:`~quark_brevitas.outputs.OutputError`).
+      Only the checkpoint's own files are replaced; the others stay.
+
+    Works in train and eval mode (the mode is restored on load, so QAT can be resumed). The checkpoint is
+    written into a temporary sibling folder and moved into place once complete (:mod:`quark_brevitas.outputs`),
+    so an interrupted save leaves the folder as it was; a checkpoint saved there before is replaced as a whole.
+    The manifest records each weight file's SHA-256, checked on load. Returns the directory.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = getattr(model, CONFIG_ATTRIBUTE, None)
+        if config is None:
+            raise CheckpointError(
+                f"{type(model).__name__} carries no quark_brevitas Config (it was not returned by "
+                "ModelQuantizer.quantize_model or load_quantized); pass config= to save_quantized"
+            )
+    verify_config(config)
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise CheckpointError(f"checkpoint directory {str(directory)!r} exists and is not a directory")
+    path = check_output_dir(directory, overwrite=overwrite)
+    tensors = state_tensors(model.state_dict())
+    example = example_tensors(example_input) if example_input is not None else None
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "versions": library_versions(),
+        "model_class": type(model).__name__,
+        "training": model.training,
+        "dtype": model_dtype_name(model),
+        "modules": module_structure(model),
+        "graph_code": graph_code(model),
+        "tensors": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in tensors.items()},
+        "frozen_parameters": [n for n, p in model.named_parameters() if not p.requires_grad],
+        "example_input": example[0] if example is not None else None,
+        "huggingface": huggingface_architecture(model),
+    }
+    from safetensors.torch import save_file
+
+    # The index of a sharded checkpoint would take precedence over model.safetensors, and a stale example
+    # input would be misleading: both go when the folder is replaced.
+    with output_dir(path, overwrite=overwrite, stale=(WEIGHTS_INDEX_FILE, EXAMPLE_FILE)) as work:
+        save_file(tensors, str(work / WEIGHTS_FILE), metadata={"format": FORMAT})
+        checksums = {WEIGHTS_FILE: file_sha256(work / WEIGHTS_FILE)}
+        if example is not None:
+            save_file(example[1], str(work / EXAMPLE_FILE), metadata={"format": FORMAT})
+            checksums[EXAMPLE_FILE] = file_sha256(work / EXAMPLE_FILE)
+        manifest[CHECKSUMS_KEY] = checksums
+        (work / CONFIG_FILE).write_text(config.to_json() + "\n")
+        (work / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+        size = (work / WEIGHTS_FILE).stat().st_size
+    logger.info("Saved checkpoint %s (%d tensors, %.1f KiB)", path, len(tensors), size / 1024)
+    return path
+
