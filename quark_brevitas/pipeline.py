@@ -72,8 +72,8 @@ def _enclosing_layer(module: str | None, rows: list[PlannedLayer]) -> str | None
 
 
 def _failing_layer(module: str | None) -> str:
-    """`` in module 'NAME'`` for the message, or nothing when the module is not known."""
-    return f" in module {module!r}" if module else ""
+    """``, in module 'NAME'`` for the message, or nothing when the module is not known."""
+    return f", in module {module!r}" if module else ""
 
 
 def _exclude_hint(module: str | None, rows: list[PlannedLayer]) -> str:
@@ -224,12 +224,17 @@ class Pipeline:
         (the unit's cached inputs; ``None`` when nothing needs data). Data-free pre-quantization steps ran
         on the whole model before. ``block``: whether ``unit`` is a block (algorithms that work on decoder
         layers skip the layers outside). Returns the unit (possibly a new module)."""
-        unit = self._run_algorithms("pre_quant_opt_config", unit, data, data_driven=True, log=logging.DEBUG,
-                                    unit=(name, block))
-        unit, rows = self._replace_unit_layers(unit, name)
-        if data is not None and _has_activation_specs(rows):
-            unit = self.container.calibrator()(unit, data)
-        return self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
+        try:
+            unit = self._run_algorithms("pre_quant_opt_config", unit, data, data_driven=True, log=logging.DEBUG,
+                                        unit=(name, block))
+            unit, rows = self._replace_unit_layers(unit, name)
+            if data is not None and _has_activation_specs(rows):
+                unit = self.container.calibrator()(unit, data)
+            return self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
+        except CalibrationDataError as exc:
+            if exc.module is not None and name:  # the unit's module names are relative to it: qualify them
+                exc.module = f"{name}.{exc.module}" if exc.module else name
+            raise
 
     def rebuild_unit(self, unit: nn.Module, name: str, saved: SavedStructure) -> nn.Module:
         """:meth:`quantize_unit`'s structure without data (for loading a checkpoint one part at a time):
@@ -292,8 +297,8 @@ class Pipeline:
         except CalibrationDataError as exc:
             if exc.batch_index is not None and not inplace and data.accepted_by(model, exc.batch_index):
                 raise ModelError(
-                    f"the model being quantized failed{_failing_layer(exc.module)} on calibration batch "
-                    f"{exc.batch_index}, which the float model accepts: a limitation of quantizing this model, not "
+                    f"the model being quantized failed on calibration batch {exc.batch_index}, which the float "
+                    f"model accepts{_failing_layer(exc.module)}: a limitation of quantizing this model, not "
                     f"a problem with the data ({exc.__cause__.__class__.__name__}: {exc.__cause__}). Keep "
                     f"{_exclude_hint(exc.module, self.plan(model))} in float or report it"
                 ) from exc.__cause__
