@@ -15,14 +15,23 @@ import onnx
 import pytest
 import torch
 from brevitas.graph.equalize import LayerwiseActivationEqualization
+from brevitas.nn import QuantLinear
 from onnx import numpy_helper
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig  # noqa: E402
+from quark_brevitas import (  # noqa: E402
+    DEFAULT_LAYER_MAP,
+    Config,
+    Container,
+    LayerMapping,
+    ModelQuantizer,
+    QLayerConfig,
+    QTensorConfig,
+)
 from quark_brevitas.brevitas_adapter import EqualizedModule, activation_equalization_mode  # noqa: E402
-from quark_brevitas.errors import ConfigError  # noqa: E402
+from quark_brevitas.errors import ConfigError, ModelError  # noqa: E402
 from quark_brevitas.export import export_onnx_qcdq, run_onnx  # noqa: E402
 from quark_brevitas.presets import get_preset  # noqa: E402
 
@@ -177,3 +186,23 @@ def test_minilm_bert_w8a8_from_padded_tokenizer_batches_exports_at_most_03x_of_f
     with torch.no_grad():
         ref = model(**example).last_hidden_state.numpy()
     assert _mean_cosine(run_onnx(report.path, example)[0], ref) > 0.95
+
+
+class _LongInputsFail(QuantLinear):
+    """A quantized Linear that cannot take more than 8 tokens (what the float layer takes: a library limit)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > 8:
+            raise RuntimeError("too many tokens for this quantized layer")
+        return super().forward(x)
+
+
+def test_a_layer_that_fails_once_quantized_is_named_by_its_full_name(tokenizer: object) -> None:
+    container = Container()
+    container.layer_map.override({**DEFAULT_LAYER_MAP, nn.Linear: LayerMapping(_LongInputsFail)})
+    calib = _padded_batches(tokenizer, SENTENCES[:8])  # 5 and 15 tokens: batch 1 fails
+    with pytest.raises(ModelError, match="calibration batch 1") as info:
+        ModelQuantizer(get_preset("bert_w8a8_dynamic"), container=container).quantize_model(_bert(tokenizer), calib)
+    # named with its full name although the data phase ran block by block (names relative to the block)
+    assert "in module 'encoder.layer.0.attention.self.query'" in str(info.value)
+    assert "exclude=['encoder.layer.0.attention.self.query']" in str(info.value)
