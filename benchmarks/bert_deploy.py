@@ -16,9 +16,10 @@ float PyTorch embeddings: mean and worst cosine, and nearest-neighbour agreement
 most similar other sentence is unchanged). Speed: median onnxruntime latency of a batch of 16 at 1 intra-op
 thread (files interleaved, see ``deployment.latencies``), and file size. One table is printed.
 
-A recipe is one :class:`Recipe` row: a name and a function returning the Config. Word embeddings of every
-recipe are int8 per tensor (``nn.Embedding`` mapped to Brevitas's ``QuantEmbedding`` through the container;
-the exporter gathers the int8 rows before dequantizing them), as ``quantize_dynamic`` quantizes its Gather.
+A recipe is one :class:`Recipe` row: a name and a function returning the Config. The ``bert_*`` rows are the
+presets exactly as shipped; they, and every other recipe, have int8 per-tensor embedding tables (the presets'
+``nn.Embedding`` entry; the exporter gathers the int8 rows before dequantizing them), as ``quantize_dynamic``
+quantizes its Gather.
 Accuracy is measured in sessions made by ``create_ort_session`` (the exporter's: 4-bit weight-only layers run
 as MatMulNBits in float32); latency in onnxruntime's default sessions (``deployment.latencies``), where such
 layers quantize their activations to int8 on the fly (faster, other numerics).
@@ -31,7 +32,6 @@ cosine >= 0.98, exported and verified.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import pathlib
@@ -60,10 +60,7 @@ from tables import format_table  # noqa: E402
 from torch import nn  # noqa: E402
 
 from quark_brevitas import (  # noqa: E402
-    DEFAULT_LAYER_MAP,
     Config,
-    Container,
-    LayerMapping,
     ModelQuantizer,
     QLayerConfig,
     QTensorConfig,
@@ -94,21 +91,15 @@ EMBEDDING_WEIGHT = QTensorConfig()  # int8 per tensor; embeddings quantize only 
 def _config(weight: QTensorConfig, inputs: QTensorConfig | None, *, pre: Sequence[algos.AlgorithmConfig] = (),
             post: Sequence[algos.AlgorithmConfig] = ()) -> Config:
     static = inputs is not None and not inputs.is_dynamic  # an int32 bias needs a fixed input scale
-    # Global: what every quantized layer gets unless its type says more, i.e. the embedding tables' weights only
-    # (per-token input specs are for Linear layers); the Linear layers' full spec is at their type's level.
+    # As the bert_* presets: the Linear layers and the embedding tables (weights only), each at its type's level.
     return Config(
-        QLayerConfig(weight=EMBEDDING_WEIGHT),
+        QLayerConfig(),
         layer_type_quant_config={nn.Linear: QLayerConfig(weight=weight, input_tensors=inputs,
-                                                         bias=BIAS32 if static else None)},
+                                                         bias=BIAS32 if static else None),
+                                 nn.Embedding: QLayerConfig(weight=EMBEDDING_WEIGHT)},
         pre_quant_opt_config=[algos.Preprocess(), *pre],
         algo_config=list(post),
     )
-
-
-def _preset(name: str) -> Config:
-    """A ``bert_*`` preset as shipped, plus this benchmark's int8 embedding tables (global level: the presets
-    quantize Linear layers at their type's level, so the Linear layers get exactly the preset)."""
-    return dataclasses.replace(get_preset(name), global_quant_config=QLayerConfig(weight=EMBEDDING_WEIGHT))
 
 
 @dataclass(frozen=True)
@@ -123,24 +114,15 @@ RECIPES: list[Recipe] = [
     Recipe("W8 per-channel, A8 int8 per-tensor", lambda: _config(W8, A8)),
     Recipe("W8 per-channel, A8 uint8 asymmetric", lambda: _config(W8, A8_UINT8)),
     Recipe("W8 per-channel MSE, A8 uint8 asymmetric", lambda: _config(W8_MSE, A8_UINT8)),
-    Recipe("bert_w8a8: W8 per-channel, A8 uint8 + ActivationEqualization", lambda: _preset("bert_w8a8")),
+    Recipe("bert_w8a8: W8 per-channel, A8 uint8 + ActivationEqualization", lambda: get_preset("bert_w8a8")),
     Recipe("W8 per-channel, A8 uint8 dynamic per-tensor", lambda: _config(W8, A8_UINT8_DYNAMIC)),
     Recipe("W8 per-channel, A8 int8 dynamic per-token", lambda: _config(W8, A8_DYNAMIC_TOKEN)),
-    Recipe("bert_w8a8_dynamic: W8 per-channel, A8 uint8 dynamic per-token", lambda: _preset("bert_w8a8_dynamic")),
+    Recipe("bert_w8a8_dynamic: W8 per-channel, A8 uint8 dynamic per-token", lambda: get_preset("bert_w8a8_dynamic")),
     Recipe("W4 per-channel MSE + GPTQ (weights only)", lambda: _config(W4_MSE, None, post=[algos.GPTQ()])),
     Recipe("W4 per-channel MSE + GPTQ, A8 uint8", lambda: _config(W4_MSE, A8_UINT8, post=[algos.GPTQ()])),
     Recipe("W4 per-group g128 + GPTQ (weights only)", lambda: _config(W4_G128, None, post=[algos.GPTQ()])),
-    Recipe("bert_w4_g32: W4 per-group g32 + GPTQ (weights only)", lambda: _preset("bert_w4_g32")),
+    Recipe("bert_w4_g32: W4 per-group g32 + GPTQ (weights only)", lambda: get_preset("bert_w4_g32")),
 ]
-
-
-def container() -> Container:
-    """The default layer map plus ``nn.Embedding`` -> Brevitas ``QuantEmbedding`` (weight-only)."""
-    from brevitas.nn import QuantEmbedding
-
-    box = Container()
-    box.layer_map.override({**DEFAULT_LAYER_MAP, nn.Embedding: LayerMapping(QuantEmbedding)})
-    return box
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -262,7 +244,7 @@ def onnxruntime_files(float_path: pathlib.Path, calibration: Sequence[dict[str, 
 def our_file(recipe: Recipe, model: nn.Module, calibration: Sequence[dict[str, torch.Tensor]],
              held_out: Sequence[dict[str, torch.Tensor]], reference: np.ndarray, out: pathlib.Path) -> Row:
     start = time.perf_counter()
-    quant = ModelQuantizer(recipe.config(), container=container()).quantize_model(model, calibration)
+    quant = ModelQuantizer(recipe.config()).quantize_model(model, calibration)
     torch_cosine = accuracy(torch_embeddings(quant, held_out), reference)[0]
     path = out / f"ours_{len(list(out.glob('ours_*')))}.onnx"
     report = export_onnx_qcdq(quant, calibration[0], path)

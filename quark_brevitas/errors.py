@@ -25,12 +25,15 @@ class ConfigError(QuarkBrevitasError):
 class CalibrationDataError(QuarkBrevitasError):
     """A calibration batch is malformed, non-finite, or rejected by the model.
 
-    ``batch_index`` is the index of the batch at fault when the model rejected one (else ``None``).
+    ``batch_index`` is the index of the batch at fault when the model rejected one (else ``None``);
+    ``module`` the qualified name of the innermost module whose forward raised, when known (``""``: the model
+    itself), so that the layer a quantized model cannot run can be named.
     """
 
-    def __init__(self, message: str, *, batch_index: int | None = None) -> None:
+    def __init__(self, message: str, *, batch_index: int | None = None, module: str | None = None) -> None:
         super().__init__(message)
         self.batch_index = batch_index
+        self.module = module
 
 
 class ModelError(QuarkBrevitasError):

@@ -54,6 +54,29 @@ __all__ = ["CONFIG_ATTRIBUTE", "DataPlan", "Pipeline", "SavedStructure", "restri
 CONFIG_ATTRIBUTE = "quark_brevitas_config"
 
 
+
+def _enclosing_layer(module: str | None, rows: list[PlannedLayer]) -> str | None:
+    """The quantized layer of the plan that contains module ``module`` of the model being quantized (its name
+    may go through wrappers the pipeline added, ``fc1.layer.input_quant``), or ``None``."""
+    if not module:
+        return None
+    names = [row.name for row in rows if row.quantized and row.name
+             and (module == row.name or module.startswith(row.name + "."))]
+    return max(names, key=len, default=None)
+
+
+def _failing_layer(module: str | None) -> str:
+    """``, in module 'NAME'`` for the message, or nothing when the module is not known."""
+    return f", in module {module!r}" if module else ""
+
+
+def _exclude_hint(module: str | None, rows: list[PlannedLayer]) -> str:
+    """What to keep in float: the enclosing quantized layer, named as ``Config.exclude`` takes it."""
+    layer = _enclosing_layer(module, rows)
+    if layer is None:
+        return "the layer involved (Config.exclude)"
+    return f"layer {layer!r} (Config(..., exclude=[{layer!r}]))"
+
 class DataPlan(NamedTuple):
     """What :meth:`Pipeline.prepare` found: the data the data phase reads (``None`` if no stage needs data),
     whether activations need calibration, whether any stage needs data."""
@@ -195,12 +218,17 @@ class Pipeline:
         (the unit's cached inputs; ``None`` when nothing needs data). Data-free pre-quantization steps ran
         on the whole model before. ``block``: whether ``unit`` is a block (algorithms that work on decoder
         layers skip the layers outside). Returns the unit (possibly a new module)."""
-        unit = self._run_algorithms("pre_quant_opt_config", unit, data, data_driven=True, log=logging.DEBUG,
-                                    unit=(name, block))
-        unit, rows = self._replace_unit_layers(unit, name)
-        if data is not None and _has_activation_specs(rows):
-            unit = self.container.calibrator()(unit, data)
-        return self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
+        try:
+            unit = self._run_algorithms("pre_quant_opt_config", unit, data, data_driven=True, log=logging.DEBUG,
+                                        unit=(name, block))
+            unit, rows = self._replace_unit_layers(unit, name)
+            if data is not None and _has_activation_specs(rows):
+                unit = self.container.calibrator()(unit, data)
+            return self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
+        except CalibrationDataError as exc:
+            if exc.module is not None and name:  # the unit's module names are relative to it: qualify them
+                exc.module = f"{name}.{exc.module}" if exc.module else name
+            raise
 
     def rebuild_unit(self, unit: nn.Module, name: str, saved: SavedStructure) -> nn.Module:
         """:meth:`quantize_unit`'s structure without data (for loading a checkpoint one part at a time):
@@ -258,9 +286,9 @@ class Pipeline:
             if exc.batch_index is not None and not inplace and data.accepted_by(model, exc.batch_index):
                 raise ModelError(
                     f"the model being quantized failed on calibration batch {exc.batch_index}, which the float "
-                    f"model accepts: a limitation of quantizing this model, not a problem with the data "
-                    f"({exc.__cause__.__class__.__name__}: {exc.__cause__}). Keep the layer involved in float "
-                    "(Config.exclude) or report it"
+                    f"model accepts{_failing_layer(exc.module)}: a limitation of quantizing this model, not "
+                    f"a problem with the data ({exc.__cause__.__class__.__name__}: {exc.__cause__}). Keep "
+                    f"{_exclude_hint(exc.module, self.plan(model))} in float or report it"
                 ) from exc.__cause__
             raise
         logger.info("Quantization done in %.1f s", time.perf_counter() - start)

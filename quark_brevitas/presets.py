@@ -4,7 +4,7 @@
 name to the function that builds it and ``DESCRIPTIONS`` gives one line per preset. ``w8a8`` is the
 command line's default. Every preset keeps the default pre-quantization step (``Preprocess``). The
 ``bert_*`` presets are recipes for transformer encoders (measured on all-MiniLM-L6-v2 by
-``benchmarks/bert_deploy.py``); they quantize Linear layers only.
+``benchmarks/bert_deploy.py``); they quantize the Linear layers and the embedding tables (weights only).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def _w4_weight_only() -> Config:
 
 
 # ---------------------------------------------------------------- transformer (BERT-style encoder) recipes
-# Only the Linear layers are quantized (their type's level, so a container that maps more layer types, e.g.
-# embeddings, decides those separately); Softmax, LayerNorm, GELU, the residual adds and attention's two score
+# Only the Linear layers and the embedding tables are quantized (at their types' levels, so other layer types a
+# container maps stay float); Softmax, LayerNorm, GELU, the residual adds and attention's two score
 # matmuls stay float: they are cheap, and onnxruntime has no integer kernel that fuses them. Activations are
 # asymmetric uint8: a BERT's Linear inputs are one-sided after GELU and carry outlier channels, where
 # symmetric int8 loses half its codes (measured on all-MiniLM-L6-v2: README, "Hugging Face transformers").
@@ -58,9 +58,15 @@ _W8_PER_CHANNEL = QTensorConfig(qscheme=QSchemeType.per_channel)
 _W4_G32 = QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32)
 
 
+# The embedding tables (word, position, token type) get int8 per-tensor weights: the word table is most of a small
+# encoder's file (all-MiniLM-L6-v2: 11.7M of its 22.7M parameters), and the QCDQ exporter gathers the int8 rows
+# before dequantizing them (one scale for the whole table is what lets it), as onnxruntime's quantize_dynamic does.
+_EMBEDDING = QLayerConfig(weight=_INT8)
+
+
 def _linear_only(layer: QLayerConfig, pre: list[algos.AlgorithmConfig] | None = None,
                  post: list[algos.AlgorithmConfig] | None = None) -> Config:
-    return Config(QLayerConfig(), layer_type_quant_config={nn.Linear: layer},
+    return Config(QLayerConfig(), layer_type_quant_config={nn.Linear: layer, nn.Embedding: _EMBEDDING},
                   pre_quant_opt_config=[algos.Preprocess(), *(pre or [])], algo_config=list(post or []))
 
 
@@ -100,12 +106,12 @@ DESCRIPTIONS: dict[str, str] = {
     "w4a8_gptq": "int4 per-channel weights rounded by GPTQ, int8 inputs, int32 bias",
     "w4_weight_only": "int4 per-channel weights with MSE scales; activations stay float",
     "fp8": "fp8 e4m3 per-tensor weights and inputs; bias stays float",
-    "bert_w8a8": "transformers: Linear layers only, int8 per-channel weights, uint8 asymmetric inputs, "
-                 "int32 bias, ActivationEqualization",
-    "bert_w8a8_dynamic": "transformers: Linear layers only, int8 per-channel weights, uint8 inputs with a scale "
-                         "per token computed at run time",
-    "bert_w4_g32": "transformers: Linear layers only, int4 weights per group of 32 rounded by GPTQ; activations "
-                   "stay float",
+    "bert_w8a8": "transformers: Linear layers and int8 embedding tables; int8 per-channel weights, uint8 "
+                 "asymmetric inputs, int32 bias, ActivationEqualization",
+    "bert_w8a8_dynamic": "transformers: Linear layers and int8 embedding tables; int8 per-channel weights, uint8 "
+                         "inputs with a scale per token computed at run time",
+    "bert_w4_g32": "transformers: Linear layers and int8 embedding tables; int4 weights per group of 32 rounded "
+                   "by GPTQ; activations stay float",
 }
 
 

@@ -238,6 +238,8 @@ class Resolver:
             levels.append((key_path("layer_quant_config", key), self.config.layer_quant_config[key]))
         if cls in self.type_levels:
             levels.append(self.type_levels[cls])
+        if not levels and getattr(self.layer_map.get(cls), "explicit_only", False):
+            return Resolution(None, {})  # quantized only where the config names it (LayerMapping.explicit_only)
         levels.append((GLOBAL, self.config.global_quant_config))
         specs: dict[str, Any] = {}
         sources: dict[str, str] = {}

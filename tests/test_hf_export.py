@@ -372,13 +372,17 @@ def test_bert_presets_quantize_linear_layers_only_and_export_verified(preset: st
     else:
         assert (linear.input_tensors.dtype, bool(linear.input_tensors.is_dynamic)) == (act_dtype, dynamic)
     assert [type(a) for a in [*config.pre_quant_opt_config[1:], *config.algo_config]] == extra
+    embedding = config.layer_type_quant_config["Embedding"]  # int8 tables, weight only
+    assert (embedding.weight.bit_width, embedding.weight.qscheme, embedding.input_tensors) == (
+        8, QSchemeType.per_tensor, None)
 
     model = _bert(tokenizer, "sdpa")
     calib = [_batch(tokenizer, SENTENCES[i:i + 4], 16) for i in range(0, 8, 4)]
     quant = ModelQuantizer(config).quantize_model(model, calib)
     kinds = {type(m).__name__ for m in quant.modules()}
-    assert "QuantLinear" in kinds and not any(k.startswith("Quant") and k != "QuantLinear" for k in kinds)
-    assert not any(type(m) is torch.nn.Linear for m in quant.modules())
+    assert {"QuantLinear", "QuantEmbedding"} <= kinds
+    assert not any(k.startswith("Quant") and k not in ("QuantLinear", "QuantEmbedding") for k in kinds)
+    assert not any(type(m) in (torch.nn.Linear, torch.nn.Embedding) for m in quant.modules())
     example = _batch(tokenizer, SENTENCES[:4])
     report = export_onnx_qcdq(quant, example, tmp_path / f"{preset}.onnx")  # raises unless verified
     with torch.no_grad():

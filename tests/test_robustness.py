@@ -292,6 +292,7 @@ def test_a_library_failure_on_good_data_is_a_model_error_not_a_data_error() -> N
     with pytest.raises(ModelError, match="failed on calibration batch 0, which the float model accepts") as info:
         ModelQuantizer(get_preset("w8a8"), container=container).quantize_model(model, [torch.randn(2, 4)])
     assert not isinstance(info.value, CalibrationDataError)
+    assert "in module '0'" in str(info.value) and "exclude=['0']" in str(info.value)  # names the layer at fault
     with pytest.raises(CalibrationDataError, match="calibration batch 0"):
         ModelQuantizer(get_preset("w8a8")).quantize_model(model, [torch.randn(2, 5)])  # the data's fault
 

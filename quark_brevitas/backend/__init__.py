@@ -3,8 +3,9 @@
 A *layer map* says, for each float layer class, which Brevitas class replaces it and how that
 class's quantizer keyword arguments are built from a resolved :class:`QuantizationConfig`. The
 default map covers ``Linear``, ``Conv1d``, ``Conv2d``, ``ConvTranspose1d``, ``ConvTranspose2d`` and
-``MultiheadAttention``, and Hugging Face's ``Conv1D`` (GPT-2) when transformers is installed; users add their
-own layer types through the dependency-injection container
+``MultiheadAttention``, ``Embedding`` (weight only, and only where the config names it: see
+:attr:`LayerMapping.explicit_only`) and Hugging Face's ``Conv1D`` (GPT-2) when transformers is installed; users
+add their own layer types through the dependency-injection container
 (:mod:`quark_brevitas.container`) without patching the library. Matching is on the exact class,
 as in Brevitas, so subclasses with different behaviour are not replaced by accident.
 
@@ -123,14 +124,38 @@ def transposed_conv_check(module: nn.Module, layer: QuantizationConfig) -> tuple
     )
 
 
+def embedding_kwargs(layer: QuantizationConfig) -> dict[str, Any]:
+    """Quantizer kwargs for QuantEmbedding: its table is its only quantized tensor (:func:`embedding_check`)."""
+    return {"weight_quant": build_quantizer(layer.weight, "weight"), "return_quant_tensor": False}
+
+
+def embedding_check(module: nn.Module, layer: QuantizationConfig) -> tuple[str, str] | None:
+    """An embedding looks rows up by integer index: it has no bias, and its input (indices) and output (rows of
+    the table) are not activations a quantizer would calibrate, so only a weight spec has a meaning."""
+    for role in ("input_tensors", "output_tensors", "bias"):
+        if getattr(layer, role) is not None:
+            return role, (f"an {type(module).__name__} quantizes only its weight table (integer indices in, table "
+                          f"rows out); give it a spec with weight only, or set {role} for Linear/convolution "
+                          "layers at their type's level instead of globally")
+    return None
+
+
 @dataclass(frozen=True)
 class LayerMapping:
     """How one float layer class is quantized: the replacing class, its kwargs builder and, optionally,
-    a check of each layer instance against its merged config (:data:`LayerCheck`), run by :meth:`plan`."""
+    a check of each layer instance against its merged config (:data:`LayerCheck`), run by :meth:`plan`.
+
+    ``explicit_only``: the layer is quantized only when the config names its type
+    (``layer_type_quant_config``) or the layer itself (``layer_quant_config``); the global level does not
+    reach it. Embedding tables are such a type: a global ``w8a8`` spec (weights *and* inputs) has no meaning
+    for a table looked up by index, and quantizing every embedding of every model would change what the
+    existing configs mean.
+    """
 
     quant_class: type[nn.Module]
     build_kwargs: KwargsBuilder = wbiol_kwargs
     check: LayerCheck | None = None
+    explicit_only: bool = False
 
 
 #: Layer classes of optional packages, as ``(module, class name) -> mapping``: added to DEFAULT_LAYER_MAP when the
@@ -189,6 +214,8 @@ DEFAULT_LAYER_MAP: MutableMapping[type[nn.Module], LayerMapping] = _LayerMap({
     nn.ConvTranspose1d: LayerMapping(qnn.QuantConvTranspose1d, check=transposed_conv_check),
     nn.ConvTranspose2d: LayerMapping(qnn.QuantConvTranspose2d, check=transposed_conv_check),
     nn.MultiheadAttention: LayerMapping(QuantMultiheadAttention, mha_kwargs),
+    # int8 tables: the QCDQ exporter gathers the integer rows before dequantizing them (transformer presets)
+    nn.Embedding: LayerMapping(qnn.QuantEmbedding, embedding_kwargs, check=embedding_check, explicit_only=True),
 }, OPTIONAL_LAYER_MAP)
 
 

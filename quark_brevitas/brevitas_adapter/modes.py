@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from brevitas import config as _brevitas_config
 from brevitas.graph import calibrate as _calibrate
 from torch import nn
@@ -110,10 +111,43 @@ def load_quant_model_mode(model: nn.Module) -> contextlib.AbstractContextManager
 
 
 def activation_equalization_mode(model: nn.Module, alpha: float) -> contextlib.AbstractContextManager[Any]:
-    """Brevitas's layerwise (SmoothQuant-style) activation equalization, with scale modules."""
+    """Brevitas's layerwise (SmoothQuant-style) activation equalization, with scale modules, collecting its
+    per-channel input ranges with :func:`token_reduced_equalization` (batches of different lengths)."""
     from brevitas.graph.equalize import activation_equalization_mode as mode
 
-    return mode(model, alpha=alpha, layerwise=True, add_mul_node=True)
+    context = mode(model, alpha=alpha, layerwise=True, add_mul_node=True)
+    context.graph_act_eq = token_reduced_equalization(model)
+    return context
+
+
+def token_reduced_equalization(model: nn.Module) -> Any:
+    """Brevitas's ``LayerwiseActivationEqualization`` whose range of each batch is reduced to one value per
+    channel before it is merged with the earlier batches.
+
+    Brevitas keeps the maximum over the batch dimension only, one value per (token, channel) for a Linear
+    layer's ``(batch, tokens, channels)`` input, and takes the element-wise maximum with the next batch: two
+    batches of different sequence lengths (a tokenizer's ``padding=True``) fail with a shape mismatch. Brevitas
+    reduces the tokens at the end anyway (the maximum per channel, ``_cross_layer_equalization``), so reducing
+    them per batch (``amax`` over every axis but the channel axis, kept as size 1 so the scale module's
+    broadcast shape is unchanged) gives the same ranges for equal lengths and accepts any lengths.
+    """
+    from brevitas.graph.equalize import LayerwiseActivationEqualization, _get_act_axis
+
+    class TokenReduced(LayerwiseActivationEqualization):
+        def forward_stats_hook(self, module: nn.Module, *args: Any, name: Any, **kwargs: Any) -> None:
+            previous = self.float_act_map.pop(name, None)
+            super().forward_stats_hook(module, *args, name=name, **kwargs)
+            current = self.float_act_map.get(name)
+            if current is None:  # Brevitas records None for inputs it skips (MultiheadAttention cross-attention)
+                return
+            axis = _get_act_axis(module)
+            if axis is not None and current.ndim > 1:
+                channel = axis % current.ndim
+                others = [d for d in range(current.ndim) if d != channel]
+                current = current.amax(dim=others, keepdim=True)
+            self.float_act_map[name] = current if previous is None else torch.maximum(previous, current)
+
+    return TokenReduced(model)
 
 
 def gptq_mode(model: nn.Module, *, act_order: bool) -> Any:
