@@ -39,6 +39,7 @@ import numpy as np
 from torch import nn
 from tqdm.auto import tqdm
 
+from quark_brevitas.analysis.knapsack import knapsack
 from quark_brevitas.analysis.measure import (
     DEFAULT_MAX_BATCHES,
     EvalFn,
@@ -264,61 +265,7 @@ def solve_assignment(measurements: CandidateMeasurements, *, budget_bits: float 
     docstring); ``forced`` fixes some layers' candidates (layer index -> candidate index). ``None`` if nothing fits.
     """
     costs, capacity = _budget_capacity(measurements, budget_bits, budget_bytes)
-    return _knapsack(costs, measurements.noise, capacity, forced or {}, resolution)
-
-
-def _knapsack(costs: np.ndarray, noise: np.ndarray, capacity: float, forced: Mapping[int, int],
-              resolution: int) -> list[int] | None:
-    """Costs are rounded to steps of ``capacity / resolution``; an optimum whose exact cost exceeds the capacity
-    (rounding) is solved again with the capacity lowered by the excess, so the result always fits exactly."""
-    if capacity <= 0:
-        return None
-    rows = np.arange(costs.shape[0])
-    limit = capacity
-    for _ in range(8):
-        assignment = _knapsack_steps(costs, noise, limit, capacity / resolution, forced)
-        if assignment is None:
-            return None
-        excess = float(costs[rows, assignment].sum()) - capacity
-        if excess <= 0:
-            return assignment
-        limit -= excess + capacity / resolution
-    return None
-
-
-def _knapsack_steps(costs: np.ndarray, noise: np.ndarray, limit: float, step: float,
-                    forced: Mapping[int, int]) -> list[int] | None:
-    layers, choices = costs.shape
-    slots = int(limit / step)
-    if slots < 0:
-        return None
-    units = np.rint(costs / step).astype(np.int64)
-    # Among choices of equal noise, the cheaper one (a tie-break far below any measured difference).
-    value = noise + costs * (1e-12 / max(float(costs.max()), 1.0))
-    best = np.full(slots + 1, np.inf)
-    best[0] = 0.0
-    picked = np.full((layers, slots + 1), -1, dtype=np.int32)
-    for i in range(layers):
-        new = np.full(slots + 1, np.inf)
-        for c in range(choices):
-            if (i in forced and forced[i] != c) or units[i, c] > slots:
-                continue
-            shift = units[i, c]
-            candidate = np.full(slots + 1, np.inf)
-            candidate[shift:] = best[:slots + 1 - shift] + value[i, c]
-            better = candidate < new
-            new[better] = candidate[better]
-            picked[i, better] = c
-        best = new
-    end = int(np.argmin(best))
-    if not np.isfinite(best[end]):
-        return None
-    assignment = [0] * layers
-    for i in range(layers - 1, -1, -1):
-        c = int(picked[i, end])
-        assignment[i] = c
-        end -= int(units[i, c])
-    return assignment
+    return knapsack(costs, measurements.noise, capacity, forced or {}, resolution)
 
 
 def frontier(measurements: CandidateMeasurements, *, bytes_budget: bool = False, points: int = 24) -> list[list[int]]:
@@ -328,7 +275,7 @@ def frontier(measurements: CandidateMeasurements, *, bytes_budget: bool = False,
     low, high = float(costs.min(axis=1).sum()), float(costs.max(axis=1).sum())
     found: list[list[int]] = []
     for capacity in np.linspace(low, high, points) * (1 + 1e-9) + 1.0:
-        assignment = _knapsack(costs, measurements.noise, float(capacity), {}, RESOLUTION)
+        assignment = knapsack(costs, measurements.noise, float(capacity), {}, RESOLUTION)
         if assignment is not None and assignment not in found:
             found.append(assignment)
     rows = np.arange(len(measurements.names))
