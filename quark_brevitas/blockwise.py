@@ -43,7 +43,7 @@ from torch import nn
 
 from quark_brevitas.activation_store import ActivationStore, detached
 from quark_brevitas.brevitas_adapter import StopFwdException
-from quark_brevitas.data import BlockInputs, CalibrationData, takes
+from quark_brevitas.data import CACHE_KEYWORDS, BlockInputs, CalibrationData, takes
 from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)
@@ -51,8 +51,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["BlockSource", "BlockwiseEngine", "CopiedBlocks", "StoreFactory", "UntilStopped", "copy_without_blocks",
            "find_block_stack", "main_output", "replayable", "resolve_block_stack"]
 
-#: Keyword inputs that carry a key/value cache: never cached (a block replayed on them would grow them).
-_CACHE_KEYWORDS = ("past_key_values", "past_key_value", "layer_past")
 #: Keyword names under which a block may take its hidden state when the model passes it by keyword.
 _HIDDEN_KEYWORDS = ("hidden_states", "hidden_state", "x", "src", "tgt")
 
@@ -275,9 +273,11 @@ def _is_kv_cache(value: Any) -> bool:
 
 def replayable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A module call's arguments as they can be cached and replayed: key/value caches dropped (Hugging Face
-    ``Cache`` objects wherever they are, and anything under a cache keyword; a block replayed on a cache would
-    append to it on every call and attend to the appended keys), ``use_cache`` off."""
-    kept = {key: None if key in _CACHE_KEYWORDS or _is_kv_cache(value) else value for key, value in kwargs.items()}
+    ``Cache`` objects wherever they are, and anything under a cache keyword of
+    :data:`~quark_brevitas.data.CACHE_KEYWORDS`, ``cache`` or ``past_key_values`` depending on the transformers
+    release; a block replayed on a cache would append to it on every call and attend to the appended keys),
+    ``use_cache`` off."""
+    kept = {key: None if key in CACHE_KEYWORDS or _is_kv_cache(value) else value for key, value in kwargs.items()}
     if "use_cache" in kept:
         kept["use_cache"] = False
     return tuple(None if _is_kv_cache(arg) else arg for arg in args), kept

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
 from quark_brevitas.activation_store import ActivationStore  # noqa: E402
-from quark_brevitas.blockwise import find_block_stack  # noqa: E402
+from quark_brevitas.blockwise import find_block_stack, replayable  # noqa: E402
 from quark_brevitas.checkpoint import load_quantized, save_quantized  # noqa: E402
 from quark_brevitas.errors import ModelError  # noqa: E402
 from quark_brevitas.intweights import integer_weights  # noqa: E402
@@ -236,3 +236,14 @@ def test_bad_block_names(llama, blocks, message) -> None:
 def test_blocks_true_without_a_stack() -> None:
     with pytest.raises(ModelError, match="no stack of repeated blocks"):
         ModelQuantizer(GPTQ_W4).quantize_model(nn.Sequential(nn.Linear(4, 4)), [torch.randn(2, 4)], blocks=True)
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values", "past_key_value", "layer_past"])
+def test_replayable_drops_a_cache_under_any_transformers_name(keyword: str) -> None:
+    """A legacy tuple cache is no Cache object: it is dropped by its keyword, which transformers 5.24 renamed to
+    ``cache`` (a block replayed on a cache would append to it on every call)."""
+    past = ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)),)
+    hidden = torch.ones(1, 3, 8)
+    args, kwargs = replayable((hidden,), {keyword: past, "use_cache": True, "attention_mask": None})
+    assert args[0] is hidden
+    assert kwargs == {keyword: None, "use_cache": False, "attention_mask": None}
