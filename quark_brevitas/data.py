@@ -51,8 +51,9 @@ from quark_brevitas.errors import CalibrationDataError, ModelError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ALLOWED_BATCHES", "BatchToInputs", "BlockInputs", "CalibrationData", "Shard", "model_device_dtype",
-           "prepare_batch", "run_batches", "split_batch", "takes"]
+__all__ = ["ALLOWED_BATCHES", "CACHE_KEYWORDS", "BatchToInputs", "BlockInputs", "CalibrationData", "Shard",
+           "cache_keyword", "model_device_dtype", "output_cache", "prepare_batch", "run_batches", "split_batch",
+           "takes"]
 
 ALLOWED_BATCHES = "a tensor, an (inputs, target) tuple/list, or a dict of keyword arguments"
 
@@ -67,6 +68,32 @@ def takes(model: nn.Module, keyword: str) -> bool:
         return keyword in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+#: The names transformers has given a forward's key/value cache argument (and its output field), newest first:
+#: ``cache`` (transformers 5.24 renamed ``past_key_values`` to it; the old name is a deprecated alias, absent from
+#: the signature), ``past_key_values`` (models before 5.24), ``past_key_value`` and ``layer_past`` (the attention
+#: layers and blocks of 4.x releases and of GPT-2-like families). Every check of "does this call carry a cache"
+#: goes through this one tuple, so that the next rename is one edit.
+CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def cache_keyword(model: nn.Module) -> str | None:
+    """The name under which ``model.forward`` takes its key/value cache (the first of :data:`CACHE_KEYWORDS` in its
+    signature: ``cache`` on transformers >= 5.24, ``past_key_values`` before), or ``None`` if it takes none.
+
+    The signature, not the installed transformers version, decides: a model's code (remote code, a fork) may
+    follow either naming whatever transformers is installed."""
+    return next((name for name in CACHE_KEYWORDS if takes(model, name)), None)
+
+
+def output_cache(output: Any) -> Any:
+    """The key/value cache a model call returned (its ``cache`` field on transformers >= 5.24, ``past_key_values``
+    before), or ``None``. Read by key, not through the deprecated ``past_key_values`` alias, which logs a warning."""
+    if not isinstance(output, Mapping):
+        return None
+    present = set(output.keys())  # not ``name in output``: transformers maps the old names there, with a warning
+    return next((output[name] for name in CACHE_KEYWORDS if name in present), None)
 
 
 def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:

@@ -11,6 +11,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
+from quark_brevitas.blocks.capture import replayable  # noqa: E402
 from quark_brevitas.blocks.stack import detect_block_stack, find_block_stack  # noqa: E402
 from quark_brevitas.blocks.store import ActivationStore  # noqa: E402
 from quark_brevitas.checkpoint import load_quantized, save_quantized  # noqa: E402
@@ -252,3 +253,14 @@ def test_one_stack_finder_for_the_pipeline_and_the_algorithms() -> None:
                                                          num_attention_heads=2, intermediate_size=32))
     assert find_block_stack(one) == model_structure(one, want_scaling=False).decoder_layers == "encoder.layer"
     assert detect_block_stack(one) is None  # one block: the pipeline keeps the whole-model path
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values", "past_key_value", "layer_past"])
+def test_replayable_drops_a_cache_under_any_transformers_name(keyword: str) -> None:
+    """A legacy tuple cache is no Cache object: it is dropped by its keyword, which transformers 5.24 renamed to
+    ``cache`` (a block replayed on a cache would append to it on every call)."""
+    past = ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)),)
+    hidden = torch.ones(1, 3, 8)
+    args, kwargs = replayable((hidden,), {keyword: past, "use_cache": True, "attention_mask": None})
+    assert args[0] is hidden
+    assert kwargs == {keyword: None, "use_cache": False, "attention_mask": None}

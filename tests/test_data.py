@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
-from quark_brevitas.data import prepare_batch, run_batches
+from quark_brevitas.data import cache_keyword, output_cache, prepare_batch, run_batches
 from quark_brevitas.errors import CalibrationDataError
 
 W8A8 = Config(global_quant_config=QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig()),
@@ -87,3 +87,38 @@ def test_model_and_input_type_errors() -> None:
         ModelQuantizer(W8A8).quantize_model("model", [torch.ones(1)])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no floating-point parameters"):
         ModelQuantizer(W8A8).quantize_model(nn.ReLU(), [torch.ones(1)])
+
+
+class _Decoder(nn.Module):
+    """Stands for a decoder LM: only its forward's signature matters here."""
+
+    def forward(self, input_ids: torch.Tensor, cache: object = None, past_key_values: object = None,
+                use_cache: bool = False) -> torch.Tensor:
+        return input_ids
+
+
+class _OldDecoder(nn.Module):
+    def forward(self, input_ids: torch.Tensor, past_key_values: object = None) -> torch.Tensor:
+        return input_ids
+
+
+class _OldBlock(nn.Module):
+    def forward(self, hidden_states: torch.Tensor, layer_past: object = None) -> torch.Tensor:
+        return hidden_states
+
+
+def test_cache_keyword_is_read_from_the_signature_newest_name_first() -> None:
+    """transformers 5.24 renamed past_key_values to cache (the old name is only a deprecated alias, absent from the
+    signature): the name a model takes decides, the new one first when a forward lists both."""
+    assert cache_keyword(_Decoder()) == "cache"
+    assert cache_keyword(_OldDecoder()) == "past_key_values"
+    assert cache_keyword(_OldBlock()) == "layer_past"
+    assert cache_keyword(nn.Linear(2, 2)) is None
+
+
+def test_output_cache_reads_either_output_field() -> None:
+    new, old = object(), object()
+    assert output_cache({"logits": torch.zeros(1), "cache": new}) is new
+    assert output_cache({"logits": torch.zeros(1), "past_key_values": old}) is old
+    assert output_cache({"logits": torch.zeros(1)}) is None
+    assert output_cache((torch.zeros(1), old)) is None

@@ -27,7 +27,7 @@ from quark_brevitas.export import (  # noqa: E402
     run_onnx,
     verify_onnx,
 )
-from quark_brevitas.export.args import KeywordInputs  # noqa: E402
+from quark_brevitas.export.args import KeywordInputs, normalize_example, with_attention_mask  # noqa: E402
 from quark_brevitas.export.pinned import check_pinned  # noqa: E402
 from quark_brevitas.export.runtime import run_model_proto  # noqa: E402
 from quark_brevitas.export.verify import compute_reference, exported_module  # noqa: E402
@@ -155,6 +155,39 @@ def test_decoder_lm_exports_without_cache(tmp_path: pathlib.Path, build: object)
     longer = torch.randint(0, 50, (2, 14), generator=torch.Generator().manual_seed(1))
     logits = run_onnx(report.path, {"input_ids": longer, "attention_mask": torch.ones_like(longer)})[0]
     assert logits.shape == (2, 14, 50)
+
+
+@pytest.mark.slow
+def test_llama_exported_from_input_ids_alone_gets_an_attention_mask_input(tmp_path: pathlib.Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Without a mask, transformers 5.x builds Llama's causal mask with aten::diff (no ONNX op at opset 14) and the
+    export failed, blaming int8: the export adds the all-ones mask the model assumes, as a graph input."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+    quant = ModelQuantizer(_w8a8()).quantize_model(_llama(), [{"input_ids": ids}])
+    with caplog.at_level("INFO", logger="quark_brevitas.export.args"):
+        report = export_onnx_qcdq(quant, {"input_ids": ids}, tmp_path / "llama.onnx")
+    assert report.input_names == ("input_ids", "attention_mask")
+    assert "adding an all-ones attention_mask [2, 6]" in caplog.text
+    longer = torch.randint(0, 50, (3, 9), generator=torch.Generator().manual_seed(1))
+    onnx_logits = run_onnx(report.path, {"input_ids": longer, "attention_mask": torch.ones_like(longer)})[0]
+    with torch.no_grad():
+        unmasked = quant(input_ids=longer, use_cache=False).logits  # the model as called without a mask
+    np.testing.assert_allclose(onnx_logits, unmasked.numpy(), atol=report.tolerance)
+    assert verify_onnx(quant, {"input_ids": longer}, report.path).max_abs_diff <= report.tolerance
+
+
+def test_attention_mask_is_added_only_where_it_means_no_mask() -> None:
+    llama = _llama()
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    added = with_attention_mask(llama, normalize_example({"input_ids": ids}))
+    assert added.names == ("input_ids", "attention_mask") and added.tensors[1].tolist() == [[1] * 5] * 2
+    packed = normalize_example({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 0, 1, 2]] * 2)})
+    assert with_attention_mask(llama, packed) is packed  # position_ids without a mask: packed sequences
+    positional = normalize_example((ids,))
+    assert with_attention_mask(llama, positional) is positional
+    no_mask_arg = normalize_example({"input": torch.zeros(2, 4)})
+    assert with_attention_mask(torch.nn.Linear(4, 4), no_mask_arg) is no_mask_arg
 
 
 def test_failed_conversion_prints_no_torch_ir(tmp_path: pathlib.Path, capfd: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig  # noqa: E402
+from quark_brevitas.data import cache_keyword, output_cache  # noqa: E402
 from quark_brevitas.export import ExportError, export_onnx_qcdq, run_onnx, verify_onnx  # noqa: E402
 from quark_brevitas.export.args import normalize_example  # noqa: E402
 from quark_brevitas.export.kv import TOTAL, export_module, with_past  # noqa: E402
@@ -105,8 +106,8 @@ def _decode_torch(model: torch.nn.Module, prompt: torch.Tensor, mask: torch.Tens
     ids, cache = prompt, None
     with torch.no_grad():
         for _ in range(steps + 1):
-            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_keyword(model): cache})
+            cache = output_cache(out)
             logits.append(out.logits.numpy())
             nxt = out.logits[:, -1].argmax(-1)
             tokens.append(nxt.tolist())
@@ -179,7 +180,7 @@ def test_user_given_past_exports_and_verify_onnx_takes_it(tmp_path: pathlib.Path
     ids = _tokens((2, 8), 0)
     quant = ModelQuantizer(_w8a8()).quantize_model(model, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
     with torch.no_grad():
-        past = quant(input_ids=ids[:, :4], use_cache=True).past_key_values
+        past = output_cache(quant(input_ids=ids[:, :4], use_cache=True))
     example = {"input_ids": ids[:, 4:], "attention_mask": torch.ones_like(ids)}
     for i, layer in enumerate(past.layers):
         example[f"past_key_values.{i}.value"] = layer.values  # values before keys: reordered in the graph
@@ -189,7 +190,7 @@ def test_user_given_past_exports_and_verify_onnx_takes_it(tmp_path: pathlib.Path
                                       "past_key_values.0.value")
     other = _tokens((3, 9), 5)  # an independent check on another batch: PyTorch on a past of 7 tokens
     with torch.no_grad():
-        other_past = quant(input_ids=other[:, :7], use_cache=True).past_key_values
+        other_past = output_cache(quant(input_ids=other[:, :7], use_cache=True))
     feed = {"input_ids": other[:, 7:], "attention_mask": torch.ones_like(other)}
     for i, layer in enumerate(other_past.layers):
         feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = layer.keys, layer.values
@@ -207,7 +208,7 @@ def test_encoder_asking_for_past_key_values_gets_a_clear_error(tmp_path: pathlib
         export_onnx_qcdq(bert, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / "b.onnx",
                          past_key_values=True)
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    with pytest.raises(ExportError, match="Sequential.forward takes no past_key_values / use_cache"):
+    with pytest.raises(ExportError, match="Sequential.forward takes no cache / past_key_values / use_cache"):
         export_onnx_qcdq(mlp, torch.randn(1, 4), tmp_path / "m.onnx", past_key_values=True)
     assert not list(tmp_path.iterdir())
 
@@ -223,3 +224,46 @@ def test_examples_a_cached_export_cannot_use(kv_export: tuple[torch.nn.Module, o
     with pytest.raises(ExportError, match=r"missing: past_key_values\.1\.key"):
         export_onnx_qcdq(model, {"input_ids": ids, "past_key_values.0.key": torch.zeros(2, 2, 1, 16),
                                  "past_key_values.0.value": torch.zeros(2, 2, 1, 16)}, tmp_path / "half.onnx")
+
+
+class _Renamed(torch.nn.Module):
+    """A decoder whose forward names its cache ``name`` and returns it under that key, whatever the installed
+    transformers calls it: ``cache`` (transformers >= 5.24) or ``past_key_values`` (earlier releases and remote
+    code written for them)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def _call(self, name: str, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: object,
+              use_cache: bool | None) -> dict[str, object]:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache,
+                         **{cache_keyword(self.model): cache})
+        return {"logits": out.logits, name: output_cache(out)}
+
+
+class _NewNaming(_Renamed):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: object = None,
+                use_cache: bool | None = None) -> dict[str, object]:
+        return self._call("cache", input_ids, attention_mask, cache, use_cache)
+
+
+class _OldNaming(_Renamed):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values: object = None, use_cache: bool | None = None) -> dict[str, object]:
+        return self._call("past_key_values", input_ids, attention_mask, past_key_values, use_cache)
+
+
+@pytest.mark.parametrize("naming", [_NewNaming, _OldNaming], ids=["cache", "past_key_values"])
+def test_cached_export_follows_the_models_cache_argument_name(naming: type[_Renamed], tmp_path: pathlib.Path) -> None:
+    """transformers 5.24 renamed forward's past_key_values to cache (and the output field with it): the export finds
+    the name in the model's signature, so decoders of either naming export, whatever transformers is installed."""
+    torch.manual_seed(0)
+    model = naming(_llama())
+    assert cache_keyword(model) == ("cache" if naming is _NewNaming else "past_key_values")
+    prompt = _tokens((2, 6), 1)
+    report = export_onnx_qcdq(model, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)},
+                              tmp_path / "renamed.onnx", past_key_values=True)
+    assert report.input_names[2:] == tuple(f"past_key_values.{i}.{k}" for i in range(LAYERS) for k in ("key", "value"))
+    assert report.output_names == ("logits", *(f"present.{i}.{k}" for i in range(LAYERS) for k in ("key", "value")))
+    assert report.max_abs_diff <= 1e-4

@@ -17,14 +17,12 @@ from torch import nn
 
 from quark_brevitas.blocks.store import ActivationStore, detached
 from quark_brevitas.brevitas_adapter import StopFwdException
-from quark_brevitas.data import BlockInputs, CalibrationData, takes
+from quark_brevitas.data import CACHE_KEYWORDS, BlockInputs, CalibrationData, takes
 from quark_brevitas.errors import ModelError
 
 __all__ = ["BlockCapture", "CallRecorder", "Clock", "CountingRunner", "Replay", "UntilStopped", "blocks_are_chained",
            "capture_block_inputs", "first_batch_output", "main_output", "replayable"]
 
-#: Keyword inputs that carry a key/value cache: never cached (a block replayed on them would grow them).
-_CACHE_KEYWORDS = ("past_key_values", "past_key_value", "layer_past")
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -88,9 +86,11 @@ def _is_kv_cache(value: Any) -> bool:
 
 def replayable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     """A module call's arguments as they can be cached and replayed: key/value caches dropped (Hugging Face
-    ``Cache`` objects wherever they are, and anything under a cache keyword; a block replayed on a cache would
-    append to it on every call and attend to the appended keys), ``use_cache`` off."""
-    kept = {key: None if key in _CACHE_KEYWORDS or _is_kv_cache(value) else value for key, value in kwargs.items()}
+    ``Cache`` objects wherever they are, and anything under a cache keyword of
+    :data:`~quark_brevitas.data.CACHE_KEYWORDS`, ``cache`` or ``past_key_values`` depending on the transformers
+    release; a block replayed on a cache would append to it on every call and attend to the appended keys),
+    ``use_cache`` off."""
+    kept = {key: None if key in CACHE_KEYWORDS or _is_kv_cache(value) else value for key, value in kwargs.items()}
     if "use_cache" in kept:
         kept["use_cache"] = False
     return tuple(None if _is_kv_cache(arg) else arg for arg in args), kept

@@ -10,6 +10,7 @@ place, so that every entry point rejects a wrong argument with the same
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import re
@@ -24,6 +25,8 @@ from torch import nn
 
 from quark_brevitas.data import takes
 from quark_brevitas.export.errors import ExportArgumentError
+
+logger = logging.getLogger(__name__)
 
 TensorArgs: TypeAlias = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 PathLike: TypeAlias = str | os.PathLike[str]
@@ -126,6 +129,31 @@ def normalize_example(args: object) -> Example:
         return Example(tuple(v for _, v in items), tuple(k for k, _ in items), keyword=True, past=(past + 1) // 2)
     tensors = normalize_args(args)
     return Example(tensors, input_names(len(tensors)))
+
+
+def with_attention_mask(model: nn.Module, example: Example) -> Example:
+    """``example`` with an all-ones ``attention_mask`` (the shape of ``input_ids``, right after it in graph order)
+    when ``model.forward`` takes one and the keyword example has ``input_ids`` but no mask; else ``example``.
+
+    Why: without a mask, transformers builds the causal mask along a path the TorchScript exporter cannot write (5.x
+    looks for packed sequences with ``aten::diff``, no ONNX op at opset 14), and a deployed decoder is fed a mask
+    anyway. An all-ones mask means what a missing one means (every token is real), except where the model reads
+    sequence boundaries from ``position_ids`` given without a mask (packed sequences): such examples, and examples
+    with a past (whose mask must also cover the past tokens), are left as they are."""
+    if not example.keyword or example.past or "attention_mask" in example.names or "position_ids" in example.names:
+        return example
+    if "input_ids" not in example.names or not takes(model, "attention_mask"):
+        return example
+    at = example.names.index("input_ids")
+    ids = example.tensors[at]
+    if ids.ndim != 2:
+        return example
+    logger.info("export: %s.forward takes attention_mask and the example has none: adding an all-ones "
+                "attention_mask %s as a graph input (give one in the example to choose it)",
+                type_name(model), list(ids.shape))
+    mask = torch.ones_like(ids, dtype=torch.int64)
+    return Example((*example.tensors[:at + 1], mask, *example.tensors[at + 1:]),
+                   (*example.names[:at + 1], "attention_mask", *example.names[at + 1:]), keyword=True)
 
 
 class KeywordInputs(nn.Module):

@@ -29,16 +29,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas.data import takes
+from quark_brevitas.data import CACHE_KEYWORDS, cache_keyword, output_cache, takes
 from quark_brevitas.export.args import Example, KeywordInputs, past_name, past_names, type_name
 from quark_brevitas.export.errors import ExportError
 
 logger = logging.getLogger(__name__)
 
 #: What :func:`with_past` accepts, for error messages.
-ALLOWED = ("past_key_values=True exports decoder language models whose forward takes past_key_values and use_cache "
-           "and returns a transformers DynamicCache (GPT-2, OPT, Llama, Mistral, Qwen2, ... *ForCausalLM or their "
-           "base models)")
+ALLOWED = ("past_key_values=True exports decoder language models whose forward takes a key/value cache (cache, "
+           "or past_key_values before transformers 5.24) and use_cache and returns a transformers DynamicCache "
+           "(GPT-2, OPT, Llama, Mistral, Qwen2, ... *ForCausalLM or their base models)")
 
 #: The symbolic dimension of past + current tokens (``attention_mask``, ``present.*``).
 TOTAL = "past_sequence + sequence"
@@ -53,6 +53,9 @@ class CachedDecoder(nn.Module):
         self.model = model
         self.names = tuple(names)
         self.layers = layers
+        #: The cache argument's name in this model's forward (``cache`` or ``past_key_values``, see
+        #: :func:`~quark_brevitas.data.cache_keyword`); :func:`with_past` has checked that there is one.
+        self.cache_keyword = cache_keyword(model) or "past_key_values"
 
     def forward(self, *args: torch.Tensor) -> dict[str, torch.Tensor]:
         from transformers import DynamicCache
@@ -61,9 +64,9 @@ class CachedDecoder(nn.Module):
         past = args[n:]
         cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(self.layers)],
                              config=getattr(self.model, "config", None))
-        out = self.model(**dict(zip(self.names, args[:n])), past_key_values=cache, use_cache=True)
-        result = {key: value for key, value in out.items() if key != "past_key_values" and value is not None}
-        for i, (key, value) in enumerate(cache_tensors(self.model, out.get("past_key_values"))):
+        out = self.model(**dict(zip(self.names, args[:n])), **{self.cache_keyword: cache}, use_cache=True)
+        result = {key: value for key, value in out.items() if key not in CACHE_KEYWORDS and value is not None}
+        for i, (key, value) in enumerate(cache_tensors(self.model, output_cache(out))):
             result[f"present.{i}.key"] = key
             result[f"present.{i}.value"] = value
         return result
@@ -91,7 +94,8 @@ def cache_tensors(model: nn.Module, cache: Any) -> list[tuple[torch.Tensor, torc
 
 
 def _require_decoder(model: nn.Module) -> None:
-    missing = [k for k in ("past_key_values", "use_cache") if not takes(model, k)]
+    missing = [] if cache_keyword(model) else ["cache / past_key_values"]
+    missing += [] if takes(model, "use_cache") else ["use_cache"]
     if missing:
         raise ExportError(f"{type_name(model)}.forward takes no {' / '.join(missing)}: it is not a decoder with a "
                           f"cache. {ALLOWED}.")
@@ -125,7 +129,7 @@ def with_past(model: nn.Module, example: Example) -> Example:
     first = {k: v[:, :split] if k in aligned else v for k, v in inputs.items()}
     with torch.no_grad():
         out = model(**first, use_cache=True)
-    pairs = cache_tensors(model, out.get("past_key_values") if hasattr(out, "get") else None)
+    pairs = cache_tensors(model, output_cache(out))
     current = {k: v[:, split:] if k in aligned and k != "attention_mask" else v for k, v in inputs.items()}
     logger.info("exporting with past key/values: a past of %d token(s) made by running the model on the prompt's "
                 "first tokens, %d current token(s), %d layers", split, length - split, len(pairs))

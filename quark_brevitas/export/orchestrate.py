@@ -37,6 +37,7 @@ from quark_brevitas.export.args import (
     check_model,
     check_path,
     normalize_example,
+    with_attention_mask,
 )
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
 from quark_brevitas.export.kv import export_module, with_past
@@ -156,8 +157,7 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
 
     with eval_mode(model):
         fmt.inspect(model)
-        if past_key_values or inputs.past:
-            inputs = with_past(model, inputs)
+        inputs = with_past(model, inputs) if past_key_values or inputs.past else with_attention_mask(model, inputs)
         called = export_module(model, inputs)
         reference = compute_reference(called, inputs.tensors)
         fmt.prepare(model)

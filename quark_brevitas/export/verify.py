@@ -25,7 +25,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from quark_brevitas.brevitas_adapter import float8_dtype, is_float_quantizer, quantizer_kind
-from quark_brevitas.export.args import PathLike, TensorArgs, check_model, normalize_example, type_name
+from quark_brevitas.export.args import (
+    PathLike,
+    TensorArgs,
+    check_model,
+    normalize_example,
+    type_name,
+    with_attention_mask,
+)
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
 from quark_brevitas.export.inspect import as_int, safe_call
 from quark_brevitas.export.kv import export_module, with_past
@@ -355,6 +362,14 @@ def validate_tolerance(tolerance: float | None) -> float | None:
     return float(tolerance)
 
 
+def _graph_inputs(path: pathlib.Path) -> list[str]:
+    """The input names of the ONNX file ``path`` (none if there is no such file: running it reports that), read
+    without its external weight data."""
+    if not path.is_file():
+        return []
+    return [i.name for i in onnx.load(str(path), load_external_data=False).graph.input]
+
+
 def verify_onnx(
     model: nn.Module, args: TensorArgs, path: PathLike, *, tolerance: float | None = None
 ) -> VerificationResult:
@@ -371,6 +386,8 @@ def verify_onnx(
     with eval_mode(model):
         if example.past:
             example = with_past(model, example)
+        elif "attention_mask" in _graph_inputs(file):  # the export added one (with_attention_mask): do the same
+            example = with_attention_mask(model, example)
         called = export_module(model, example)
         reference = compute_reference(called, example.tensors)
         result = measure(reference, run_onnx(file, example.tensors), file, tol)
