@@ -203,3 +203,47 @@ print(json.dumps({"torch": "torch" in sys.modules, "brevitas": "brevitas" in sys
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"torch": False, "brevitas": False, "algos": ["SmoothQuantConfig", "GPTQConfig"]}
+
+
+# ===================================================================== quark-brevitas plan --template
+def test_plan_shows_what_the_template_chose(capsys: pytest.CaptureFixture[str]) -> None:
+    from quark_brevitas.cli import main
+
+    assert main(["plan", "--template", "opt", "--scheme", "uint4_wo_64", "--algorithm", "smoothquant",
+                 "--algorithm", "gptq"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "template opt, scheme uint4_wo_64 (uint4 weights, asymmetric, groups of 64), exclude lm_head"
+    assert lines[1] == "  weight: int4 per_group g64 asym stats" and lines[2] == "  input_tensors: float"
+    assert lines[3] == "algorithms, in the order they run:"
+    assert lines[4].startswith("  1. SmoothQuantConfig(") and lines[5].startswith("  2. GPTQConfig(")
+    assert "group_size=64" in lines[5] and "static_groups=True" in lines[5]
+    assert "    final_layer_norm -> fc1" in lines
+
+
+def test_plan_of_a_model_folder_with_a_template(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    from quark_brevitas.cli import main
+
+    transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path), "--template", "llama", "--scheme", "int4_wo_32",
+                 "--algorithm", "awq"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (f"LlamaForCausalLM plan ({tmp_path}; template llama, scheme int4_wo_32 (int4 "
+                                   "weights, symmetric, groups of 32), exclude lm_head; pre-quant: -; algorithms: "
+                                   "AWQConfig)")
+    assert "  decoder layers: model.layers (2 blocks, inferred)" in out
+    assert "not used: self_attn.v_proj -> self_attn.o_proj (grouped-query attention" in out
+
+
+def test_plan_template_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from quark_brevitas.cli import main
+
+    assert main(["plan", "--template", "llama", "--scheme", "nvfp4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --template llama: scheme: 'nvfp4' is Quark's but cannot be executed here")
+    assert main(["plan", "--template", "llama"]) == 2
+    assert "--template needs --scheme; supported: int4_wo_32" in capsys.readouterr().err
+    assert main(["plan", "--scheme", "int8"]) == 2
+    assert "give --template too" in capsys.readouterr().err
