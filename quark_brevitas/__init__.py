@@ -36,6 +36,7 @@ _PUBLIC: dict[str, str] = {
     "ConfigError": "errors",
     "Container": "container",
     "IntegerWeight": "intweights",
+    "LLMTemplate": "config",
     "LayerMapping": "backend",
     "LayerwiseBackend": "backend",
     "ModelError": "errors",

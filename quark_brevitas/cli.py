@@ -171,6 +171,12 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", metavar="DIR", default=None,
                       help="a Hugging Face model folder: its plan, built without reading the weights (default "
                            "config: the one 'quantize --model' uses)")
+    template = plan.add_argument_group("a Quark 0.13 LLMTemplate instead of --config / --preset")
+    template.add_argument("--template", metavar="MODEL_TYPE", default=None,
+                          help="the template's model type (llama, mistral, qwen2, opt, gpt2, bert)")
+    template.add_argument("--scheme", default=None, help="the template's scheme (e.g. int4_wo_128, int8, fp8, mxfp4)")
+    template.add_argument("--algorithm", metavar="NAME", action="append", default=None,
+                          help="an algorithm (awq, gptq, smoothquant); repeat it for several, applied in that order")
     plan.set_defaults(func=_cmd_plan)
 
     presets = sub.add_parser("presets", parents=[verbosity], help="list the presets")
@@ -541,7 +547,9 @@ def _plan_model(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "config.json").is_file():
         raise CLIError(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
     config, source = default_llm_config(), "default (int4 per-group 128 + GPTQ)"
-    if args.config is not None or args.preset is not None:
+    if args.template is not None:
+        config, source = _template_config(args)
+    elif args.config is not None or args.preset is not None:
         config, source = _resolve_config(args)
     skeleton, _ = load_skeleton(args.model)
     try:
@@ -561,12 +569,53 @@ def _plan_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _template_config(args: argparse.Namespace) -> tuple[Config, str]:
+    """``plan --template T --scheme S [--algorithm A ...]``: the Config Quark 0.13's ``LLMTemplate.get(T)
+    .get_config(scheme=S, algorithm=[A, ...])`` gives, and a label saying what the template chose."""
+    from quark_brevitas.config import LLMTemplate
+
+    if args.config is not None or args.preset is not None:
+        raise CLIError("--template builds the config; leave out --config and --preset")
+    if args.scheme is None:
+        raise CLIError(f"--template needs --scheme; supported: {', '.join(LLMTemplate.get_supported_schemes())}")
+    try:
+        template = LLMTemplate.get(args.template)
+        config = template.get_config(scheme=args.scheme, algorithm=args.algorithm)
+    except ConfigError as exc:
+        raise CLIError(f"--template {args.template}: {exc}") from exc
+    chosen = LLMTemplate.get_scheme(args.scheme)
+    return config, (f"template {args.template}, scheme {args.scheme} ({chosen.description}), exclude "
+                    f"{', '.join(config.exclude) or '-'}")
+
+
+def _print_template(config: Config, source: str, model_type: str) -> int:
+    """Without a model: what the template chose, spec by spec and algorithm by algorithm, in order."""
+    from quark_brevitas.config import LLMTemplate
+
+    print(source)
+    for role in ("weight", "input_tensors"):
+        spec = getattr(config.global_quant_config, role)
+        print(f"  {role}: {spec.short() if spec is not None else 'float'}")
+    for pattern, layer in config.layer_quant_config.items():
+        print(f"  {pattern}: weight {layer.weight.short() if layer.weight else 'float'}")
+    steps = [*config.pre_quant_opt_config, *config.algo_config]
+    print("algorithms, in the order they run:" if steps else "algorithms: -")
+    for index, algo in enumerate(steps, 1):
+        print(f"  {index}. {algo}")
+    print("\n".join(LLMTemplate.get(model_type).describe()))
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from quark_brevitas.algorithms import describe_algorithms
     from quark_brevitas.backend import plan_table
 
     if args.model is not None:
         return _plan_model(args)
+    if args.template is not None:
+        return _print_template(*_template_config(args), args.template)
+    if args.scheme is not None or args.algorithm is not None:
+        raise CLIError("--scheme and --algorithm are the template's; give --template too")
     config, source = _resolve_config(args)
     rows = _plan_digits(config, args)
     pre = ", ".join(type(a).__name__ for a in config.pre_quant_opt_config) or "-"

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from quark_brevitas.blocks.protocol import UnitQuantizer
+from quark_brevitas.config.families import BLOCK_STACK_PATHS
 from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)
@@ -22,12 +23,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["BLOCK_STACK_PATHS", "detect_block_stack", "find_block_stack", "is_hugging_face", "outside_layers",
            "resolve_block_stack", "stack_blocks"]
 
-#: Where model families keep their blocks (attribute paths from the model, or from a wrapper around it): Llama,
-#: Mistral, Qwen2 ``model.layers``, OPT ``model.decoder.layers``, GPT-2 ``transformer.h``, BERT ``encoder.layer``.
-#: A model that is not a Hugging Face model has its stack found only at one of these paths (any ModuleList of
-#: one class could be anything there); a Hugging Face model's one stack is found wherever it is.
-BLOCK_STACK_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "encoder.layer", "decoder.layers",
-                     "layers", "h")
+# Where model families keep their blocks (Llama, Mistral, Qwen2 ``model.layers``, OPT ``model.decoder.layers``, GPT-2
+# ``transformer.h``, BERT ``encoder.layer``, then generic spellings): the family table of the config package, so
+# that the LLM templates and this finder read one table. A model that is not a Hugging Face model has its stack
+# found only at one of these paths (any ModuleList of one class could be anything there); a Hugging Face
+# model's one stack is found wherever it is.
 
 
 def is_hugging_face(model: nn.Module) -> bool:

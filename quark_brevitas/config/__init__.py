@@ -19,7 +19,9 @@ second (``Config.from_file(path)`` verifies it). Its modules, from the bottom up
 - :mod:`.algorithms`: the algorithm configs; ``quark_brevitas.algos``;
 - :mod:`.checks`: every check that needs neither the model nor Brevitas, naming the field at fault;
 - :mod:`.model_config`: ``Config``, its files and :func:`verify_config`;
-- :mod:`.schema`: the JSON Schema of config files (``python -m quark_brevitas.config.schema``).
+- :mod:`.schema`: the JSON Schema of config files (``python -m quark_brevitas.config.schema``);
+- :mod:`.families`: the model families' layers (decoder paths, scaling groups, exclusions), one table;
+- :mod:`.template`: Quark 0.13's ``LLMTemplate`` (a family's Config from a scheme and algorithm names).
 
 Files carry ``format_version`` (:data:`FORMAT_VERSION`) as their first key; files without it are the
 first format, which this release still reads. Checks that need the model (does a layer name exist? what
@@ -65,6 +67,7 @@ from quark_brevitas.config.specs import (
     describe,
     resolve_dtype,
 )
+from quark_brevitas.config.template import LLMTemplate
 from quark_brevitas.errors import ConfigError
 
 __all__ = [
@@ -83,6 +86,7 @@ __all__ = [
     "ConfigError",
     "Dtype",
     "GPTQConfig",
+    "LLMTemplate",
     "LayerName",
     "LayerTypeName",
     "ParamType",

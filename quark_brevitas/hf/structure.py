@@ -5,7 +5,8 @@ Quark's LLM algorithms (SmoothQuant, AWQ, GPTQ) name the parts of a transformer 
 output feeds ``layers``, so per-channel scales can be folded from one into the other) and ``embedding_layers``.
 Users of Quark write these by hand per model family; here they are inferred from the module structure for the
 common families (Llama, Mistral, Qwen2 and their relatives, OPT, GPT-2, BERT) and explicit values override the
-inference. No transformers import is needed: the module names and shapes say everything.
+inference. No transformers import is needed: the module names and shapes say everything. The families' groups are
+the family table of :mod:`quark_brevitas.config.families` (which the LLM templates read too).
 
 A scaling group is proposed only where folding is exact, i.e. the quantized model computes the same function:
 
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from quark_brevitas.blocks.stack import find_block_stack, stack_blocks
+from quark_brevitas.config.families import CONDITIONS, scaling_candidates
 from quark_brevitas.errors import ConfigError
 
 __all__ = [
@@ -177,31 +179,29 @@ _POST_NORM = "post-norm block: the norm's output also feeds the residual connect
 _NOT_HOMOGENEOUS = "the activation between them is not positively homogeneous (e.g. GELU, SiLU), a scale cannot pass it"
 _GQA = "grouped-query attention: v_proj is narrower than o_proj's input"
 
-#: The families' scaling groups: (prev_op, layers, module2inspect, why it is not exact in a block, or None).
-_CANDIDATES: tuple[tuple[str, tuple[str, ...], str | None, Any], ...] = (
-    # Llama, Mistral, Qwen2 (pre-norm RMSNorm, gated MLP)
-    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn", None),
-    ("self_attn.v_proj", ("self_attn.o_proj",), None, None),
-    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp", None),
-    ("mlp.up_proj", ("mlp.down_proj",), None, None),
-    # OPT (pre-norm unless do_layer_norm_before=False; ReLU MLP)
-    ("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn",
-     lambda block: None if _pre_norm(block) else _POST_NORM),
-    ("self_attn.v_proj", ("self_attn.out_proj",), None, None),
-    ("final_layer_norm", ("fc1",), None, lambda block: None if _pre_norm(block) else _POST_NORM),
-    ("fc1", ("fc2",), None,
-     lambda block: None if _positively_homogeneous(getattr(block, "activation_fn", None)) else _NOT_HOMOGENEOUS),
-    # GPT-2 (pre-norm LayerNorm, fused q/k/v Conv1D, GELU MLP)
-    ("ln_1", ("attn.c_attn",), "attn", None),
-    ("ln_2", ("mlp.c_fc",), "mlp", None),
-    ("mlp.c_fc", ("mlp.c_proj",), None,
-     lambda block: None if _positively_homogeneous(getattr(block.get_submodule("mlp"), "act", None))
-     else _NOT_HOMOGENEOUS),
-    # BERT (post-norm: only the value/output pair is exact)
-    ("attention.self.value", ("attention.output.dense",), None, None),
-    ("attention.output.LayerNorm", ("intermediate.dense",), None, lambda block: _POST_NORM),
-    ("intermediate.dense", ("output.dense",), None, lambda block: _NOT_HOMOGENEOUS),
-)
+def _activation_at(block: nn.Module, path: str) -> Any:
+    """The attribute at the dotted ``path`` from ``block`` (an activation module or function), or ``None``."""
+    value: Any = block
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def _condition_problem(block: nn.Module, condition: str | None) -> str | None:
+    """Why a family's scaling group is not exact in ``block`` under the table's ``condition`` (``None``: exact so
+    far; the shapes are checked next). The conditions are named in :mod:`quark_brevitas.config.families`."""
+    if condition is None:
+        return None
+    if condition == "pre_norm":
+        return None if _pre_norm(block) else _POST_NORM
+    if condition == "post_norm":
+        return _POST_NORM
+    if condition == "not_homogeneous":
+        return _NOT_HOMOGENEOUS
+    if condition.startswith("homogeneous:"):
+        activation = _activation_at(block, condition.removeprefix("homogeneous:"))
+        return None if _positively_homogeneous(activation) else _NOT_HOMOGENEOUS
+    raise ValueError(f"unknown scaling condition {condition!r} in the family table; known: {list(CONDITIONS)}")
 
 
 def _shape_problem(block: nn.Module, prev_op: str, layers: Iterable[str]) -> str | None:
@@ -229,14 +229,15 @@ def infer_scaling_layers(block: nn.Module) -> tuple[tuple[ScalingGroup, ...], tu
     names = {name for name, _ in block.named_modules()}
     groups: list[ScalingGroup] = []
     skipped: list[SkippedGroup] = []
-    for prev_op, layers, inspect, problem in _CANDIDATES:
+    for candidate in scaling_candidates():
+        prev_op, layers = candidate.prev_op, candidate.layers
         if not _has(names, (prev_op, *layers)):
             continue
-        reason = (problem(block) if problem is not None else None) or _shape_problem(block, prev_op, layers)
+        reason = _condition_problem(block, candidate.condition) or _shape_problem(block, prev_op, layers)
         if reason is None:
-            groups.append(ScalingGroup(prev_op, layers, layers[0], inspect))
+            groups.append(ScalingGroup(prev_op, layers, layers[0], candidate.module2inspect))
         else:
-            skipped.append(SkippedGroup(f"{prev_op} -> {', '.join(layers)}", reason))
+            skipped.append(SkippedGroup(str(candidate), reason))
     return tuple(groups), tuple(skipped)
 
 

@@ -1,0 +1,127 @@
+"""The transformer families the project knows, as plain data: one row per family.
+
+Three readers need the same facts about a family and must not disagree: the structure inference
+(:mod:`quark_brevitas.hf.structure`: which scaling groups a decoder layer has), the block-stack finder
+(:mod:`quark_brevitas.blocks.stack`: where the repeated blocks live) and the LLM templates
+(:mod:`quark_brevitas.config.template`: what to exclude, which layers hold the KV cache). They need torch to
+look at a model; this table does not, so it lives in the config package (importable without torch) and the
+two torch modules import it from here.
+
+A scaling group (:class:`ScalingCandidate`) is a family's *natural* group; whether it is exact in one model
+is decided by the inference, which reads ``condition`` (a name, not code, so that the table stays data):
+
+- ``None``: exact whenever the shapes match;
+- ``"pre_norm"``: exact only in a pre-norm block (OPT's ``do_layer_norm_before``);
+- ``"post_norm"``: never exact (the norm's output also feeds the residual connection);
+- ``"homogeneous:<attr>"``: exact only if the activation at ``<attr>`` (a dotted attribute path from the
+  block) is positively homogeneous (ReLU);
+- ``"not_homogeneous"``: never exact (a GELU sits between the two layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "BLOCK_STACK_PATHS",
+    "CONDITIONS",
+    "FAMILIES",
+    "Family",
+    "ScalingCandidate",
+    "scaling_candidates",
+]
+
+#: The condition names a :class:`ScalingCandidate` may carry (``homogeneous:`` takes an attribute path).
+CONDITIONS = ("pre_norm", "post_norm", "homogeneous:", "not_homogeneous")
+
+
+@dataclass(frozen=True)
+class ScalingCandidate:
+    """One natural scaling group of a family: ``prev_op``'s output channels scale the input channels of
+    ``layers`` (names relative to a block); AWQ measures ``module2inspect`` (``None``: the layers)."""
+
+    prev_op: str
+    layers: tuple[str, ...]
+    module2inspect: str | None = None
+    condition: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.prev_op} -> {', '.join(self.layers)}"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the project knows of one model family.
+
+    - ``decoder_layers``: where the family's usual Hugging Face class keeps its blocks (the block-stack
+      finder tries these paths first for models that are not Hugging Face models).
+    - ``exclude``: the layers Quark's templates keep in float (the output head).
+    - ``kv_layers`` / ``q_layers``: the patterns of the key/value and query projections (Quark's template
+      fields ``kv_layers_name`` and ``q_layer_name``).
+    - ``gate_up_layers``: the gate and up projections of a gated MLP (``gate_up_layers_name``).
+    - ``scaling``: the natural scaling groups of a block.
+    """
+
+    name: str
+    decoder_layers: str
+    exclude: tuple[str, ...]
+    kv_layers: tuple[str, ...]
+    q_layers: tuple[str, ...]
+    gate_up_layers: tuple[str, ...]
+    scaling: tuple[ScalingCandidate, ...]
+
+
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
+#: Llama, Mistral, Qwen2: pre-norm RMSNorm, gated MLP.
+_LLAMA_SCALING = (
+    ScalingCandidate("input_layernorm", _QKV, "self_attn"),
+    ScalingCandidate("self_attn.v_proj", ("self_attn.o_proj",)),
+    ScalingCandidate("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    ScalingCandidate("mlp.up_proj", ("mlp.down_proj",)),
+)
+#: OPT: pre-norm unless ``do_layer_norm_before=False`` (OPT-350m), ReLU MLP.
+_OPT_SCALING = (
+    ScalingCandidate("self_attn_layer_norm", _QKV, "self_attn", "pre_norm"),
+    ScalingCandidate("self_attn.v_proj", ("self_attn.out_proj",)),
+    ScalingCandidate("final_layer_norm", ("fc1",), None, "pre_norm"),
+    ScalingCandidate("fc1", ("fc2",), None, "homogeneous:activation_fn"),
+)
+#: GPT-2: pre-norm LayerNorm, fused q/k/v Conv1D, GELU MLP.
+_GPT2_SCALING = (
+    ScalingCandidate("ln_1", ("attn.c_attn",), "attn"),
+    ScalingCandidate("ln_2", ("mlp.c_fc",), "mlp"),
+    ScalingCandidate("mlp.c_fc", ("mlp.c_proj",), None, "homogeneous:mlp.act"),
+)
+#: BERT: post-norm, so only the value/output pair is exact.
+_BERT_SCALING = (
+    ScalingCandidate("attention.self.value", ("attention.output.dense",)),
+    ScalingCandidate("attention.output.LayerNorm", ("intermediate.dense",), None, "post_norm"),
+    ScalingCandidate("intermediate.dense", ("output.dense",), None, "not_homogeneous"),
+)
+
+_HEAD = ("lm_head",)
+_KV = ("*k_proj", "*v_proj")
+_GATE_UP = ("gate_proj", "up_proj")
+
+#: The families, by Hugging Face ``model_type`` (what ``LLMTemplate.get`` takes), in inference order.
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING),
+    "mistral": Family("mistral", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING),
+    "qwen2": Family("qwen2", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING),
+    "opt": Family("opt", "model.decoder.layers", _HEAD, _KV, ("*q_proj",), (), _OPT_SCALING),
+    "gpt2": Family("gpt2", "transformer.h", _HEAD, ("*c_attn",), ("*c_attn",), (), _GPT2_SCALING),
+    "bert": Family("bert", "encoder.layer", (), ("*attention.self.key", "*attention.self.value"),
+                   ("*attention.self.query",), (), _BERT_SCALING),
+}
+
+#: Where model families keep their blocks, then generic spellings of a stack (``decoder.layers``, ``layers``,
+#: ``h``): the paths the block-stack finder tries, in order, for a model that is not a Hugging Face model.
+BLOCK_STACK_PATHS: tuple[str, ...] = tuple(dict.fromkeys(
+    [family.decoder_layers for family in FAMILIES.values()] + ["decoder.layers", "layers", "h"]))
+
+
+def scaling_candidates() -> tuple[ScalingCandidate, ...]:
+    """Every family's scaling groups, each once, in table order (the inference tries them all: a block has
+    the module names of one family only)."""
+    return tuple(dict.fromkeys(candidate for family in FAMILIES.values() for candidate in family.scaling))
