@@ -24,6 +24,7 @@ EXTRAS: dict[str, str] = {
     "tokenizers": "hf",
     "matplotlib": "plot",
     "qonnx": "qonnx",
+    "gguf": "gguf",
 }
 
 

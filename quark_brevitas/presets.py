@@ -16,7 +16,7 @@ from torch import nn
 from quark_brevitas import algos
 from quark_brevitas.config import Config, ParamType, QLayerConfig, QTensorConfig, QuantType
 from quark_brevitas.errors import ConfigError
-from quark_brevitas.types import Dtype, QSchemeType
+from quark_brevitas.types import Dtype, QSchemeType, ScaleType
 
 __all__ = ["DEFAULT_PRESET", "DESCRIPTIONS", "PRESETS", "get_preset"]
 
@@ -84,6 +84,18 @@ def _bert_w4_g32() -> Config:
     return _linear_only(QLayerConfig(weight=_W4_G32), post=[algos.GPTQ()])
 
 
+# ---------------------------------------------------------------- GGUF (llama.cpp) block formats
+# Linear layers only, weights in groups of 32 input channels with float16 scales (what GGUF blocks store), so that
+# quark_brevitas.export.export_gguf writes them exactly; add algo_config=[algos.GPTQ()] or [algos.AWQ()] to round
+# them with an algorithm instead of to nearest.
+def _gguf(dtype: Dtype) -> Callable[[], Config]:
+    def build() -> Config:
+        weight = QTensorConfig(dtype=dtype, qscheme=QSchemeType.per_group, group_size=32, scale_type=ScaleType.float16)
+        return _linear_only(QLayerConfig(weight=weight))
+
+    return build
+
+
 def _fp8() -> Config:
     # No bias quantization: an integer bias needs integer input and weight scales.
     return Config(QLayerConfig(weight=_FP8_E4M3, input_tensors=_FP8_E4M3))
@@ -98,6 +110,9 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "bert_w8a8": _bert_w8a8,
     "bert_w8a8_dynamic": _bert_w8a8_dynamic,
     "bert_w4_g32": _bert_w4_g32,
+    "gguf_q4_0": _gguf(Dtype.int4),
+    "gguf_q4_1": _gguf(Dtype.uint4),
+    "gguf_q8_0": _gguf(Dtype.int8),
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -112,6 +127,9 @@ DESCRIPTIONS: dict[str, str] = {
                          "inputs with a scale per token computed at run time",
     "bert_w4_g32": "transformers: Linear layers and int8 embedding tables; int4 weights per group of 32 rounded "
                    "by GPTQ; activations stay float",
+    "gguf_q4_0": "GGUF Q4_0: Linear layers only, int4 symmetric weights per group of 32, float16 scales",
+    "gguf_q4_1": "GGUF Q4_1: Linear layers only, uint4 asymmetric weights per group of 32, float16 scales and offsets",
+    "gguf_q8_0": "GGUF Q8_0: Linear layers only, int8 symmetric weights per group of 32, float16 scales",
 }
 
 

@@ -67,6 +67,7 @@ from quark_brevitas.config.checks import (
     PER_TENSOR,
     ROLE_KIND,
     QuantizerKey,
+    float16_scale_bits,
     scheme_of,
     unsupported,
 )
@@ -196,7 +197,50 @@ _SCALE_LETS: dict[ScaleType, dict[str, Any]] = {
         "restrict_scaling_type": RestrictValueType.POWER_OF_TWO,
         "restrict_value_float_to_int_impl": CeilSte,
     },
+    ScaleType.float16: {},  # significant bits depend on the spec: _scale_lets
 }
+
+#: The smallest positive float16 (a subnormal) and the largest finite one.
+_FLOAT16_TINY = 2.0 ** -24
+_FLOAT16_MAX = 65504.0
+
+
+class _RoundToSignificantBits(torch.autograd.Function):
+    """``x`` rounded (half to even) to ``bits`` significant bits on float16's grid (no step finer than its
+    smallest subnormal, clamped to its finite range); identity gradient (straight-through, for QAT)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bits: int) -> torch.Tensor:
+        magnitude = x.abs().clamp(min=_FLOAT16_TINY, max=_FLOAT16_MAX)
+        step = torch.exp2(torch.floor(torch.log2(magnitude)) - (bits - 1)).clamp(min=_FLOAT16_TINY)
+        rounded = (torch.round(magnitude / step) * step).clamp(min=_FLOAT16_TINY, max=_FLOAT16_MAX)
+        return torch.sign(x) * rounded
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class Float16ScaleRestrict(nn.Module):
+    """``scale_type=float16`` as Brevitas's ``restrict_scale_threshold_impl``: the final scale (the scale
+    parameter divided by the integer range, after which nothing changes it) is rounded to a float16 number of
+    ``scale_significant_bits`` significant bits, so a file storing scales as float16 (GGUF) holds them
+    exactly. Brevitas has power-of-two and log restrictions, no float16 one."""
+
+    def __init__(self, scale_significant_bits: int) -> None:
+        super().__init__()
+        self.bits = int(scale_significant_bits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RoundToSignificantBits.apply(x, self.bits)
+
+
+def _scale_lets(spec: QuantizationSpec) -> dict[str, Any]:
+    """The ``.let`` arguments of the spec's scale type."""
+    if spec.scale_type is ScaleType.float16:
+        return {"restrict_scale_threshold_impl": Float16ScaleRestrict,
+                "scale_significant_bits": float16_scale_bits(spec)}
+    return _SCALE_LETS[spec.scale_type]
 
 class _RoundHalfAwayFromZero(torch.autograd.Function):
     """``sign(x) * floor(|x| + 1/2)`` computed exactly (ties away from zero), identity gradient."""
@@ -270,7 +314,7 @@ def build_quantizer(spec: QuantizationSpec | None, role: str) -> Any:
     base = _row(spec, role, role)
     lets: dict[str, Any] = {"bit_width": spec.bit_width, **_ROUNDING[spec.round_method]}
     if scheme != MX:  # the MX rows carry the OCP power-of-two rule themselves
-        lets.update(_SCALE_LETS[spec.scale_type])
+        lets.update(_scale_lets(spec))
     if spec.quant_type is FLOAT:
         lets["exponent_bit_width"] = spec.exponent_bit_width
         lets["mantissa_bit_width"] = spec.mantissa_bit_width

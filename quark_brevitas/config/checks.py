@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_PERCENTILE",
     "DYNAMIC_PER_TENSOR",
     "DYNAMIC_PER_TOKEN",
+    "FLOAT16_SIGNIFICANT_BITS",
     "FLOAT_BIT_WIDTHS",
     "HIERARCHY_LEVELS",
     "INT_BIT_WIDTHS",
@@ -47,6 +48,7 @@ __all__ = [
     "SUPPORTED_QUANTIZERS",
     "SUPPORTED_SCALE_TYPES",
     "QuantizerKey",
+    "float16_scale_bits",
     "scheme_of",
     "verify_algorithms",
     "verify_layer_config",
@@ -118,7 +120,18 @@ SUPPORTED_QUANTIZERS: tuple[QuantizerKey, ...] = (
 #: Integer bias widths (Brevitas's Int8/16/24/32 bias quantizers).
 BIAS_BIT_WIDTHS = (8, 16, 24, 32)
 #: Scale types the translation table honours (the other ScaleType members are Quark's, without a Brevitas rule).
-SUPPORTED_SCALE_TYPES = (ScaleType.float, ScaleType.pof2)
+SUPPORTED_SCALE_TYPES = (ScaleType.float, ScaleType.pof2, ScaleType.float16)
+#: Significant bits of a float16 number (10 stored mantissa bits and the implicit one).
+FLOAT16_SIGNIFICANT_BITS = 11
+
+
+def float16_scale_bits(spec: QuantizationSpec) -> int:
+    """Significant bits a ``scale_type=float16`` scale keeps: all 11 of float16 when symmetric; asymmetric,
+    ``11 - bit_width``, so that ``scale * zero_point`` (the float16 offset formats such as GGUF Q4_1 store
+    beside the scale) is a float16 number too."""
+    if spec.symmetric:
+        return FLOAT16_SIGNIFICANT_BITS
+    return FLOAT16_SIGNIFICANT_BITS - spec.bit_width
 INT_BIT_WIDTHS = {"weight": range(2, 9), "act": range(2, 17), "group": range(2, 9)}
 FLOAT_BIT_WIDTHS = range(4, 9)
 DEFAULT_PERCENTILE = 99.999
@@ -254,6 +267,10 @@ def _verify_options(spec: QuantizationSpec, kind: str, scheme: str, path: str) -
         raise ConfigError(f"{path}.symmetric", "asymmetric per_group activations are not supported (Brevitas's "
                           "dynamic per-group zero point fails on grouped inputs); use symmetric=True, or "
                           "asymmetric per_tensor / per_channel (per token) with is_dynamic=True")
+    if spec.scale_type is ScaleType.float16 and (kind != "weight" or spec.quant_type is not QuantType.int_quant
+                                                 or spec.zero_point_type is ZeroPointType.float32):
+        raise ConfigError(f"{path}.scale_type", "float16 scales are supported for integer weights with integer zero "
+                          "points (the scales GGUF files store); use scale_type=float here")
     if spec.zero_point_type is ZeroPointType.float32:
         if spec.symmetric:
             raise ConfigError(f"{path}.zero_point_type", "float32 zero points are for asymmetric int (symmetric "

@@ -55,7 +55,8 @@ class QuantizationSpec:
       per token) or ``per_group`` (``group_size`` consecutive input channels share a scale).
     - ``symmetric``: zero point in the middle of the integer range (True) or fitted to min/max (False).
     - ``scale_type``: ``float`` or ``pof2`` (power-of-two) scales; ``per_group`` with ``pof2`` is the OCP MX
-      shared-exponent rule.
+      shared-exponent rule; ``float16`` (integer weights): every scale is a float16 number, as GGUF stores it
+      (asymmetric: with ``11 - bit_width`` significant bits, so that ``scale * zero_point`` is one too).
     - ``quant_type``: ``int_quant`` or ``float_quant`` (then give exponent and mantissa widths).
     - ``param_type``: ``stats`` or ``mse``.
     - ``bit_width``: total bits of the quantized value (sign included for float formats).

@@ -68,6 +68,7 @@ re-exports the public API only; the helpers are public names of those internal m
 from __future__ import annotations
 
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.export.gguf import export_gguf
 from quark_brevitas.export.inspect import DEFAULT_INT_OPSET, MAX_OPSET, MIN_FLOAT8_OPSET
 from quark_brevitas.export.qcdq import ExportReport, export_onnx_qcdq
 from quark_brevitas.export.qonnx import QONNXExportReport, export_qonnx, run_qonnx
@@ -86,6 +87,7 @@ __all__ = [
     "VerificationResult",
     "create_ort_session",
     "export_onnx_qcdq",
+    "export_gguf",
     "export_qonnx",
     "run_onnx",
     "run_qonnx",

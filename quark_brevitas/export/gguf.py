@@ -1,0 +1,335 @@
+"""GGUF export (llama.cpp's file format) of weight-only quantized decoder LMs, written from our own integer codes.
+
+:func:`export_gguf` (Quark's name and arguments) writes one ``.gguf`` file with the architecture metadata,
+the tokenizer and every tensor of a quantized Hugging Face decoder: quantized Linear weights packed block by
+block from :func:`~quark_brevitas.intweights.integer_weights` (never re-quantized), everything else as F32.
+GGUF block types hold one float16 scale (Q4_1: and one float16 offset) per 32 consecutive input channels:
+
+- ``Q8_0``: int8 symmetric weights per group of 32;
+- ``Q4_0``: int4 symmetric weights per group of 32 (stored as ``code + 8``);
+- ``Q4_1``: uint4 asymmetric weights per group of 32 (``d * q + m`` with ``m = -zero_point * scale``).
+
+The presets ``gguf_q4_0``, ``gguf_q4_1`` and ``gguf_q8_0`` (``scale_type=float16``) make those scales float16
+numbers, so the file is exact: the ``gguf`` package dequantizes every block to the quantized model's weight bit
+for bit, and the exporter checks that before it writes. K-quants (Q4_K, Q6_K) are not written: their
+super-block scales are 6-bit codes of a float16 scale, which our per-group scales are not.
+
+A model GGUF cannot hold (another weight format, quantized activations, a layer with no GGUF tensor, a model
+family transformers' GGUF loader does not read) raises one :class:`ExportError` naming the layer and what fits.
+The output folder is written through :mod:`quark_brevitas.outputs` (complete or untouched).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from quark_brevitas.brevitas_adapter import iter_quantizers
+from quark_brevitas.errors import QuarkBrevitasError
+from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.extras import require
+from quark_brevitas.intweights import IntegerWeight, integer_weights
+from quark_brevitas.outputs import output_dir as atomic_output_dir
+
+__all__ = ["GGUF_FAMILIES", "GGUF_FILE_NAME", "GGUF_WEIGHT_TYPES", "export_gguf"]
+
+logger = logging.getLogger(__name__)
+
+#: The file written into ``output_dir``.
+GGUF_FILE_NAME = "model.gguf"
+#: GGUF block size of the legacy types written here (elements per scale).
+BLOCK = 32
+
+#: (format, symmetric) of a group-of-32 integer weight -> GGUF type name.
+GGUF_WEIGHT_TYPES: dict[tuple[str, bool], str] = {("int8", True): "Q8_0", ("int4", True): "Q4_0",
+                                                   ("uint4", False): "Q4_1"}
+_FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 (int4 symmetric, groups of 32) or Q4_1 (uint4 asymmetric, "
+         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1")
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How one Hugging Face model type is written: the llama.cpp architecture and whether Q/K rows are permuted
+    (llama.cpp's rotary layout for Llama-style attention, which transformers' loader undoes)."""
+
+    arch: str
+    permute_qk: bool
+
+
+#: model_type -> how it is written (the families transformers' GGUF loader reads back).
+GGUF_FAMILIES: dict[str, _Family] = {
+    "llama": _Family("llama", True),
+    "mistral": _Family("llama", True),  # llama.cpp writes Mistral as llama; transformers reads the name
+    "qwen2": _Family("qwen2", False),
+}
+
+
+# ===================================================================== weights
+def _gguf_type(name: str, entry: IntegerWeight) -> str:
+    """The GGUF type of a quantized layer's weight, or the ExportError saying what fits."""
+    symmetric = entry.zero_point.numel() == 1 and not entry.zero_point.any()
+    qtype = GGUF_WEIGHT_TYPES.get((entry.format, symmetric))
+    layout = (f"per group of {entry.group_size}" if entry.group_size else
+              "per channel" if entry.axis is not None else "per tensor")
+    if qtype is None or entry.group_size != BLOCK or entry.axis != 1 or entry.int_weight.dim() != 2:
+        raise ExportError(f"layer '{name}' has {entry.format} {'symmetric' if symmetric else 'asymmetric'} weights "
+                          f"{layout}, which no GGUF type holds; GGUF types that fit: {_FITS}")
+    if entry.int_weight.shape[1] % BLOCK:
+        raise ExportError(f"layer '{name}' has {entry.int_weight.shape[1]} input channels, not a multiple of "
+                          f"{BLOCK} (the GGUF block); {qtype} needs whole blocks")
+    return qtype
+
+
+def _float16_exact(name: str, what: str, values: torch.Tensor) -> np.ndarray:
+    """``values`` as float16, refused unless that is exact (GGUF stores scales as float16)."""
+    half = values.to(torch.float16)
+    if not torch.equal(half.to(values.dtype), values):
+        raise ExportError(f"layer '{name}': its {what} are not float16 numbers, so GGUF cannot store them exactly; "
+                          "quantize with scale_type=float16 (presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1)")
+    return half.numpy()
+
+
+def _pack(name: str, entry: IntegerWeight, qtype: str) -> np.ndarray:
+    """The GGUF blocks of one weight as ``uint8 [rows, bytes per row]`` (llama.cpp's layout: float16 scale
+    (Q4_1: then offset), then the 32 codes; 4-bit codes two per byte, element ``j`` low and ``j + 16`` high)."""
+    rows, cols = entry.int_weight.shape
+    scale = entry.scale.detach().float().reshape(-1, 1)
+    d = _float16_exact(name, "scales", scale).view(np.uint8)
+    codes = entry.int_weight.to(torch.int32).reshape(-1, BLOCK)
+    if qtype == "Q8_0":
+        return np.concatenate([d, codes.to(torch.int8).numpy().view(np.uint8)], axis=1).reshape(rows, -1)
+    if qtype == "Q4_0":
+        nibbles = (codes + 8).to(torch.uint8).numpy()
+        parts = [d]
+    else:
+        nibbles = codes.to(torch.uint8).numpy()
+        offset = -entry.zero_point.float().reshape(-1, 1) * scale
+        parts = [d, _float16_exact(name, "offsets (-zero_point * scale)", offset).view(np.uint8)]
+    packed = nibbles[:, :16] | (nibbles[:, 16:] << np.uint8(4))
+    return np.concatenate([*parts, packed], axis=1).reshape(rows, -1)
+
+
+def _permute_rows(array: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order for rotary embeddings (its ``permute``): within each head, the two halves of
+    the head dimension interleaved. Applied to packed blocks too: it moves whole rows."""
+    rows = array.shape[0]
+    return (array.reshape(heads, 2, rows // heads // 2, *array.shape[1:]).swapaxes(1, 2)
+            .reshape(array.shape))
+
+
+# ===================================================================== model checks and metadata
+def _refuse_activation_quantizers(model: nn.Module) -> None:
+    for site in iter_quantizers(model):
+        if site.kind != "weight":
+            raise ExportError(f"layer '{site.layer_name or '(model)'}' quantizes its {site.attribute} "
+                              f"({site.kind}); GGUF holds weight-only models: float activations with weights in "
+                              f"{_FITS}")
+
+
+def _config_value(config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    rope = getattr(config, "rope_parameters", None) or {}
+    for name in names:
+        if isinstance(rope, dict) and rope.get(name) is not None:
+            return rope[name]
+    return default
+
+
+def _add_architecture(writer: Any, config: Any, family_name: str) -> None:
+    heads = int(config.num_attention_heads)
+    head_dim = _config_value(config, "head_dim", default=config.hidden_size // heads)
+    writer.add_name(family_name)
+    writer.add_context_length(int(config.max_position_embeddings))
+    writer.add_embedding_length(int(config.hidden_size))
+    writer.add_block_count(int(config.num_hidden_layers))
+    writer.add_feed_forward_length(int(config.intermediate_size))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(int(_config_value(config, "num_key_value_heads", default=heads)))
+    writer.add_rope_dimension_count(int(head_dim))
+    writer.add_rope_freq_base(float(_config_value(config, "rope_theta", default=10000.0)))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(int(config.vocab_size))
+
+
+# ===================================================================== tokenizer
+def _tokenizer_dir(model: nn.Module, tokenizer_path: str | os.PathLike[str] | None) -> Path | None:
+    if tokenizer_path is not None:
+        path = Path(tokenizer_path)
+        if not (path / "tokenizer.json").is_file():
+            raise ExportError(f"tokenizer_path {str(path)!r} has no tokenizer.json (a Hugging Face fast tokenizer); "
+                              "GGUF export reads its vocabulary and merges from that file")
+        return path
+    source = Path(str(getattr(getattr(model, "config", None), "name_or_path", "") or ""))
+    if str(source) and (source / "tokenizer.json").is_file():
+        return source
+    logger.warning("export_gguf: no tokenizer given (tokenizer_path) or beside the model; the file has no "
+                   "tokenizer, which llama.cpp needs to run it")
+    return None
+
+
+def _special_ids(path: Path, vocab: dict[str, int]) -> dict[str, int]:
+    """bos/eos/unk/pad ids from tokenizer_config.json (token strings or added-token dicts)."""
+    config_file = path / "tokenizer_config.json"
+    settings = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    found: dict[str, int] = {}
+    for role in ("bos", "eos", "unk", "pad"):
+        token = settings.get(f"{role}_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str) and token in vocab:
+            found[role] = vocab[token]
+    return found
+
+
+def _add_tokenizer(writer: Any, gguf: Any, path: Path) -> None:
+    """A byte-level BPE tokenizer (tokenizer.json) as llama.cpp's ``gpt2`` tokenizer: tokens by id, their
+    types (added special tokens are control tokens), merges and the special token ids."""
+    data = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+    model = data.get("model", {})
+    if model.get("type") != "BPE":
+        raise ExportError(f"tokenizer {str(path / 'tokenizer.json')!r} is a {model.get('type')} model; GGUF export "
+                          "writes byte-level BPE tokenizers (llama.cpp's 'gpt2' tokenizer)")
+    vocab: dict[str, int] = dict(model["vocab"])
+    special = set()
+    for added in data.get("added_tokens", []):
+        vocab.setdefault(added["content"], added["id"])
+        if added.get("special"):
+            special.add(added["id"])
+    tokens = [""] * (max(vocab.values()) + 1)
+    for token, index in vocab.items():
+        tokens[index] = token
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                            for i in range(len(tokens))])
+    writer.add_token_merges(merges)
+    ids = _special_ids(path, vocab)
+    for role, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                      ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
+        if role in ids:
+            add(ids[role])
+
+
+# ===================================================================== tensors
+@dataclass(frozen=True)
+class _Tensor:
+    name: str  # GGUF name
+    data: np.ndarray
+    qtype: str  # "F32" or a GGUF block type
+    expected: np.ndarray | None = None  # quantized: the weight the blocks must dequantize to (GGUF's row order)
+
+
+def _gguf_name(name_map: Any, hf_name: str) -> str | None:
+    module, _, leaf = hf_name.rpartition(".")
+    mapped = name_map.get_name(module)
+    return None if mapped is None else f"{mapped}.{leaf}"
+
+
+def _collect(model: nn.Module, family: _Family, name_map: Any) -> list[_Tensor]:
+    weights = integer_weights(model)
+    config = model.config
+    heads, kv_heads = int(config.num_attention_heads), int(_config_value(config, "num_key_value_heads",
+                                                                         default=config.num_attention_heads))
+    tensors = []
+    for hf_name, param in model.named_parameters():
+        layer, _, leaf = hf_name.rpartition(".")
+        inside = [q for q in weights if hf_name.startswith(f"{q}.") and hf_name != f"{q}.weight"]
+        if inside and not (layer in weights and leaf == "bias"):
+            continue  # quantizer internals (scales, zero points) of a quantized layer
+        name = _gguf_name(name_map, hf_name)
+        if name is None:
+            what = "quantized layer" if layer in weights else "tensor"
+            raise ExportError(f"{what} '{hf_name}' has no GGUF tensor in llama.cpp's '{family.arch}' architecture; "
+                              "GGUF holds the layers of that architecture only")
+        rows_heads = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else None
+        if layer in weights and leaf == "weight":
+            entry = weights[layer]
+            qtype = _gguf_type(layer, entry)
+            data, expected = _pack(layer, entry, qtype), entry.dequantize().detach().float().numpy()
+        else:
+            qtype, data, expected = "F32", param.detach().float().cpu().numpy(), None
+        if family.permute_qk and rows_heads is not None:
+            data = _permute_rows(data, rows_heads)
+            expected = None if expected is None else _permute_rows(expected, rows_heads)
+        tensors.append(_Tensor(name, np.ascontiguousarray(data), qtype, expected))
+    return tensors
+
+
+def _check_blocks(gguf: Any, tensors: list[_Tensor]) -> None:
+    """Prove every packed weight: the ``gguf`` package's own dequantization gives the quantized weight exactly."""
+    for tensor in tensors:
+        if tensor.expected is None:
+            continue
+        decoded = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType[tensor.qtype])
+        diff = float(np.abs(decoded - tensor.expected).max()) if decoded.size else 0.0
+        if decoded.shape != tensor.expected.shape or diff != 0.0:
+            raise ExportMismatchError(f"GGUF tensor '{tensor.name}' ({tensor.qtype}) does not dequantize to the "
+                                      f"quantized weight (max difference {diff:.3g}); please report this",
+                                      max_abs_diff=diff, tolerance=0.0, path=Path(GGUF_FILE_NAME))
+
+
+# ===================================================================== entry point
+def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], model_type: str | None = None,
+                tokenizer_path: str | os.PathLike[str] | None = None) -> Path:
+    """Write ``output_dir/model.gguf`` for llama.cpp (and transformers' ``gguf_file=`` loader); returns its path.
+
+    Args:
+        quant_model: A weight-only quantized Hugging Face decoder (Llama, Mistral, Qwen2) whose quantized
+            Linear weights are int8/int4 symmetric or uint4 asymmetric per group of 32 with float16 scales
+            (presets ``gguf_q8_0``, ``gguf_q4_0``, ``gguf_q4_1``; GPTQ/AWQ may choose the codes).
+        output_dir: The folder to write; written whole or not at all (a folder holding files quark_brevitas did
+            not write is refused).
+        model_type: The family (``"llama"``, ``"mistral"``, ``"qwen2"``); ``None``: the model config's
+            ``model_type``.
+        tokenizer_path: A folder with the model's ``tokenizer.json`` (byte-level BPE); ``None``: the model's own
+            folder if it has one, else the file has no tokenizer (a warning says so).
+    """
+    if not isinstance(quant_model, nn.Module):
+        raise ExportArgumentError(f"quant_model must be a torch.nn.Module, got {type(quant_model).__name__}")
+    config = getattr(quant_model, "config", None)
+    family_name = model_type if model_type is not None else getattr(config, "model_type", None)
+    if config is None or family_name not in GGUF_FAMILIES:
+        raise ExportError(f"model_type {family_name!r} cannot be written as GGUF; supported: "
+                          f"{', '.join(GGUF_FAMILIES)} (Hugging Face models with a config)")
+    gguf = require("gguf", "GGUF export")
+    family = GGUF_FAMILIES[family_name]
+    _refuse_activation_quantizers(quant_model)
+    tokenizer_dir = _tokenizer_dir(quant_model, tokenizer_path)
+    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == family.arch)
+    name_map = gguf.get_tensor_name_map(arch, int(config.num_hidden_layers))
+    try:
+        with torch.no_grad():
+            tensors = _collect(quant_model, family, name_map)
+    except ExportError:
+        raise
+    except QuarkBrevitasError as exc:
+        raise ExportError(f"GGUF export: {exc}") from exc
+    _check_blocks(gguf, tensors)
+    with atomic_output_dir(output_dir) as work:
+        writer = gguf.GGUFWriter(str(work / GGUF_FILE_NAME), family.arch)
+        _add_architecture(writer, config, family_name)
+        if tokenizer_dir is not None:
+            _add_tokenizer(writer, gguf, tokenizer_dir)
+        for tensor in tensors:
+            raw = None if tensor.qtype == "F32" else gguf.GGMLQuantizationType[tensor.qtype]
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    logger.info("Wrote %s (%d tensors, %d quantized)", Path(output_dir) / GGUF_FILE_NAME, len(tensors),
+                sum(t.expected is not None for t in tensors))
+    return Path(output_dir) / GGUF_FILE_NAME

@@ -1,0 +1,191 @@
+"""Tests of quark_brevitas.export.export_gguf: GGUF files written from our integer codes, read back by the gguf
+package and by transformers' GGUF loader.
+
+Done-when checks: for every GGUF type written (Q8_0, Q4_0, Q4_1) the gguf package dequantizes every quantized
+tensor to exactly the quantized model's weight (max abs difference 0); the model transformers loads from the file
+computes the quantized model's logits (so its perplexity too) on Llama and Qwen2 built from configs; what GGUF
+cannot hold is one ExportError naming the layer and the GGUF types that fit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from llm_models import VOCAB, tiny_llama, tiny_opt, token_batches  # noqa: E402
+
+from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
+from quark_brevitas.errors import ConfigError  # noqa: E402
+from quark_brevitas.export import ExportError, export_gguf  # noqa: E402
+from quark_brevitas.outputs import OutputError  # noqa: E402
+from quark_brevitas.presets import get_preset  # noqa: E402
+from quark_brevitas.types import Dtype, QSchemeType, ScaleType  # noqa: E402
+
+TYPES = {"gguf_q4_0": "Q4_0", "gguf_q4_1": "Q4_1", "gguf_q8_0": "Q8_0"}
+
+
+def tiny_qwen2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def _quantize(model: torch.nn.Module, config: Config) -> torch.nn.Module:
+    return ModelQuantizer(config).quantize_model(model, token_batches(1))
+
+
+def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row order of Q/K (as transformers' GGUF loader does)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _perplexity(model: torch.nn.Module, tokens: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float(torch.exp(model(tokens, labels=tokens).loss))
+
+
+@pytest.mark.parametrize("preset", sorted(TYPES))
+def test_every_quantized_tensor_dequantizes_exactly(preset: str, tmp_path: Path) -> None:
+    quant = _quantize(tiny_llama(), get_preset(preset))
+    path = export_gguf(quant, tmp_path / "out")
+    assert path == tmp_path / "out" / "model.gguf"
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    layers = {n: m for n, m in quant.named_modules() if hasattr(m, "quant_weight")}
+    assert len(layers) == 15  # 7 Linear layers per block, lm_head
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    for name, layer in layers.items():
+        tensor = tensors[name_map.get_name(name) + ".weight"]
+        assert tensor.tensor_type.name == TYPES[preset]
+        decoded = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if ".q_proj" in name or ".k_proj" in name:
+            decoded = _unpermute(decoded, 4)  # tiny_llama: 4 heads, 4 key/value heads
+        expected = layer.quant_weight().value.detach().numpy()
+        assert decoded.shape == expected.shape
+        assert np.abs(decoded - expected).max() == 0.0
+    assert tensors["token_embd.weight"].tensor_type.name == "F32"
+
+
+@pytest.mark.parametrize("preset", sorted(TYPES))
+def test_transformers_loads_llama_with_the_quantized_models_logits(preset: str, tmp_path: Path) -> None:
+    quant = _quantize(tiny_llama(kv_heads=2), get_preset(preset))
+    export_gguf(quant, tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf").eval()
+    tokens = token_batches(1, seed=3)[0]
+    with torch.no_grad():
+        ours, theirs = quant(tokens).logits, loaded(tokens).logits
+    assert torch.allclose(theirs, ours, atol=1e-5, rtol=0)
+    assert abs(_perplexity(loaded, tokens) / _perplexity(quant, tokens) - 1) < 1e-3
+
+
+def test_transformers_loads_qwen2_with_the_quantized_models_logits(tmp_path: Path) -> None:
+    quant = _quantize(tiny_qwen2(), get_preset("gguf_q4_1"))
+    export_gguf(quant, tmp_path / "out")  # model_type inferred: qwen2 (biases on q/k/v, no permutation)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf").eval()
+    assert type(loaded).__name__ == "Qwen2ForCausalLM"
+    tokens = token_batches(1, seed=3)[0]
+    with torch.no_grad():
+        assert torch.allclose(loaded(tokens).logits, quant(tokens).logits, atol=1e-5, rtol=0)
+    assert abs(_perplexity(loaded, tokens) / _perplexity(quant, tokens) - 1) < 1e-3
+
+
+@pytest.mark.slow
+def test_gptq_q4_0_is_written_exactly(tmp_path: Path) -> None:
+    config = get_preset("gguf_q4_0")
+    config.algo_config = [algos.GPTQ()]
+    quant = _quantize(tiny_llama(), config)
+    path = export_gguf(quant, tmp_path / "out", model_type="llama")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    decoded = gguf.quants.dequantize(tensors["blk.1.ffn_down.weight"].data, gguf.GGMLQuantizationType.Q4_0)
+    assert np.abs(decoded - quant.model.layers[1].mlp.down_proj.quant_weight().value.detach().numpy()).max() == 0.0
+
+
+def _weight_only(spec: QTensorConfig) -> Config:
+    return Config(QLayerConfig(), layer_type_quant_config={torch.nn.Linear: QLayerConfig(weight=spec)},
+                  pre_quant_opt_config=[])
+
+
+G = QSchemeType.per_group
+F16 = ScaleType.float16
+
+
+@pytest.mark.parametrize("spec, found", [
+    (QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_channel), "int4 symmetric weights per channel"),
+    (QTensorConfig(dtype=Dtype.int4, qscheme=G, group_size=128, scale_type=F16), "per group of 128"),
+    (QTensorConfig(qscheme=G, group_size=32, scale_type=F16, bit_width=3), "int3"),
+    (QTensorConfig(dtype=Dtype.uint8, qscheme=G, group_size=32, scale_type=F16), "uint8 asymmetric"),
+])
+def test_weights_gguf_cannot_hold_are_refused_with_what_fits(spec: QTensorConfig, found: str, tmp_path: Path) -> None:
+    quant = ModelQuantizer(_weight_only(spec)).quantize_model(tiny_llama())
+    with pytest.raises(ExportError, match=r"layer 'model\.layers\.0\.self_attn\.q_proj'.*" + found) as info:
+        export_gguf(quant, tmp_path / "out")
+    assert "Q4_0" in str(info.value) and "Q4_1" in str(info.value) and "Q8_0" in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_scales_that_are_not_float16_are_refused(tmp_path: Path) -> None:
+    spec = QTensorConfig(dtype=Dtype.int4, qscheme=G, group_size=32)  # float32 scales
+    quant = ModelQuantizer(_weight_only(spec)).quantize_model(tiny_llama())
+    with pytest.raises(ExportError, match=r"'model\.layers\.0\.self_attn\.q_proj'.*scale_type=float16"):
+        export_gguf(quant, tmp_path / "out")
+
+
+def test_quantized_activations_are_refused(tmp_path: Path) -> None:
+    quant = _quantize(tiny_llama(), get_preset("w8a8"))
+    with pytest.raises(ExportError, match="input_quant.*weight-only"):
+        export_gguf(quant, tmp_path / "out")
+
+
+def test_unsupported_family_is_refused(tmp_path: Path) -> None:
+    quant = ModelQuantizer(get_preset("gguf_q4_0")).quantize_model(tiny_opt())
+    with pytest.raises(ExportError, match="'opt'.*llama, mistral, qwen2"):
+        export_gguf(quant, tmp_path / "out")
+
+
+def test_foreign_output_folder_is_never_overwritten(tmp_path: Path) -> None:
+    quant = ModelQuantizer(get_preset("gguf_q8_0")).quantize_model(tiny_llama())
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError):
+        export_gguf(quant, tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
+
+
+def test_float16_scales_are_for_integer_weights_only() -> None:
+    spec = QTensorConfig(scale_type=F16)
+    with pytest.raises(ConfigError, match="scale_type.*float16"):
+        ModelQuantizer(Config(QLayerConfig(weight=QTensorConfig(), input_tensors=spec)))
+
+
+def _bpe_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerFast:
+    tokenizers = pytest.importorskip("tokenizers")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    # The text's own characters as the alphabet (byte level's 256 would not leave room for merges in 128 tokens).
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"])
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(folder)
+    return fast
+
+
+@pytest.mark.slow
+def test_tokenizer_is_written_and_read_back(tmp_path: Path) -> None:
+    fast = _bpe_tokenizer(tmp_path / "tok")
+    quant = ModelQuantizer(get_preset("gguf_q8_0")).quantize_model(tiny_llama())
+    path = export_gguf(quant, tmp_path / "out", tokenizer_path=tmp_path / "tok")
+    fields = gguf.GGUFReader(str(path)).fields
+    assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "gpt2"
+    assert int(fields["tokenizer.ggml.bos_token_id"].parts[-1][0]) == fast.bos_token_id
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out", gguf_file="model.gguf")
+    text = "the lazy fox jumps"
+    assert loaded(text)["input_ids"][-len(fast(text)["input_ids"]):] == fast(text)["input_ids"]
