@@ -21,6 +21,10 @@ Storage per layer (as compressed-tensors' compressors lay it out):
   asymmetric, ``weight_zero_point`` packed along the output dimension (per channel / group) or int8 ``[1]``;
 - ``int-quantized`` (int8 weights with int8 activations): ``weight`` int8, ``weight_scale``, ``weight_zero_point``
   when asymmetric, ``input_scale`` / ``input_zero_point`` for static activations;
+- ``naive-quantized`` for asymmetric per-channel / per-group int weights below 8 bits (``weight`` int8 codes,
+  ``weight_zero_point`` int8 ``[out, groups]``): compressed-tensors 0.20's loader in transformers allocates an
+  unpacked zero point for ``pack-quantized`` and then unpacks it, so neither packed nor unpacked zero points load
+  there (``pack_asymmetric=True`` writes the packed layout anyway, for vLLM);
 - ``float-quantized`` / ``naive-quantized`` (fp8 e4m3 weights with / without fp8 activations): ``weight``
   ``float8_e4m3fn`` and ``weight_scale`` (``input_scale`` for static fp8 activations).
 
@@ -47,7 +51,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +127,7 @@ class LayerCodes:
     input_scale: torch.Tensor | None = None
     input_zero_point: torch.Tensor | None = None
     bias: torch.Tensor | None = None
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    pack_zero_point: bool = False
 
     def dequantize(self) -> torch.Tensor:
         """The weight the consumer computes with (group scales expanded along the input dimension)."""
@@ -289,6 +293,8 @@ def _format_name(entry: LayerCodes) -> str:
         return "naive-quantized"
     if entry.activation is not None and entry.weight.num_bits == 8:
         return "int-quantized"
+    if entry.zero_point is not None and entry.weight.strategy in ("group", "channel") and not entry.pack_zero_point:
+        return "naive-quantized"  # see the module docstring: transformers cannot load packed zero points
     return "pack-quantized"
 
 
@@ -356,7 +362,7 @@ def _is_ours(module: nn.Module) -> bool:
 
 
 def _collect(model: nn.Module, prefix: str, tensors: dict[str, torch.Tensor], entries: list[LayerCodes],
-             float_linears: list[str], skip: str | None = None) -> None:
+             float_linears: list[str], skip: str | None = None, pack_asymmetric: bool = False) -> None:
     """Add ``model``'s tensors (names prefixed) to ``tensors``: quantized Linear layers in compressed-tensors'
     layout, every other parameter and persistent buffer as it is. ``skip``: a submodule written elsewhere."""
     handled: set[str] = set()
@@ -372,6 +378,7 @@ def _collect(model: nn.Module, prefix: str, tensors: dict[str, torch.Tensor], en
                 float_linears.append(full)
             else:
                 entry = layer_codes(full, module)
+                entry.pack_zero_point = pack_asymmetric
                 entries.append(entry)
                 tensors.update({f"{full}.{k}": v for k, v in _ct_tensors(entry).items()})
                 handled.add(name)
@@ -426,9 +433,14 @@ def _write_tokenizer(tokenizer: Any, work: Path) -> None:
 
 
 def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str], format: str = "compressed-tensors",
-                       tokenizer: Any = None, *, overwrite: bool = False) -> Path:
+                       tokenizer: Any = None, *, overwrite: bool = False, pack_asymmetric: bool = False) -> Path:
     """Write the quantized Hugging Face model ``quant_model`` as a checkpoint others load (see the module
     docstring): ``config.json`` with its ``quantization_config``, ``model.safetensors`` and the tokenizer.
+
+    ``pack_asymmetric``: asymmetric per-channel / per-group int weights below 8 bits are written as
+    ``naive-quantized`` (int8 codes, int8 zero points) by default, because transformers with compressed-tensors
+    0.20 cannot load them packed (it allocates an unpacked zero point, then unpacks it); ``True`` writes
+    llm-compressor's ``pack-quantized`` layout (packed zero points), which vLLM's int4 kernels read.
 
     The folder is written atomically (:mod:`quark_brevitas.outputs`): it holds the old files or the new ones.
     Returns its path. Raises :class:`ExportError` naming the first layer the format cannot hold.
@@ -443,7 +455,7 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
     tensors: dict[str, torch.Tensor] = {}
     entries: list[LayerCodes] = []
     float_linears: list[str] = []
-    _collect(quant_model, "", tensors, entries, float_linears)
+    _collect(quant_model, "", tensors, entries, float_linears, pack_asymmetric=pack_asymmetric)
     if not entries:
         raise ExportError(f"{type(quant_model).__name__} has no quantized Linear layer to write")
     quantization_config = _quantization_config(entries, float_linears)
@@ -474,7 +486,7 @@ def _streamed_units(checkpoint: Path) -> Iterator[tuple[str, nn.Module, str | No
 
 def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str],
                                 format: str = "compressed-tensors", tokenizer: Any = None, *,
-                                overwrite: bool = False) -> Path:
+                                overwrite: bool = False, pack_asymmetric: bool = False) -> Path:
     """:func:`export_safetensors` for a checkpoint written block by block
     (:func:`~quark_brevitas.hf.streaming.quantize_pretrained`): each quantized block is rebuilt from the
     checkpoint, written to its own shard and dropped, so neither the float model nor the whole quantized model
@@ -488,9 +500,10 @@ def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: 
     from safetensors.torch import save_file
 
     with _output_folder(directory, overwrite=overwrite, sources=[checkpoint]) as work:
-        for count, (prefix, module, skip, hf_config) in enumerate(_streamed_units(Path(checkpoint))):
+        for count, (prefix, module, skip, unit_config) in enumerate(_streamed_units(Path(checkpoint))):
+            hf_config = unit_config
             tensors: dict[str, torch.Tensor] = {}
-            _collect(module, prefix, tensors, entries, float_linears, skip=skip)
+            _collect(module, prefix, tensors, entries, float_linears, skip=skip, pack_asymmetric=pack_asymmetric)
             tensors = _untie(tensors)
             name = f"model-{count:05d}.safetensors" if prefix else "model-rest.safetensors"
             save_file(tensors, str(work / name), metadata={"format": "pt"})
