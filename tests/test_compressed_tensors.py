@@ -31,7 +31,8 @@ from torch import nn  # noqa: E402
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.config import Config, QLayerConfig, QTensorConfig, QuantType  # noqa: E402
-from quark_brevitas.export import ExportError, export_safetensors, export_safetensors_streamed  # noqa: E402
+from quark_brevitas.export import ExportError, export_safetensors  # noqa: E402
+from quark_brevitas.hf.export_streamed import export_safetensors_streamed  # noqa: E402
 from quark_brevitas.outputs import OutputError  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 

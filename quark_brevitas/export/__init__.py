@@ -73,7 +73,7 @@ from quark_brevitas.export.inspect import DEFAULT_INT_OPSET, MAX_OPSET, MIN_FLOA
 from quark_brevitas.export.qcdq import ExportReport, export_onnx_qcdq
 from quark_brevitas.export.qonnx import QONNXExportReport, export_qonnx, run_qonnx
 from quark_brevitas.export.runtime import create_ort_session, run_onnx
-from quark_brevitas.export.safetensors_hf import export_safetensors, export_safetensors_streamed
+from quark_brevitas.export.safetensors_hf import export_safetensors
 from quark_brevitas.export.verify import VerificationResult, verify_onnx
 
 __all__ = [
@@ -90,7 +90,6 @@ __all__ = [
     "export_onnx_qcdq",
     "export_qonnx",
     "export_safetensors",
-    "export_safetensors_streamed",
     "run_onnx",
     "run_qonnx",
     "verify_onnx",

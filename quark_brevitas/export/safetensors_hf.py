@@ -38,9 +38,9 @@ formula. compressed-tensors' reference (what transformers runs on CPU) divides a
 ours and vLLM's int8 kernels by 127 (narrow range), so dynamic int8 logits agree within a quantization step,
 not bit for bit; static ones agree to float rounding (see ``tests/test_compressed_tensors.py``).
 
-:func:`export_safetensors_streamed` writes the same folder from a block-by-block checkpoint
-(:func:`~quark_brevitas.hf.streaming.quantize_pretrained`) one block at a time: the float model is never built
-and at most one quantized block is in memory.
+:func:`quark_brevitas.hf.export_streamed.export_safetensors_streamed` writes the same folder from a
+block-by-block checkpoint (:func:`~quark_brevitas.hf.streaming.quantize_pretrained`) one block at a time: the
+float model is never built and at most one quantized block is in memory.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,7 +71,8 @@ from quark_brevitas.export.errors import ExportArgumentError, ExportError
 from quark_brevitas.extras import require
 from quark_brevitas.outputs import output_dir as _output_folder
 
-__all__ = ["FORMATS", "LayerCodes", "export_safetensors", "export_safetensors_streamed", "layer_codes"]
+__all__ = ["FORMATS", "LayerCodes", "check_export_args", "collect_tensors", "config_json", "export_safetensors",
+           "layer_codes", "quantization_config_dict", "untie", "write_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +331,7 @@ def _scheme_key(entry: LayerCodes) -> str:
                        _format_name(entry)], sort_keys=True, default=str)
 
 
-def _quantization_config(entries: list[LayerCodes], float_linears: list[str]) -> dict[str, Any]:
+def quantization_config_dict(entries: list[LayerCodes], float_linears: list[str]) -> dict[str, Any]:
     """``config.json``'s ``quantization_config``, validated by compressed-tensors' own models; laid out as its
     ``ModelCompressor.update_config`` writes it."""
     ct = require("compressed_tensors", "export_safetensors(format='compressed-tensors')")
@@ -361,7 +362,7 @@ def _is_ours(module: nn.Module) -> bool:
     return root in ("brevitas", "quark_brevitas")
 
 
-def _collect(model: nn.Module, prefix: str, tensors: dict[str, torch.Tensor], entries: list[LayerCodes],
+def collect_tensors(model: nn.Module, prefix: str, tensors: dict[str, torch.Tensor], entries: list[LayerCodes],
              float_linears: list[str], skip: str | None = None, pack_asymmetric: bool = False) -> None:
     """Add ``model``'s tensors (names prefixed) to ``tensors``: quantized Linear layers in compressed-tensors'
     layout, every other parameter and persistent buffer as it is. ``skip``: a submodule written elsewhere."""
@@ -396,7 +397,7 @@ def _collect(model: nn.Module, prefix: str, tensors: dict[str, torch.Tensor], en
                 tensors[f"{full}.{key}" if full else key] = tensor.detach()
 
 
-def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses tensors that share memory (tied embeddings): keep the first name of each storage."""
     seen: set[tuple[int, int]] = set()
     kept: dict[str, torch.Tensor] = {}
@@ -409,13 +410,13 @@ def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return kept
 
 
-def _config_json(hf_config: Any, quantization_config: Mapping[str, Any]) -> str:
+def config_json(hf_config: Any, quantization_config: Mapping[str, Any]) -> str:
     data = copy.deepcopy(hf_config.to_dict())
     data["quantization_config"] = dict(quantization_config)
     return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
 
 
-def _check_args(format: str, output_dir_: Any) -> Path:
+def check_export_args(format: str, output_dir_: Any) -> Path:
     if format not in FORMATS:
         raise ExportError(f"format must be one of {', '.join(map(repr, FORMATS))}, got {format!r}")
     if not isinstance(output_dir_, str | os.PathLike):
@@ -423,7 +424,7 @@ def _check_args(format: str, output_dir_: Any) -> Path:
     return Path(output_dir_)
 
 
-def _write_tokenizer(tokenizer: Any, work: Path) -> None:
+def write_tokenizer(tokenizer: Any, work: Path) -> None:
     if tokenizer is None:
         return
     if not hasattr(tokenizer, "save_pretrained"):
@@ -445,7 +446,7 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
     The folder is written atomically (:mod:`quark_brevitas.outputs`): it holds the old files or the new ones.
     Returns its path. Raises :class:`ExportError` naming the first layer the format cannot hold.
     """
-    directory = _check_args(format, output_dir)
+    directory = check_export_args(format, output_dir)
     if not isinstance(quant_model, nn.Module):
         raise ExportArgumentError(f"quant_model must be a torch.nn.Module, got {type(quant_model).__name__}")
     hf_config = getattr(quant_model, "config", None)
@@ -455,66 +456,15 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
     tensors: dict[str, torch.Tensor] = {}
     entries: list[LayerCodes] = []
     float_linears: list[str] = []
-    _collect(quant_model, "", tensors, entries, float_linears, pack_asymmetric=pack_asymmetric)
+    collect_tensors(quant_model, "", tensors, entries, float_linears, pack_asymmetric=pack_asymmetric)
     if not entries:
         raise ExportError(f"{type(quant_model).__name__} has no quantized Linear layer to write")
-    quantization_config = _quantization_config(entries, float_linears)
+    quantization_config = quantization_config_dict(entries, float_linears)
     with _output_folder(directory, overwrite=overwrite) as work:
         from safetensors.torch import save_file
 
-        save_file(_untie(tensors), str(work / _WEIGHTS_FILE), metadata={"format": "pt"})
-        (work / "config.json").write_text(_config_json(hf_config, quantization_config))
-        _write_tokenizer(tokenizer, work)
+        save_file(untie(tensors), str(work / _WEIGHTS_FILE), metadata={"format": "pt"})
+        (work / "config.json").write_text(config_json(hf_config, quantization_config))
+        write_tokenizer(tokenizer, work)
     logger.info("Wrote %s (%s, %d quantized layers)", directory, format, len(entries))
-    return directory
-
-
-def _streamed_units(checkpoint: Path) -> Iterator[tuple[str, nn.Module, str | None, Any]]:
-    """``(prefix, module, skip, hf_config)`` for each block of a streamed checkpoint (loaded one at a time and
-    dropped after), then the rest of the model without its block stack."""
-    from quark_brevitas.hf.streaming import _quantized_skeleton
-
-    model, stack, blocks, _ = _quantized_skeleton(checkpoint, None, keep=False)
-    modules = model.get_submodule(stack)
-    for index in range(len(modules)):
-        block = blocks.load(index, modules[index])
-        yield f"{stack}.{index}.", block, None, model.config
-        modules[index] = blocks.finish(index, block)
-        del block
-    yield "", model, stack, model.config
-
-
-def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str],
-                                format: str = "compressed-tensors", tokenizer: Any = None, *,
-                                overwrite: bool = False, pack_asymmetric: bool = False) -> Path:
-    """:func:`export_safetensors` for a checkpoint written block by block
-    (:func:`~quark_brevitas.hf.streaming.quantize_pretrained`): each quantized block is rebuilt from the
-    checkpoint, written to its own shard and dropped, so neither the float model nor the whole quantized model
-    is ever in memory. The folder holds one safetensors file per block, one for the rest and the index."""
-    directory = _check_args(format, output_dir)
-    entries: list[LayerCodes] = []
-    float_linears: list[str] = []
-    weight_map: dict[str, str] = {}
-    total = 0
-    hf_config = None
-    from safetensors.torch import save_file
-
-    with _output_folder(directory, overwrite=overwrite, sources=[checkpoint]) as work:
-        for count, (prefix, module, skip, unit_config) in enumerate(_streamed_units(Path(checkpoint))):
-            hf_config = unit_config
-            tensors: dict[str, torch.Tensor] = {}
-            _collect(module, prefix, tensors, entries, float_linears, skip=skip, pack_asymmetric=pack_asymmetric)
-            tensors = _untie(tensors)
-            name = f"model-{count:05d}.safetensors" if prefix else "model-rest.safetensors"
-            save_file(tensors, str(work / name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(tensors, name))
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-        if not entries:
-            raise ExportError(f"checkpoint {str(checkpoint)!r} has no quantized Linear layer to write")
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (work / _INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (work / "config.json").write_text(_config_json(hf_config, _quantization_config(entries, float_linears)))
-        _write_tokenizer(tokenizer, work)
-    logger.info("Wrote %s (%s from the streamed checkpoint %s, %d quantized layers)", directory, format, checkpoint,
-                len(entries))
     return directory
