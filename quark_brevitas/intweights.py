@@ -7,6 +7,10 @@ computes exactly that product in float32 to produce the quantized weight, so ext
 *proves* it for every layer: each :class:`IntegerWeight` is checked with ``torch.equal`` against the
 layer's ``quant_weight().value`` before it is returned.
 
+Per-group quantizers (``per_group``, MX) keep one scale (and zero point) per group: ``scale`` then has the
+weight's shape with the grouped axis divided by ``group_size`` and :meth:`IntegerWeight.dequantize` repeats
+each scale over its group; MX weights (power-of-two group scales) also carry their shared exponents.
+
 Integer formats become ``int8``/``uint8`` (up to 8 bits; ``int16``/``int32`` beyond), zero points
 use the weight's dtype (ONNX's convention). OCP fp8 weights become ``torch.float8_e4m3fn`` /
 ``torch.float8_e5m2`` (FNUZ: ``..fnuz``); minifloats without a torch dtype (fp6, fp4) are held
@@ -21,15 +25,22 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from brevitas.quant_tensor import FloatQuantTensor, IntQuantTensor
+from brevitas.quant_tensor import FloatQuantTensor, GroupwiseFloatQuantTensor, GroupwiseIntQuantTensor, IntQuantTensor
 from torch import nn
 
-from quark_brevitas.brevitas_adapter import FLOAT8_DTYPES, QuantLayer, is_groupwise, iter_quantizers
+from quark_brevitas.brevitas_adapter import (
+    FLOAT8_DTYPES,
+    QuantLayer,
+    groupwise_parts,
+    injector_value,
+    is_groupwise,
+    iter_quantizers,
+)
 from quark_brevitas.errors import ModelError, QuarkBrevitasError
 from quark_brevitas.outputs import write_file
 
@@ -42,24 +53,31 @@ logger = logging.getLogger(__name__)
 class IntegerWeight:
     """One layer's quantized weight as integer (or minifloat) codes with its quantization parameters.
 
-    ``dequantize()`` == ``(int_weight - zero_point) * scale`` (in ``scale``'s dtype, broadcasting)
-    reproduces the layer's quantized weight bit for bit.
+    ``dequantize()`` == ``(int_weight - zero_point) * scale`` (in ``scale``'s dtype, broadcasting; per group:
+    each scale and zero point repeated ``group_size`` times along ``axis``) reproduces the layer's quantized
+    weight bit for bit.
 
     Attributes:
         name: The layer's module name.
         int_weight: The codes: int8/uint8/int16/int32, or float8 (fp8), or float32 holding exact
             minifloat values (fp6/fp4; see ``format``). Same shape as the layer's weight.
-        scale: Float scale, broadcastable to ``int_weight`` (one element per tensor or per channel).
-        zero_point: Zero point, broadcastable like ``scale``; same dtype as integer ``int_weight``
-            (float32 if it is not integral), zero for float formats.
+        scale: Float scale, broadcastable to ``int_weight`` (one element per tensor or per channel); per group:
+            the weight's shape with ``axis`` divided by ``group_size`` (``[out, in // group_size]`` for a
+            Linear layer; rounded up when the axis is no multiple of ``group_size``).
+        zero_point: Zero point, broadcastable like ``scale`` (a scalar zero when symmetric); same dtype as
+            integer ``int_weight`` (float32 if it is not integral), zero for float formats.
         bit_width: Bits per code (sign included).
         signed: Whether codes are signed.
         narrow_range: Whether the most negative code is unused (symmetric signed int formats).
-        axis: The per-channel axis of ``scale``/``zero_point``, ``None`` for per-tensor.
+        axis: The per-channel axis of ``scale``/``zero_point``, the grouped axis (input channels) per group,
+            ``None`` for per-tensor.
         format: E.g. ``"int8"``, ``"uint4"``, ``"fp8_e4m3"``, ``"fp6_e3m2"``.
         exponent_bit_width: Float formats only.
         mantissa_bit_width: Float formats only.
         exponent_bias: Float formats only.
+        group_size: Consecutive elements along ``axis`` sharing one scale (per-group and MX), else ``None``.
+        shared_exponent: MX (power-of-two group scales) only: ``scale == 2 ** shared_exponent`` as int16,
+            the unbiased exponent (OCP MX's E8M0 stores it plus 127).
     """
 
     name: str
@@ -74,22 +92,57 @@ class IntegerWeight:
     exponent_bit_width: int | None = None
     mantissa_bit_width: int | None = None
     exponent_bias: int | None = None
+    group_size: int | None = None
+    shared_exponent: torch.Tensor | None = None
+
+    def expanded(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (``scale`` or ``zero_point``) broadcastable to ``int_weight``: per group, each element
+        repeated over its group along ``axis`` (a last group cut short where the axis is no multiple of
+        ``group_size``: Brevitas pads it); otherwise unchanged."""
+        if self.group_size is None or self.axis is None or tensor.dim() == 0:
+            return tensor
+        repeated = tensor.repeat_interleave(self.group_size, dim=self.axis)
+        return repeated.narrow(self.axis, 0, self.int_weight.shape[self.axis])
 
     def dequantize(self) -> torch.Tensor:
         """``(int_weight - zero_point) * scale``: the layer's quantized weight, exactly (for a float16/bfloat16
         model: exactly before the layer rounds it to its dtype)."""
         dtype = self.scale.dtype
-        return (self.int_weight.to(dtype) - self.zero_point.to(dtype)) * self.scale
+        scale, zero_point = self.expanded(self.scale), self.expanded(self.zero_point)
+        return (self.int_weight.to(dtype) - zero_point.to(dtype)) * scale
 
     def metadata(self) -> dict[str, Any]:
         """The non-tensor fields plus the dtypes, as plain JSON-compatible values."""
         return {
             "bit_width": self.bit_width, "signed": self.signed, "narrow_range": self.narrow_range,
-            "axis": self.axis, "format": self.format, "exponent_bit_width": self.exponent_bit_width,
-            "mantissa_bit_width": self.mantissa_bit_width, "exponent_bias": self.exponent_bias,
+            "axis": self.axis, "group_size": self.group_size, "format": self.format,
+            "exponent_bit_width": self.exponent_bit_width, "mantissa_bit_width": self.mantissa_bit_width,
+            "exponent_bias": self.exponent_bias,
             "int_weight_dtype": _dtype_name(self.int_weight.dtype), "scale_dtype": _dtype_name(self.scale.dtype),
             "zero_point_dtype": _dtype_name(self.zero_point.dtype),
         }
+
+
+@dataclass(frozen=True)
+class _Grouped:
+    """A per-group quant tensor in the weight's layout: expanded codes input plus compact per-group parameters."""
+
+    scale: torch.Tensor  # weight shape with ``axis`` divided by ``group_size``
+    zero_point: torch.Tensor | None  # like ``scale``; None when Brevitas keeps none
+    axis: int
+    group_size: int
+
+
+def _grouped(qt: Any) -> _Grouped:
+    """Brevitas keeps a per-group tensor as ``[..., groups, group_size, ...]`` with scales ``[..., groups, 1, ...]``
+    (``groupwise_parts``); drop the singleton group-size dimension to get one scale per group in the weight's
+    own axes."""
+    _, scale, zero_point, group_dim, group_size = groupwise_parts(qt)
+    compact = scale.detach().squeeze(group_dim + 1)
+    if zero_point is not None:
+        zero_point = zero_point.detach()
+        zero_point = zero_point.squeeze(group_dim + 1) if zero_point.dim() == scale.dim() else zero_point
+    return _Grouped(compact, zero_point, group_dim, group_size)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -118,7 +171,9 @@ def _int_dtype(bit_width: int, signed: bool) -> torch.dtype:
     return torch.int32
 
 
-def _from_int(name: str, qt: IntQuantTensor, narrow: bool) -> IntegerWeight:
+def _from_int(name: str, qt: IntQuantTensor | GroupwiseIntQuantTensor, narrow: bool,
+              grouped: _Grouped | None = None) -> IntegerWeight:
+    # Per group, ``qt.scale`` / ``qt.zero_point`` are already expanded to the weight's shape.
     value, scale, zero_point = qt.value.detach(), qt.scale.detach(), qt.zero_point.detach()
     bit_width, signed = _int(qt.bit_width), bool(qt.signed)
     dtype = _int_dtype(bit_width, signed)
@@ -128,15 +183,20 @@ def _from_int(name: str, qt: IntQuantTensor, narrow: bool) -> IntegerWeight:
         raise QuarkBrevitasError(f"weight codes of '{name}' fall outside {_dtype_name(dtype)} ([{codes.min():.0f}, "
                                  f"{codes.max():.0f}]); the quantizer is not a {bit_width}-bit one")
     zp = zero_point
+    if grouped is not None:
+        scale = grouped.scale
+        zp = grouped.zero_point if grouped.zero_point is not None else torch.zeros((), dtype=scale.dtype)
     if torch.equal(zp, torch.round(zp)) and (zp.numel() == 0 or (zp.min() >= info.min and zp.max() <= info.max)):
         zp = zp.to(dtype)
     return IntegerWeight(
         name=name, int_weight=codes.to(dtype), scale=scale, zero_point=zp, bit_width=bit_width, signed=signed,
-        narrow_range=narrow, axis=_axis(scale, value), format=f"{'int' if signed else 'uint'}{bit_width}",
+        narrow_range=narrow, axis=grouped.axis if grouped is not None else _axis(scale, value),
+        format=f"{'int' if signed else 'uint'}{bit_width}", group_size=None if grouped is None else grouped.group_size,
     )
 
 
-def _from_float(name: str, qt: FloatQuantTensor) -> IntegerWeight:
+def _from_float(name: str, qt: FloatQuantTensor | GroupwiseFloatQuantTensor,
+                grouped: _Grouped | None = None) -> IntegerWeight:
     value, scale = qt.value.detach(), qt.scale.detach()
     e, m, bias = _int(qt.exponent_bit_width), _int(qt.mantissa_bit_width), _int(qt.exponent_bias)
     signed = bool(qt.signed)
@@ -146,11 +206,45 @@ def _from_float(name: str, qt: FloatQuantTensor) -> IntegerWeight:
     dtype = FLOAT8_DTYPES.get((e, m, bias))
     if dtype is not None:
         codes = codes.to(dtype)
+    if grouped is not None:
+        scale = grouped.scale
     return IntegerWeight(
         name=name, int_weight=codes, scale=scale, zero_point=torch.zeros((), dtype=scale.dtype),
-        bit_width=e + m + int(signed), signed=signed, narrow_range=False, axis=_axis(scale, value),
+        bit_width=e + m + int(signed), signed=signed, narrow_range=False,
+        axis=grouped.axis if grouped is not None else _axis(scale, value),
         format=f"fp{e + m + int(signed)}_e{e}m{m}", exponent_bit_width=e, mantissa_bit_width=m, exponent_bias=bias,
+        group_size=None if grouped is None else grouped.group_size,
     )
+
+
+def _is_power_of_two_scaled(proxy: nn.Module) -> bool:
+    """Whether the quantizer restricts its scales to powers of two (MX's shared exponents)."""
+    restrict = injector_value(proxy, "restrict_scaling_type")
+    return getattr(restrict, "name", str(restrict)).upper().endswith("POWER_OF_TWO")
+
+
+def _with_shared_exponent(name: str, entry: IntegerWeight) -> IntegerWeight:
+    """``entry`` with ``shared_exponent = log2(scale)``, checked exact (the MX rule picks powers of two)."""
+    exponent = torch.round(torch.log2(entry.scale.float()))
+    if not torch.equal(torch.exp2(exponent).to(entry.scale.dtype), entry.scale):
+        raise QuarkBrevitasError(f"weight scales of '{name}' are restricted to powers of two but are not; "
+                                 "please report this")
+    return replace(entry, shared_exponent=exponent.to(torch.int16))
+
+
+def _extract(label: str, proxy: nn.Module, qt: Any) -> IntegerWeight:
+    """The :class:`IntegerWeight` of one quant tensor (integer or minifloat, per tensor/channel/group)."""
+    grouped = _grouped(qt) if is_groupwise(proxy) else None
+    if isinstance(qt, IntQuantTensor | GroupwiseIntQuantTensor):
+        entry = _from_int(label, qt, bool(proxy.is_narrow_range), grouped)
+    elif isinstance(qt, FloatQuantTensor | GroupwiseFloatQuantTensor):
+        entry = _from_float(label, qt, grouped)
+    else:
+        raise ModelError(f"weight quantizer of '{label}' returned a {type(qt).__name__}; integer_weights "
+                         "supports integer and minifloat quantizers")
+    if grouped is not None and _is_power_of_two_scaled(proxy):
+        entry = _with_shared_exponent(label, entry)
+    return entry
 
 
 def integer_weights(model: nn.Module) -> dict[str, IntegerWeight]:
@@ -159,7 +253,7 @@ def integer_weights(model: nn.Module) -> dict[str, IntegerWeight]:
     Keys are module names in model order. Each entry is verified: ``entry.dequantize()`` equals the
     layer's ``quant_weight().value`` exactly (``torch.equal``), else an error names the layer.
     Supports integer (any bit width, signed or unsigned, symmetric or asymmetric, float or power-of-two
-    scales, per tensor or per channel) and minifloat (fp8 e4m3/e5m2 OCP or FNUZ, fp6, fp4) weights.
+    scales, per tensor, per channel or per group) and minifloat (fp8 e4m3/e5m2 OCP or FNUZ, fp6, fp4; MX) weights.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -175,16 +269,7 @@ def integer_weights(model: nn.Module) -> dict[str, IntegerWeight]:
                 continue
             label = site.layer_name or "(model)"
             qt = layer.quant_weight()
-            if is_groupwise(site.proxy):
-                raise ModelError(f"'{label}' has a per-group weight quantizer; integer_weights supports per-tensor "
-                                 "and per-channel scales")
-            if isinstance(qt, IntQuantTensor):
-                entry = _from_int(label, qt, bool(site.proxy.is_narrow_range))
-            elif isinstance(qt, FloatQuantTensor):
-                entry = _from_float(label, qt)
-            else:
-                raise ModelError(f"weight quantizer of '{label}' returned a {type(qt).__name__}; integer_weights "
-                                 "supports integer and minifloat quantizers")
+            entry = _extract(label, site.proxy, qt)
             # A float16/bfloat16 model computes the quantized weight in float32 and rounds it to its dtype.
             if not torch.equal(entry.dequantize().to(qt.value.dtype), qt.value):
                 diff = (entry.dequantize() - qt.value.float()).abs().max().item()
@@ -202,7 +287,8 @@ def save_integer_weights(
 ) -> Path:
     """Write the output of :func:`integer_weights` for C/FPGA flows; returns the path.
 
-    Tensors are named ``<layer>.int_weight``, ``<layer>.scale`` and ``<layer>.zero_point``; the
+    Tensors are named ``<layer>.int_weight``, ``<layer>.scale`` and ``<layer>.zero_point`` (MX also
+    ``<layer>.shared_exponent``); the
     per-layer metadata (:meth:`IntegerWeight.metadata`) is stored as JSON: in the safetensors header
     (key ``quark_brevitas.integer_weights``) or as the string array ``__metadata__`` of the ``.npz``.
 
@@ -225,6 +311,8 @@ def save_integer_weights(
         tensors[f"{name}.int_weight"] = entry.int_weight.detach().cpu().contiguous()
         tensors[f"{name}.scale"] = entry.scale.detach().cpu().contiguous()
         tensors[f"{name}.zero_point"] = entry.zero_point.detach().cpu().contiguous()
+        if entry.shared_exponent is not None:
+            tensors[f"{name}.shared_exponent"] = entry.shared_exponent.detach().cpu().contiguous()
     if format == "safetensors":
         from safetensors.torch import save_file
 

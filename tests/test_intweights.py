@@ -29,7 +29,7 @@ from quark_brevitas import (
     save_integer_weights,
 )
 from quark_brevitas.config import ParamType
-from quark_brevitas.types import QSchemeType, ScaleType
+from quark_brevitas.types import Dtype, QSchemeType, ScaleType
 
 PC = QSchemeType.per_channel
 
@@ -171,3 +171,67 @@ def test_save_rejects_bad_arguments(tmp_path: Path) -> None:
         save_integer_weights(weights, tmp_path)
     with pytest.raises(TypeError, match=r"weights\['x'\] must be an IntegerWeight"):
         save_integer_weights({"x": 1}, tmp_path / "w.safetensors")
+
+
+# ------------------------------------------------------------------ per group (and MX)
+PG = QSchemeType.per_group
+
+
+def _grouped_linear(spec: QTensorConfig, in_features: int = 256) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(in_features, 24), nn.ReLU(), nn.Linear(24, 8))
+    config = Config(global_quant_config=QLayerConfig(weight=spec), pre_quant_opt_config=[])
+    return ModelQuantizer(config).quantize_model(model)
+
+
+@pytest.mark.parametrize("dtype", [Dtype.int4, Dtype.uint4, Dtype.int8, Dtype.uint8])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_per_group_integer_weights_are_exact(dtype: Dtype, group_size: int) -> None:
+    quant = _grouped_linear(QTensorConfig(dtype=dtype, qscheme=PG, group_size=group_size))
+    entry = integer_weights(quant)["0"]
+    weight = quant[0].quant_weight().value
+    groups = 256 // group_size
+    assert (entry.group_size, entry.axis) == (group_size, 1)
+    assert entry.scale.shape == (24, groups)
+    asymmetric = dtype in (Dtype.uint4, Dtype.uint8)
+    assert entry.zero_point.shape == ((24, groups) if asymmetric else ())
+    low, high = {Dtype.int4: (-7, 7), Dtype.uint4: (0, 15), Dtype.int8: (-127, 127), Dtype.uint8: (0, 255)}[dtype]
+    codes = entry.int_weight.to(torch.int32)
+    assert low <= codes.min() and codes.max() <= high
+    # Independent of IntegerWeight.dequantize: one scale per group of consecutive input channels.
+    grouped_codes = codes.float().reshape(24, groups, group_size)
+    zero_point = entry.zero_point.float().reshape(24, groups, 1) if asymmetric else 0.0
+    product = ((grouped_codes - zero_point) * entry.scale.reshape(24, groups, 1)).reshape(24, 256)
+    assert torch.equal(product, weight)
+    assert torch.equal(entry.dequantize(), weight)
+    # A group of the layer's scales really varies between groups (not one per-channel scale in disguise).
+    assert not torch.equal(entry.scale[:, 0], entry.scale[:, -1]) or groups == 1
+
+
+def test_per_group_with_a_short_last_group_is_exact() -> None:
+    quant = _grouped_linear(QTensorConfig(dtype=Dtype.uint4, qscheme=PG, group_size=32), in_features=200)
+    entry = integer_weights(quant)["0"]
+    assert entry.scale.shape == (24, 7) and entry.int_weight.shape == (24, 200)
+    assert torch.equal(entry.dequantize(), quant[0].quant_weight().value)
+
+
+@pytest.mark.parametrize("element", [Dtype.int8, Dtype.fp4])
+def test_mx_weights_carry_shared_exponents(element: Dtype) -> None:
+    quant = _grouped_linear(QTensorConfig(dtype=Dtype.mx, mx_element_dtype=element))
+    entry = integer_weights(quant)["0"]
+    assert (entry.group_size, entry.axis, entry.scale.shape) == (32, 1, (24, 8))
+    assert entry.shared_exponent is not None and entry.shared_exponent.dtype == torch.int16
+    assert torch.equal(torch.exp2(entry.shared_exponent.float()), entry.scale)
+    assert torch.equal(entry.dequantize(), quant[0].quant_weight().value)
+
+
+def test_per_group_saved_file_reproduces_weights(tmp_path: Path) -> None:
+    quant = _grouped_linear(QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.int8))
+    path = save_integer_weights(integer_weights(quant), tmp_path / "w.safetensors")
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as handle:
+        meta = json.loads(handle.metadata()["quark_brevitas.integer_weights"])
+    assert meta["0"]["group_size"] == 32 and meta["0"]["axis"] == 1
+    scale = tensors["0.scale"].repeat_interleave(32, dim=1)
+    assert torch.equal(tensors["0.int_weight"].float() * scale, quant[0].quant_weight().value)
+    assert torch.equal(torch.exp2(tensors["0.shared_exponent"].float()), tensors["0.scale"])
