@@ -1,7 +1,7 @@
 """The one guard for optional dependencies: which pip extra installs which package, and the error that says so.
 
 The base install (``pip install quark_brevitas``) has no transformers, accelerate, matplotlib or qonnx; each comes
-with an extra (``[hf]``, ``[plot]``, ``[qonnx]``, see ``pyproject.toml``). Code that needs one calls
+with an extra (``[hf]``, ``[plot]``, ``[qonnx]``, ``[deploy]``, see ``pyproject.toml``). Code that needs one calls
 :func:`require` instead of importing it directly, so that a user who lacks it reads which extra to install
 instead of a bare ``ModuleNotFoundError`` (the command line reports it as ``error: ...`` with exit status 2).
 :func:`available` answers the question without raising, for features that are skipped rather than refused
@@ -25,6 +25,7 @@ EXTRAS: dict[str, str] = {
     "matplotlib": "plot",
     "qonnx": "qonnx",
     "gguf": "gguf",
+    "compressed_tensors": "deploy",
 }
 
 

@@ -61,7 +61,8 @@ element types), :mod:`~quark_brevitas.export.summary` (what a written file store
 activations), :mod:`~quark_brevitas.export.hf` (Hugging Face checkpoints on the export side),
 :mod:`~quark_brevitas.export.kv` (decoders with past key/values as graph inputs/outputs),
 :mod:`~quark_brevitas.export.qcdq` (the QCDQ format), :mod:`~quark_brevitas.export.blocked` (per-group/MX/
-fp6/fp4 weights in ONNX) and :mod:`~quark_brevitas.export.qonnx` (the QONNX format). This package
+fp6/fp4 weights in ONNX), :mod:`~quark_brevitas.export.qonnx` (the QONNX format) and
+:mod:`~quark_brevitas.export.safetensors_hf` (Hugging Face checkpoints in the compressed-tensors format). This package
 re-exports the public API only; the helpers are public names of those internal modules.
 """
 
@@ -73,6 +74,7 @@ from quark_brevitas.export.inspect import DEFAULT_INT_OPSET, MAX_OPSET, MIN_FLOA
 from quark_brevitas.export.qcdq import ExportReport, export_onnx_qcdq
 from quark_brevitas.export.qonnx import QONNXExportReport, export_qonnx, run_qonnx
 from quark_brevitas.export.runtime import create_ort_session, run_onnx
+from quark_brevitas.export.safetensors_hf import export_safetensors
 from quark_brevitas.export.verify import VerificationResult, verify_onnx
 
 __all__ = [
@@ -89,6 +91,7 @@ __all__ = [
     "export_onnx_qcdq",
     "export_gguf",
     "export_qonnx",
+    "export_safetensors",
     "run_onnx",
     "run_qonnx",
     "verify_onnx",
