@@ -65,23 +65,26 @@ _EMBEDDING = QLayerConfig(weight=_INT8)
 
 
 def _linear_only(layer: QLayerConfig, pre: list[algos.AlgorithmConfig] | None = None,
-                 post: list[algos.AlgorithmConfig] | None = None) -> Config:
-    return Config(QLayerConfig(), layer_type_quant_config={nn.Linear: layer, nn.Embedding: _EMBEDDING},
+                 post: list[algos.AlgorithmConfig] | None = None, *, embeddings: bool = False) -> Config:
+    """Linear layers get ``layer``; with ``embeddings``, the embedding tables get int8 weights too (encoders: the
+    ONNX exporter gathers int8 rows; GGUF has no int8 per-tensor embedding type, so its presets leave them float)."""
+    types = {nn.Linear: layer, nn.Embedding: _EMBEDDING} if embeddings else {nn.Linear: layer}
+    return Config(QLayerConfig(), layer_type_quant_config=types,
                   pre_quant_opt_config=[algos.Preprocess(), *(pre or [])], algo_config=list(post or []))
 
 
 def _bert_w8a8() -> Config:
     layer = QLayerConfig(weight=_W8_PER_CHANNEL, input_tensors=_UINT8, bias=_INT32_BIAS)
-    return _linear_only(layer, pre=[algos.ActivationEqualization()])
+    return _linear_only(layer, pre=[algos.ActivationEqualization()], embeddings=True)
 
 
 def _bert_w8a8_dynamic() -> Config:
     # A scale per token computed at run time: no bias quantization (its scale would change per token).
-    return _linear_only(QLayerConfig(weight=_W8_PER_CHANNEL, input_tensors=_UINT8_PER_TOKEN))
+    return _linear_only(QLayerConfig(weight=_W8_PER_CHANNEL, input_tensors=_UINT8_PER_TOKEN), embeddings=True)
 
 
 def _bert_w4_g32() -> Config:
-    return _linear_only(QLayerConfig(weight=_W4_G32), post=[algos.GPTQ()])
+    return _linear_only(QLayerConfig(weight=_W4_G32), post=[algos.GPTQ()], embeddings=True)
 
 
 # ---------------------------------------------------------------- GGUF (llama.cpp) block formats
