@@ -38,6 +38,7 @@ from typing import Annotated, Any
 from quark_brevitas.errors import ConfigError
 
 __all__ = [
+    "OMITTED_WHEN_NONE",
     "VERSION_KEY",
     "Hint",
     "Polymorphic",
@@ -272,6 +273,12 @@ def _matches(hint: Hint, value: Any) -> bool:
 
 
 # ===================================================================== objects -> plain data
+#: A dataclass may list, in a class attribute of this name, optional fields that are written only when set
+#: (not ``None``): fields kept for an older generation of the format, so that a file says only what its author
+#: wrote (reading the file back gives ``None`` for them again).
+OMITTED_WHEN_NONE = "omitted_when_none"
+
+
 def to_plain(value: Any, annotation: Any = None) -> Any:
     """JSON-compatible data for ``value``: enums by name, dataclasses as mappings in field order, entries
     annotated :class:`Polymorphic` with their class name first. Wrong types are passed through, not
@@ -280,7 +287,9 @@ def to_plain(value: Any, annotation: Any = None) -> Any:
     if isinstance(value, Enum):
         return value.name
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        plain = {f.name: to_plain(getattr(value, f.name), field_hint) for f, field_hint in field_hints(type(value))}
+        omitted = getattr(type(value), OMITTED_WHEN_NONE, ())
+        plain = {f.name: to_plain(getattr(value, f.name), field_hint) for f, field_hint in field_hints(type(value))
+                 if not (f.name in omitted and getattr(value, f.name) is None)}
         if hint is not None and hint.polymorphic is not None:
             return {hint.polymorphic.tag: type(value).__name__, **plain}
         return plain
