@@ -30,6 +30,9 @@ class AlgorithmConfig:
     name: ClassVar[str] = ""
     #: Whether the algorithm runs on calibration data (the pipeline then requires a calib_loader).
     needs_data: ClassVar[bool] = True
+    #: What the algorithm does to the weights, which decides where it may stand in ``algo_config`` (see
+    #: :data:`EFFECTS`): a later algorithm must not undo an earlier one.
+    effect: ClassVar[str] = "rounding"
 
     def verify(self, config: QuantHierarchy, path: str) -> None:
         """Semantic checks of the parameters (their types are checked generically before this runs, by
@@ -38,12 +41,29 @@ class AlgorithmConfig:
 
 @dataclass
 class PreQuantOptConfig(AlgorithmConfig):
-    """An algorithm applied to the float model before quantization."""
+    """An algorithm applied to the float model before quantization (a weight transform): in
+    ``pre_quant_opt_config``, or in ``algo_config`` ahead of the algorithms that fit weights to the grid (Quark
+    0.13 lists every algorithm there), where it runs before quantization too."""
+
+    effect: ClassVar[str] = "transform"
 
 
 @dataclass
 class AlgoConfig(AlgorithmConfig):
     """An algorithm applied to the quantized, calibrated model."""
+
+
+#: What an algorithm does to the weights, in the only order in which none undoes an earlier one: weight transforms
+#: of the float model (SmoothQuant, equalization, pre-processing), then scale-and-clip searches on the quantized
+#: weights (AWQ), then rounding with error compensation (GPTQ, GPFQ), then corrections of the final weights' error
+#: (bias correction, BatchNorm statistics). Each value says why a later position is needed.
+EFFECTS: dict[str, str] = {
+    "transform": "transforms the float weights (run before quantization)",
+    "scaling": "rescales and clips the weights the quantizer will round",
+    "rounding": "rounds the weights onto the grid, compensating the error",
+    "correction": "corrects the output error the final quantized weights leave",
+}
+EFFECT_ORDER = tuple(EFFECTS)
 
 
 def _any_level_sets(config: QuantHierarchy, role: str) -> bool:
@@ -160,6 +180,7 @@ class BiasCorrection(AlgoConfig):
     quantization introduced, measured on the calibration data."""
 
     name: ClassVar[str] = "Bias Correction"
+    effect: ClassVar[str] = "correction"
 
 
 @dataclass
@@ -168,6 +189,7 @@ class CalibrateBatchNorm(AlgoConfig):
     were not merged, e.g. with ``Preprocess(merge_batch_norm=False)``)."""
 
     name: ClassVar[str] = "Calibrate Batch Norm"
+    effect: ClassVar[str] = "correction"
 
 
 
@@ -317,6 +339,7 @@ class AWQConfig(AlgoConfig):
     - ``embedding_layers``: the modules before the first decoder layer (informational; ``None``: inferred).
     """
 
+    effect: ClassVar[str] = "scaling"
     #: The reference's restated fields: written to files only when set (see serialization.OMITTED_WHEN_NONE).
     omitted_when_none: ClassVar[tuple[str, ...]] = ("bit", "sym", "group_size")
     name: str = "awq"
@@ -397,6 +420,8 @@ def registered(base: type) -> list[type]:
 
 
 __all__ = [
+    "EFFECTS",
+    "EFFECT_ORDER",
     "SCALING_LAYER_KEYS",
     "AWQConfig",
     "ActivationEqualization",
@@ -407,6 +432,7 @@ __all__ = [
     "GPFQ",
     "GPTQ",
     "GPTQConfig",
+    "AlgorithmConfig",
     "PreQuantOptConfig",
     "Preprocess",
     "SmoothQuantConfig",

@@ -73,6 +73,8 @@ class Polymorphic:
 
     registered: Callable[[type], list[type]]
     tag: str = "name"
+    #: Appended to the message for a value that is not one of the classes (e.g. where such a value is accepted).
+    note: str = ""
 
     def classes(self, base: type) -> dict[str, type]:
         """The allowed classes by name, looked up at each use so that subclasses registered later count.
@@ -195,9 +197,10 @@ def _phrases(hint: Hint, python: bool) -> list[str]:
     name = hint.cls.__name__
     if hint.polymorphic is not None:
         names = list(hint.polymorphic.classes(hint.cls))
+        note = f"; {hint.polymorphic.note}" if hint.polymorphic.note else ""
         if python:
-            return [f"a {name} ({', '.join(names)})"]
-        return [f"a mapping with a {hint.polymorphic.tag!r} key naming a {name} (one of {names})"]
+            return [f"a {name} ({', '.join(names)}{note})"]
+        return [f"a mapping with a {hint.polymorphic.tag!r} key naming a {name} (one of {names}{note})"]
     if kind == "dataclass" and not python:
         return [f"a mapping describing a {name}"]
     return [f"a {name}"]
@@ -350,7 +353,9 @@ def _dataclass_from(hint: Hint, data: Any, path: str) -> Any:
         name = data[poly.tag]
         if not isinstance(name, str) or name not in classes:
             suggestion = did_you_mean(name, list(classes)) if isinstance(name, str) else ""
-            raise ConfigError(tag_path, f"{_shown(name)} is not a {cls.__name__}; {suggestion}allowed: {list(classes)}")
+            note = f"; {poly.note}" if poly.note else ""
+            raise ConfigError(tag_path, f"{_shown(name)} is not a {cls.__name__}; {suggestion}allowed: "
+                                        f"{list(classes)}{note}")
         cls, extra = classes[name], [poly.tag]
         # A class whose tag is one of its fields keeps that field at its default (the tag names the class).
         data = {key: value for key, value in data.items() if key != poly.tag}
