@@ -555,10 +555,22 @@ def _plan_model(args: argparse.Namespace) -> int:
     print(f"{type(skeleton).__name__} plan ({args.model}; {source}; pre-quant: {pre}; algorithms: {post})")
     print(f"block stack: {blocks}")
     print(plan_table(rows))
+    print("\n" + "\n".join(run_order_lines(config)))
     described = describe_algorithms(config, skeleton)
     if described:
         print("\n" + "\n".join(described))
     return 0
+
+
+def run_order_lines(config: Config) -> list[str]:
+    """What ``plan`` says about the algorithms: each with its place in the config, in the order they run and
+    when (an ``algo_config`` entry that transforms the float weights runs before quantization, as written)."""
+    pre = {id(a) for a in config.pre_quant_algorithms()}
+    lines = ["algorithms, in the order they run:"]
+    for number, (where, algo) in enumerate(config.run_order(), start=1):
+        when = "before quantization, on the float model" if id(algo) in pre else "after quantization and calibration"
+        lines.append(f"  {number}. {where} {type(algo).__name__} ({when})")
+    return lines if len(lines) > 1 else ["algorithms: none"]
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -573,6 +585,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     post = ", ".join(type(a).__name__ for a in config.algo_config) or "-"
     print(f"DigitsCNN plan ({source}; pre-quant: {pre}; algorithms: {post})")
     print(plan_table(rows))
+    print("\n" + "\n".join(run_order_lines(config)))
     from quark_brevitas.digits import DigitsCNN
 
     described = describe_algorithms(config, DigitsCNN())  # what the algorithms work on (inferred structure)
