@@ -143,7 +143,8 @@ def test_plan_lines_show_what_was_inferred() -> None:
 # ===================================================================== config checks
 @pytest.mark.parametrize(("algo", "weight", "field"), [
     (GPTQConfig(bit=4), INT8_CHANNEL, r"bit: 4, but global_quant_config.weight has bit_width 8"),
-    (GPTQConfig(bit=8, sym=True, group_size=128), INT8_CHANNEL, r"group_size: 128, but global_quant_config.weight is per_channel"),
+    (GPTQConfig(bit=8, sym=True, group_size=128), INT8_CHANNEL,
+     r"group_size: 128, but global_quant_config.weight is per_channel"),
     (GPTQConfig(group_size=64), UINT4_G32, r"group_size: 64, but .* group_size 32"),
     (AWQConfig(sym=False, group_size=32), INT4_G32, r"sym: False, but .* symmetric=True"),
     (AWQConfig(bit=8, sym=True, group_size=-1), QuantizationSpec(dtype=Dtype.fp8_e4m3), r"integers"),
