@@ -332,13 +332,14 @@ def _verify_algorithm_combinations(pre_quant: Sequence[algorithms.AlgorithmConfi
 def _verify_no_duplicates(pre_quant: Sequence[algorithms.AlgorithmConfig],
                           post_quant: Sequence[algorithms.AlgorithmConfig]) -> None:
     """An algorithm listed twice (in either list) would run twice: a second SmoothQuant or equalization pass
-    wraps or rescales already transformed layers, a second rounding pass undoes the first."""
+    wraps or rescales already transformed layers, a second rounding pass undoes the first. Corrections
+    (BiasCorrection, CalibrateBatchNorm) are exempt: each run re-measures the model as it then is."""
     seen: dict[type, str] = {}
     entries = [(f"pre_quant_opt_config[{i}]", a) for i, a in enumerate(pre_quant)]
     entries += [(f"algo_config[{i}]", a) for i, a in enumerate(post_quant)]
     for path, algo in entries:
         kind = type(algo)
-        if kind in seen:
+        if kind in seen and algo.effect != "correction":
             raise ConfigError(path, f"{kind.__name__} is listed twice (also at {seen[kind]}): it would run twice, "
                                     "the second run undoing or compounding the first; keep one entry with the "
                                     "parameters you want")
