@@ -1,6 +1,7 @@
 """quark_brevitas: Quark's Brevitas-flavoured quantization API for PyTorch, executed by Brevitas.
 
-Describe *what* to quantize with :class:`Config` / :class:`QLayerConfig` / :class:`QTensorConfig`,
+Describe *what* to quantize with :class:`Config` (alias ``QConfig``, Quark 0.11+'s name) /
+:class:`QLayerConfig` / :class:`QTensorConfig`,
 then ``ModelQuantizer(config).quantize_model(model, calib_loader)`` and
 ``ModelExporter(path).export_onnx_model(quant_model, example_input)`` (or ``export_qonnx_model``).
 ``save_quantized(quant_model, directory)`` / ``load_quantized(float_model, directory)`` store and
@@ -44,6 +45,7 @@ _PUBLIC: dict[str, str] = {
     "ModelQuantizer": "api",
     "ParamType": "config",
     "QATConfig": "qat",
+    "QConfig": "config",
     "QLayerConfig": "config",
     "QTensorConfig": "config",
     "QuantType": "config",

@@ -563,6 +563,7 @@ def _plan_model(args: argparse.Namespace) -> int:
     print(f"{type(skeleton).__name__} plan ({args.model}; {source}; pre-quant: {pre}; algorithms: {post})")
     print(f"block stack: {blocks}")
     print(plan_table(rows))
+    print("\n" + "\n".join(run_order_lines(config)))
     described = describe_algorithms(config, skeleton)
     if described:
         print("\n" + "\n".join(described))
@@ -598,12 +599,20 @@ def _print_template(config: Config, source: str, model_type: str) -> int:
         print(f"  {role}: {spec.short() if spec is not None else 'float'}")
     for pattern, layer in config.layer_quant_config.items():
         print(f"  {pattern}: weight {layer.weight.short() if layer.weight else 'float'}")
-    steps = [*config.pre_quant_opt_config, *config.algo_config]
-    print("algorithms, in the order they run:" if steps else "algorithms: -")
-    for index, algo in enumerate(steps, 1):
-        print(f"  {index}. {algo}")
+    print("\n".join(run_order_lines(config)))
     print("\n".join(LLMTemplate.get(model_type).describe()))
     return 0
+
+
+def run_order_lines(config: Config) -> list[str]:
+    """What ``plan`` says about the algorithms: each with its place in the config, in the order they run and
+    when (an ``algo_config`` entry that transforms the float weights runs before quantization, as written)."""
+    pre = {id(a) for a in config.pre_quant_algorithms()}
+    lines = ["algorithms, in the order they run:"]
+    for number, (where, algo) in enumerate(config.run_order(), start=1):
+        when = "before quantization, on the float model" if id(algo) in pre else "after quantization and calibration"
+        lines.append(f"  {number}. {where} {type(algo).__name__} ({when})")
+    return lines if len(lines) > 1 else ["algorithms: none"]
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -622,6 +631,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     post = ", ".join(type(a).__name__ for a in config.algo_config) or "-"
     print(f"DigitsCNN plan ({source}; pre-quant: {pre}; algorithms: {post})")
     print(plan_table(rows))
+    print("\n" + "\n".join(run_order_lines(config)))
     from quark_brevitas.digits import DigitsCNN
 
     described = describe_algorithms(config, DigitsCNN())  # what the algorithms work on (inferred structure)

@@ -180,13 +180,22 @@ class Pipeline:
             unit = self.backend.quantize(unit, self.config, check_names=False, prefix=name)
         return unit, rows
 
+    def _stage(self, stage: str) -> list[Any]:
+        """The algorithms of a stage, in the order they run: ``"pre_quant_opt_config"``: those on the float model
+        (with the weight transforms ``algo_config`` lists, Quark 0.13's style), ``"algo_config"``: the rest."""
+        if stage == "pre_quant_opt_config":
+            return self.config.pre_quant_algorithms()
+        if stage == "algo_config":
+            return self.config.post_quant_algorithms()
+        raise ValueError(f"stage must be 'pre_quant_opt_config' or 'algo_config', got {stage!r}")
+
     def _run_algorithms(self, stage: str, model: nn.Module, data: CalibrationData | None, *,
                         data_driven: bool | None = None, log: int = logging.INFO,
                         unit: tuple[str, bool] | None = None) -> nn.Module:
         """The algorithms of ``stage`` in list order (only the data-driven ones, or only the data-free ones,
         if ``data_driven`` says so). ``unit``: ``(name, is_block)`` when ``model`` is one part of the model in
         the block-by-block data phase (the handlers' ``apply_unit``)."""
-        for algo in getattr(self.config, stage):
+        for algo in self._stage(stage):
             if data_driven is not None and algo.needs_data != data_driven:
                 continue
             logger.log(log, "Applying %s", _algorithm_name(algo))
@@ -199,7 +208,7 @@ class Pipeline:
 
     def _restore_algorithms(self, stage: str, model: nn.Module, saved: SavedStructure, *,
                             data_driven_only: bool = False) -> nn.Module:
-        for algo in getattr(self.config, stage):
+        for algo in self._stage(stage):
             handler = handler_for(algo)
             if algo.needs_data:
                 model = handler.restore(algo, model, saved)
@@ -324,7 +333,7 @@ class Pipeline:
                             offload: str | os.PathLike[str] | None) -> nn.Module:
         """The block-by-block path (:func:`~quark_brevitas.blocks.run.quantize_blocks`): the data-free
         pre-quantization steps first, on the whole model."""
-        data_free = [_algorithm_name(a) for a in self.config.pre_quant_opt_config if not a.needs_data]
+        data_free = [_algorithm_name(a) for a in self.config.pre_quant_algorithms() if not a.needs_data]
         prepare = functools.partial(self._run_algorithms, "pre_quant_opt_config", data=None, data_driven=False) \
             if data_free else None
         return quantize_blocks(self, model, stack, data, inplace=inplace, offload=offload, prepare=prepare,

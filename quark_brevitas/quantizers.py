@@ -29,6 +29,7 @@ the symmetric MXINT8 range).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -73,6 +74,7 @@ from quark_brevitas.config.checks import (
 )
 from quark_brevitas.config.checks import verify_spec as verify_spec_rules
 from quark_brevitas.config.enums import ParamType, RoundType, ScaleType, ZeroPointType
+from quark_brevitas.config.formats import MIN_MAX_OBSERVERS
 from quark_brevitas.config.specs import QuantizationSpec
 
 P = ParamType
@@ -326,6 +328,8 @@ def build_quantizer(spec: QuantizationSpec | None, role: str) -> Any:
             lets["zero_point_impl"] = ParameterFromStatsFromParameterZeroPoint
     if spec.zero_point_type is ZeroPointType.float32:
         lets["quantize_zero_point"] = False
+    if spec.percentile is None and kind == "act" and scheme == PER_TENSOR and spec.observer_cls in MIN_MAX_OBSERVERS:
+        spec = replace(spec, percentile=100.0)  # Quark's min-max observer: the maximum, not the default percentile
     if spec.percentile is not None:
         lets.update(_percentile_lets(spec))
     return base.let(**lets)

@@ -108,7 +108,12 @@ BAD_ALGOS = [
     ([algos.GPFQ(percentage_of_processed_inputs=0.5)], "algo_config[0].percentage_of_processed_inputs", "1.0"),
     ([algos.GPFA2Q(accumulator_bit_width=4)], "algo_config[0].accumulator_bit_width", "8..32"),
     ([algos.GPTQ(act_order="yes")], "algo_config[0].act_order", "True or False"),  # type: ignore[arg-type]
-    ([algos.Preprocess()], "algo_config[0]", "must be a AlgoConfig"),
+    # algo_config takes every algorithm (Quark 0.13); the default pre_quant_opt_config already has Preprocess
+    ([algos.Preprocess()], "algo_config[0]", "Preprocess is listed twice (also at pre_quant_opt_config[0])"),
+    (["GPTQ"], "algo_config[0]", "algo_config takes every algorithm config"),
+    ([algos.GPTQ(), algos.ActivationEqualization()], "algo_config[1]",
+     "ActivationEqualization after GPTQ (algo_config[0]) would undo it"),
+    ([algos.BiasCorrection(), algos.GPTQ()], "algo_config[1]", "Put GPTQ before BiasCorrection"),
 ]
 
 
@@ -118,6 +123,16 @@ def test_algorithm_verification(algo_list: list, path: str, fragment: str) -> No
         verify_config(Config(global_quant_config=W8A8, algo_config=algo_list))
     assert info.value.path == path
     assert fragment in str(info.value)
+
+
+def test_a_post_quantization_algorithm_in_pre_quant_opt_config_says_where_it_belongs() -> None:
+    with pytest.raises(ConfigError) as info:
+        verify_config(Config(global_quant_config=W8A8, pre_quant_opt_config=[algos.GPTQ()]))
+    assert info.value.path == "pre_quant_opt_config[0]"
+    assert "are accepted in algo_config" in str(info.value)
+    with pytest.raises(ConfigError, match=r"pre_quant_opt_config\[0\].name: 'GPTQ' is not a PreQuantOptConfig.*"
+                                          r"accepted in algo_config"):
+        Config.from_dict({"global_quant_config": {}, "pre_quant_opt_config": [{"name": "GPTQ"}]})
 
 
 def test_gpfq_needs_input_quantization() -> None:

@@ -86,7 +86,7 @@ def test_package_public_names_are_unchanged() -> None:
     assert quark_brevitas.__all__ == [
         "DEFAULT_LAYER_MAP", "Backend", "CalibrationDataError", "CheckpointError", "Config", "ConfigError",
         "Container", "IntegerWeight", "LLMTemplate", "LayerMapping", "LayerwiseBackend", "ModelError", "ModelExporter",
-        "ModelQuantizer", "ParamType", "QATConfig", "QLayerConfig", "QTensorConfig", "QuantType",
+        "ModelQuantizer", "ParamType", "QATConfig", "QConfig", "QLayerConfig", "QTensorConfig", "QuantType",
         "QuantizationConfig", "QuantizationSpec", "QuarkBrevitasError", "UnsupportedAlgorithmError", "algos",
         "integer_weights", "prepare_qat", "load_quantized", "save_integer_weights", "save_quantized", "types",
         "verify_config",

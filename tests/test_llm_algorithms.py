@@ -142,10 +142,11 @@ def test_plan_lines_show_what_was_inferred() -> None:
 
 # ===================================================================== config checks
 @pytest.mark.parametrize(("algo", "weight", "field"), [
-    (GPTQConfig(), INT8_CHANNEL, r"bit: 4, but global_quant_config.weight has bit_width 8"),
-    (GPTQConfig(bit=8, sym=True), INT8_CHANNEL, r"group_size: 128, but global_quant_config.weight is per_channel"),
+    (GPTQConfig(bit=4), INT8_CHANNEL, r"bit: 4, but global_quant_config.weight has bit_width 8"),
+    (GPTQConfig(bit=8, sym=True, group_size=128), INT8_CHANNEL,
+     r"group_size: 128, but global_quant_config.weight is per_channel"),
     (GPTQConfig(group_size=64), UINT4_G32, r"group_size: 64, but .* group_size 32"),
-    (AWQConfig(group_size=32), INT4_G32, r"sym: False, but .* symmetric=True"),
+    (AWQConfig(sym=False, group_size=32), INT4_G32, r"sym: False, but .* symmetric=True"),
     (AWQConfig(bit=8, sym=True, group_size=-1), QuantizationSpec(dtype=Dtype.fp8_e4m3), r"integers"),
     (GPTQConfig(bit=8, sym=True, group_size=32),
      QuantizationSpec(dtype=Dtype.mx, mx_element_dtype=Dtype.int8), r"MX"),
@@ -168,7 +169,7 @@ def test_bad_scaling_layers_entries_are_rejected() -> None:
 
 
 def test_a_layer_level_weight_spec_contradicting_the_algorithm_fails_naming_the_layer(batches) -> None:
-    config = _config(UINT4_G32, GPTQConfig(group_size=32),
+    config = _config(UINT4_G32, GPTQConfig(bit=4, group_size=32),
                      layer_quant_config={"model.layers.1.mlp.down_proj": QuantizationConfig(weight=INT8_CHANNEL)})
     with pytest.raises(ConfigError, match=r"GPTQConfig.bit: 4, but in decoder layer 'model.layers.1' mlp.down_proj "
                                           r"quantizes its weight to 8 bits"):

@@ -86,5 +86,7 @@ def test_schema_documents_fields() -> None:
     assert spec["bit_width"]["default"] == 8 and "description" in spec["bit_width"]
     assert "fnmatch" in schema["properties"]["layer_quant_config"]["description"]
     assert "Conv2d" in schema["properties"]["layer_type_quant_config"]["propertyNames"]["examples"]
-    names = {ref["$ref"].rsplit("/", 1)[1] for ref in schema["$defs"]["AlgoConfig"]["oneOf"]}
-    assert names == {"AWQConfig", "BiasCorrection", "CalibrateBatchNorm", "GPFA2Q", "GPFQ", "GPTQ", "GPTQConfig"}
+    # algo_config takes every algorithm (Quark 0.13), pre_quant_opt_config the weight transforms
+    names = {ref["$ref"].rsplit("/", 1)[1] for ref in schema["$defs"]["AlgorithmConfig"]["oneOf"]}
+    assert names == {"AWQConfig", "BiasCorrection", "CalibrateBatchNorm", "GPFA2Q", "GPFQ", "GPTQ", "GPTQConfig",
+                     "ActivationEqualization", "Preprocess", "SmoothQuantConfig"}

@@ -200,7 +200,7 @@ class AWQConfigHandler(BlockwiseHandler):
                     input_scales[layer_name] = input_scales.get(layer_name, 1) * scales
             for layer_name, layer in clipped.items():
                 rows = sample.get(layer_name) / input_scales.get(layer_name, 1)
-                set_linear_weight(layer, clip_search(layer, rows, algo.group_size, data))
+                set_linear_weight(layer, clip_search(layer, rows, int_weight_format(layer).group_size, data))
             for layer in quantized.values():
                 weight_grid(layer)  # the quantizer's grid from the final weight
         if has_static_activation_quantizers(block):

@@ -79,7 +79,7 @@ class BlockwiseHandler(AlgorithmHandler):
                          field: str = "") -> dict[str, nn.Module]:
         """The Linear-like layers of ``block`` with an integer weight quantizer (or those ``names``, which must be
         such layers; ``field`` names the config field they come from), checked against the config's ``bit`` and
-        ``group_size``, which restate the weight spec."""
+        ``group_size`` where set (they restate the weight spec; ``None``: as each layer's quantizer says)."""
         what = type(algo).__name__
         modules = dict(block.named_modules())
         if names is None:
@@ -95,10 +95,10 @@ class BlockwiseHandler(AlgorithmHandler):
                 layers[name] = layer
         for name, layer in layers.items():
             bit_width, group_size, _ = int_weight_format(layer)
-            if bit_width != algo.bit:
+            if algo.bit is not None and bit_width != algo.bit:
                 raise ConfigError(f"{what}.bit", f"{algo.bit}, but in {where} {name} quantizes its weight to "
                                                  f"{bit_width} bits (set bit={bit_width}, or exclude the layer)")
-            if group_size != algo.group_size:
+            if algo.group_size is not None and group_size != algo.group_size:
                 raise ConfigError(f"{what}.group_size", f"{algo.group_size}, but in {where} {name}'s weight "
                                                         f"quantizer has group size {group_size} (-1: no groups)")
         return layers

@@ -5,7 +5,8 @@ Per decoder layer (block): the layers that read the same input (q/k/v, o, gate/u
 the first batch from the objects the layers are called with; one pass of the block's inputs collects the
 Hessians ``H = X^T X / n`` of a whole group, then each layer's weight is rounded column by column, the rounding
 error being compensated on the columns not yet rounded with the inverse Hessian (Frantar et al., in AutoGPTQ's
-blocked form: rank-1 updates inside blocks of 128 columns, one matrix product between blocks). With
+blocked form: rank-1 updates inside blocks of ``block_size`` columns, 128 by default, one matrix product
+between blocks; the block size changes speed and memory, not the result). With
 ``true_sequential`` the next group's Hessians are collected with the previous groups already quantized.
 
 Columns are rounded with the layer's own Brevitas weight quantizer's scale and zero point
@@ -36,7 +37,13 @@ from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.scaling import layer_inputs, linear_weight, set_linear_weight
 from quark_brevitas.blocks.capture import UntilStopped
-from quark_brevitas.brevitas_adapter import StopFwdException, WeightGrid, quantization_disabled, weight_grid
+from quark_brevitas.brevitas_adapter import (
+    StopFwdException,
+    WeightGrid,
+    int_weight_format,
+    quantization_disabled,
+    weight_grid,
+)
 from quark_brevitas.data import CalibrationData
 from quark_brevitas.errors import ModelError
 from quark_brevitas.hf.structure import is_linear
@@ -218,11 +225,12 @@ class GPTQConfigHandler(BlockwiseHandler):
 
     def _quantize(self, algo: Any, name: str, layer: nn.Module, hessian: torch.Tensor) -> float:
         weight = linear_weight(layer).detach().clone()
+        group_size = int_weight_format(layer).group_size  # the layer's own (algo.group_size only restates it)
 
         def run(static_groups: bool) -> GPTQResult:
             return gptq_columns(weight, hessian, lambda tensor: weight_grid(layer, tensor),
-                                damp_percent=algo.damp_percent, act_order=algo.desc_act, group_size=algo.group_size,
-                                static_groups=static_groups)
+                                damp_percent=algo.damp_percent, act_order=algo.desc_act, group_size=group_size,
+                                static_groups=static_groups, block_size=algo.block_size)
 
         result = run(algo.static_groups)
         if not result.on_grid:

@@ -51,7 +51,7 @@ def blockwise_obstacle(config: Any) -> str | None:
     if whole:
         return f"{', '.join(whole)} needs the whole model in every pass"
     seen_data = False
-    for algo in config.pre_quant_opt_config:
+    for algo in config.pre_quant_algorithms():
         if algo.needs_data:
             seen_data = True
         elif seen_data:

@@ -1,7 +1,7 @@
 """The configuration schema: Quark's Brevitas extension config (reference 003), as plain data.
 
-``Config``, ``QuantizationConfig`` (alias ``QLayerConfig``), ``QuantizationSpec`` (alias
-``QTensorConfig``), ``QuantType``, ``ParamType`` and ``Backend`` have the names, fields and
+``Config`` (alias ``QConfig``, Quark 0.11+'s name), ``QuantizationConfig`` (alias ``QLayerConfig``),
+``QuantizationSpec`` (alias ``QTensorConfig``), ``QuantType``, ``ParamType`` and ``Backend`` have the names, fields and
 defaults of ``quark.torch.extensions.brevitas.config``. ``Config`` also carries the hierarchy of Quark's
 general PyTorch config (references 001 and 002): ``layer_type_quant_config``, ``layer_quant_config``
 and ``exclude``, added after the Brevitas extension's fields so that positional construction keeps
@@ -35,6 +35,7 @@ from quark_brevitas.config.algorithms import AWQConfig, GPTQConfig, SmoothQuantC
 from quark_brevitas.config.checks import HIERARCHY_LEVELS, verify_layer_config, verify_partial_layer_config
 from quark_brevitas.config.enums import (
     Backend,
+    DeviceType,
     Dtype,
     ParamType,
     QSchemeType,
@@ -53,6 +54,7 @@ from quark_brevitas.config.model_config import (
     LayerTypeName,
     PostQuantAlgorithm,
     PreQuantAlgorithm,
+    QConfig,
     layer_type_key,
     type_name,
     verify_config,
@@ -84,6 +86,7 @@ __all__ = [
     "Backend",
     "Config",
     "ConfigError",
+    "DeviceType",
     "Dtype",
     "GPTQConfig",
     "LLMTemplate",
@@ -92,6 +95,7 @@ __all__ = [
     "ParamType",
     "PostQuantAlgorithm",
     "PreQuantAlgorithm",
+    "QConfig",
     "QLayerConfig",
     "QSchemeType",
     "QTensorConfig",

@@ -30,6 +30,9 @@ class AlgorithmConfig:
     name: ClassVar[str] = ""
     #: Whether the algorithm runs on calibration data (the pipeline then requires a calib_loader).
     needs_data: ClassVar[bool] = True
+    #: What the algorithm does to the weights, which decides where it may stand in ``algo_config`` (see
+    #: :data:`EFFECTS`): a later algorithm must not undo an earlier one.
+    effect: ClassVar[str] = "rounding"
 
     def verify(self, config: QuantHierarchy, path: str) -> None:
         """Semantic checks of the parameters (their types are checked generically before this runs, by
@@ -38,12 +41,29 @@ class AlgorithmConfig:
 
 @dataclass
 class PreQuantOptConfig(AlgorithmConfig):
-    """An algorithm applied to the float model before quantization."""
+    """An algorithm applied to the float model before quantization (a weight transform): in
+    ``pre_quant_opt_config``, or in ``algo_config`` ahead of the algorithms that fit weights to the grid (Quark
+    0.13 lists every algorithm there), where it runs before quantization too."""
+
+    effect: ClassVar[str] = "transform"
 
 
 @dataclass
 class AlgoConfig(AlgorithmConfig):
     """An algorithm applied to the quantized, calibrated model."""
+
+
+#: What an algorithm does to the weights, in the only order in which none undoes an earlier one: weight transforms
+#: of the float model (SmoothQuant, equalization, pre-processing), then scale-and-clip searches on the quantized
+#: weights (AWQ), then rounding with error compensation (GPTQ, GPFQ), then corrections of the final weights' error
+#: (bias correction, BatchNorm statistics). Each value says why a later position is needed.
+EFFECTS: dict[str, str] = {
+    "transform": "transforms the float weights (run before quantization)",
+    "scaling": "rescales and clips the weights the quantizer will round",
+    "rounding": "rounds the weights onto the grid, compensating the error",
+    "correction": "corrects the output error the final quantized weights leave",
+}
+EFFECT_ORDER = tuple(EFFECTS)
 
 
 def _any_level_sets(config: QuantHierarchy, role: str) -> bool:
@@ -160,6 +180,7 @@ class BiasCorrection(AlgoConfig):
     quantization introduced, measured on the calibration data."""
 
     name: ClassVar[str] = "Bias Correction"
+    effect: ClassVar[str] = "correction"
 
 
 @dataclass
@@ -168,6 +189,7 @@ class CalibrateBatchNorm(AlgoConfig):
     were not merged, e.g. with ``Preprocess(merge_batch_norm=False)``)."""
 
     name: ClassVar[str] = "Calibrate Batch Norm"
+    effect: ClassVar[str] = "correction"
 
 
 
@@ -219,7 +241,9 @@ def _weight_specs(config: QuantHierarchy) -> list[tuple[str, QuantizationSpec]]:
 
 
 def _verify_restated_weight_spec(algo: AWQConfig | GPTQConfig, config: QuantHierarchy, path: str) -> None:
-    """``bit``, ``sym`` and ``group_size`` restate the weight spec (Quark's fields): they must agree with it.
+    """``bit``, ``sym`` and ``group_size`` restate the weight spec (the reference's fields; Quark 0.13 dropped
+    them): ``None`` (the default) means "as the weight spec says"; a value the user sets must agree with it, and
+    a contradiction names both fields.
 
     ``group_size=-1`` means no groups (AutoGPTQ's convention): per-channel or per-tensor weights.
     """
@@ -232,19 +256,23 @@ def _verify_restated_weight_spec(algo: AWQConfig | GPTQConfig, config: QuantHier
         if spec.qscheme is QSchemeType.per_group and spec.scale_type is ScaleType.pof2:
             raise ConfigError(path, f"{what} does not support MX (per_group with pof2 scales) weights ({where}); "
                                     "use scale_type=float")
-        if algo.bit != spec.bit_width:
+        if algo.bit is not None and algo.bit != spec.bit_width:
             raise ConfigError(f"{path}.bit", f"{algo.bit}, but {where} has bit_width {spec.bit_width}: {what}.bit "
-                                             f"restates the weight spec; set bit={spec.bit_width}")
-        if algo.sym != spec.symmetric:
+                                             f"restates the weight spec; set bit={spec.bit_width} or leave it None")
+        if algo.sym is not None and algo.sym != spec.symmetric:
             raise ConfigError(f"{path}.sym", f"{algo.sym}, but {where} has symmetric={spec.symmetric}: {what}.sym "
-                                             f"restates the weight spec; set sym={spec.symmetric}")
+                                             f"restates the weight spec; set sym={spec.symmetric} or leave it None")
         grouped = spec.qscheme is QSchemeType.per_group
+        if algo.group_size is None:
+            continue
         if grouped and algo.group_size != spec.group_size:
             raise ConfigError(f"{path}.group_size", f"{algo.group_size}, but {where} is per_group with group_size "
-                                                    f"{spec.group_size}; set group_size={spec.group_size}")
+                                                    f"{spec.group_size}; set group_size={spec.group_size} or leave "
+                                                    "it None")
         if not grouped and algo.group_size != -1:
             raise ConfigError(f"{path}.group_size", f"{algo.group_size}, but {where} is {spec.qscheme.name} (no "
-                                                    "groups); set group_size=-1, or use a per_group weight spec")
+                                                    "groups); set group_size=-1 or leave it None, or use a per_group "
+                                                    "weight spec")
 
 
 def _verify_quark_weight_algorithm(algo: AWQConfig | GPTQConfig, config: QuantHierarchy, path: str) -> None:
@@ -303,17 +331,21 @@ class AWQConfig(AlgoConfig):
     Weight grids are Brevitas's own (the layer's weight quantizer).
 
     - ``name``: Quark's identifier of the algorithm, ``"awq"``.
-    - ``bit`` / ``sym`` / ``group_size``: restate the weight spec (they must agree with it; ``group_size=-1``:
-      per-channel weights).
+    - ``bit`` / ``sym`` / ``group_size``: the reference's restatement of the weight spec (Quark 0.13 has no such
+      fields): ``None`` (default): as the weight spec says; set, they must agree with it (``group_size=-1``:
+      per-channel weights). Written to files only when set.
     - ``scaling_layers``: as in SmoothQuantConfig; ``None``: inferred.
     - ``model_decoder_layers``: the ModuleList of decoder layers; ``None``: inferred.
     - ``embedding_layers``: the modules before the first decoder layer (informational; ``None``: inferred).
     """
 
+    effect: ClassVar[str] = "scaling"
+    #: The reference's restated fields: written to files only when set (see serialization.OMITTED_WHEN_NONE).
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("bit", "sym", "group_size")
     name: str = "awq"
-    bit: int = 4
-    sym: bool = False
-    group_size: int = 128
+    bit: int | None = None
+    sym: bool | None = None
+    group_size: int | None = None
     scaling_layers: list[dict[str, Any]] | None = None
     model_decoder_layers: str | None = None
     embedding_layers: list[str] | None = None
@@ -332,12 +364,12 @@ class GPTQConfig(AlgoConfig):
     update).
 
     - ``name``: Quark's identifier of the algorithm, ``"gptq"``.
-    - ``bit`` / ``sym`` / ``group_size``: restate the weight spec (they must agree with it; ``group_size=-1``:
-      per-channel weights).
+    - ``bit`` / ``sym`` / ``group_size``: as in AWQConfig (``None``: as the weight spec says).
     - ``damp_percent``: the dampening added to the Hessian's diagonal, as a fraction of its mean.
     - ``desc_act``: process the columns by decreasing Hessian diagonal (act order).
-    - ``static_groups``: per-group scales from the weights before GPTQ (True), or from the error-updated weights
-      when GPTQ reaches a group's first column (False, AutoGPTQ's default).
+    - ``static_groups``: per-group scales from the weights before GPTQ (True, Quark 0.13's default), or from the
+      error-updated weights when GPTQ reaches a group's first column (False, the reference's and AutoGPTQ's
+      default, kept here so that reference code means what it meant).
     - ``true_sequential``: within a decoder layer, quantize the groups of layers that read the same input (q/k/v,
       o, gate/up, down) one after the other, each seeing the previous groups quantized; False: one pass.
     - ``inside_layer_modules``: the layers of a decoder layer to run GPTQ on (names relative to it); ``None``:
@@ -345,12 +377,16 @@ class GPTQConfig(AlgoConfig):
     - ``model_decoder_layers``: the ModuleList of decoder layers; ``None``: inferred (a model without decoder
       layers is treated as one).
     - ``embedding_layers``: the modules before the first decoder layer (informational; ``None``: inferred).
+    - ``block_size``: Quark 0.13's column block of the update (lazy batch): columns rounded with rank-1 updates
+      before one matrix product updates the rest. It changes speed and memory, not the result (up to float
+      rounding).
     """
 
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("bit", "sym", "group_size")
     name: str = "gptq"
-    bit: int = 4
-    sym: bool = False
-    group_size: int = 128
+    bit: int | None = None
+    sym: bool | None = None
+    group_size: int | None = None
     damp_percent: float = 0.01
     desc_act: bool = True
     static_groups: bool = False
@@ -358,10 +394,14 @@ class GPTQConfig(AlgoConfig):
     inside_layer_modules: list[str] | None = None
     model_decoder_layers: str | None = None
     embedding_layers: list[str] | None = None
+    block_size: int = 128
 
     def verify(self, config: QuantHierarchy, path: str) -> None:
         super().verify(config, path)
         _verify_quark_weight_algorithm(self, config, path)
+        if self.block_size < 1:
+            raise ConfigError(f"{path}.block_size", f"must be >= 1 (columns per block of the update, e.g. 128), "
+                                                    f"got {self.block_size}")
         if not 0.0 < self.damp_percent < 1.0:
             raise ConfigError(f"{path}.damp_percent", f"must be in (0, 1), got {self.damp_percent}")
         _verify_names(self.inside_layer_modules, f"{path}.inside_layer_modules")
@@ -380,6 +420,8 @@ def registered(base: type) -> list[type]:
 
 
 __all__ = [
+    "EFFECTS",
+    "EFFECT_ORDER",
     "SCALING_LAYER_KEYS",
     "AWQConfig",
     "ActivationEqualization",
@@ -390,6 +432,7 @@ __all__ = [
     "GPFQ",
     "GPTQ",
     "GPTQConfig",
+    "AlgorithmConfig",
     "PreQuantOptConfig",
     "Preprocess",
     "SmoothQuantConfig",

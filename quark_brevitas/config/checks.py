@@ -22,13 +22,18 @@ a layer get once the levels are merged?) are in :mod:`quark_brevitas.resolve`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import fields
 from typing import Any
 
 from quark_brevitas.config import algorithms
-from quark_brevitas.config.enums import ParamType, QSchemeType, QuantType, ScaleType, ZeroPointType
+from quark_brevitas.config.enums import DeviceType, ParamType, QSchemeType, QuantType, ScaleType, ZeroPointType
 from quark_brevitas.config.serialization import check_fields
-from quark_brevitas.config.specs import QuantHierarchy, QuantizationConfig, QuantizationSpec, spec_defaults
+from quark_brevitas.config.specs import (
+    TENSOR_ROLES,
+    QuantHierarchy,
+    QuantizationConfig,
+    QuantizationSpec,
+    spec_defaults,
+)
 from quark_brevitas.errors import ConfigError
 
 __all__ = [
@@ -195,7 +200,9 @@ def _verify_granularity(spec: QuantizationSpec, kind: str, path: str) -> None:
         raise ConfigError(f"{path}.group_size", f"only used with qscheme=per_group (qscheme is {qscheme.name}); "
                           "remove it or set qscheme=per_group")
     if spec.ch_axis is not None:
-        allowed = {QSchemeType.per_channel: (0,), QSchemeType.per_group: (1,)}.get(qscheme, ())
+        # Quark 0.13's templates write ch_axis=-1 for per-group weights: the last dimension, a Linear weight's
+        # input channels, which is what 1 means here.
+        allowed = {QSchemeType.per_channel: (0,), QSchemeType.per_group: (1, -1)}.get(qscheme, ())
         if kind == "act":
             raise ConfigError(f"{path}.ch_axis", "activations follow the layer: one scale per token is over the "
                               "last dimension, groups run over the channels (Conv) or the last dimension (Linear); "
@@ -203,7 +210,7 @@ def _verify_granularity(spec: QuantizationSpec, kind: str, path: str) -> None:
         if spec.ch_axis not in allowed:
             raise ConfigError(f"{path}.ch_axis", f"{spec.ch_axis} is not supported for {qscheme.name} weights; "
                               f"allowed: None{''.join(f', {a}' for a in allowed)} (0: output channels for "
-                              "per_channel, 1: input channels for per_group)")
+                              "per_channel, 1 or -1 (the last dimension): input channels for per_group)")
     if kind == "weight":
         if spec.is_dynamic:
             raise ConfigError(f"{path}.is_dynamic", "weights are quantized once from their values; is_dynamic is "
@@ -327,14 +334,10 @@ def verify_algorithms(pre_quant: Sequence[algorithms.AlgorithmConfig], post_quan
 
 def _verify_algorithm_combinations(pre_quant: Sequence[algorithms.AlgorithmConfig],
                                    post_quant: Sequence[algorithms.AlgorithmConfig]) -> None:
-    equalizations = [i for i, algo in enumerate(pre_quant)
-                     if isinstance(algo, algorithms.ActivationEqualization)]
-    if len(equalizations) > 1:
-        raise ConfigError(
-            f"pre_quant_opt_config[{equalizations[1]}]",
-            "ActivationEqualization may appear once: a second pass would wrap the already wrapped layers, "
-            "which Brevitas cannot run; use one entry with the alpha you want",
-        )
+    """The rules between entries: no algorithm twice, ``algo_config`` in an order where no step undoes an
+    earlier one (:data:`~quark_brevitas.config.algorithms.EFFECTS`), at most one weight-rounding algorithm."""
+    _verify_no_duplicates(pre_quant, post_quant)
+    _verify_order(post_quant)
     post = [a for a in post_quant if isinstance(a, algorithms.GPTQ | algorithms.GPFQ | algorithms.GPFA2Q
                                                  | algorithms.GPTQConfig)]
     if len({type(a) for a in post}) > 1:
@@ -343,12 +346,51 @@ def _verify_algorithm_combinations(pre_quant: Sequence[algorithms.AlgorithmConfi
                                          "rounds the weights again, undoing the one before")
 
 
+def _verify_no_duplicates(pre_quant: Sequence[algorithms.AlgorithmConfig],
+                          post_quant: Sequence[algorithms.AlgorithmConfig]) -> None:
+    """An algorithm listed twice (in either list) would run twice: a second SmoothQuant or equalization pass
+    wraps or rescales already transformed layers, a second rounding pass undoes the first. Corrections
+    (BiasCorrection, CalibrateBatchNorm) are exempt: each run re-measures the model as it then is."""
+    seen: dict[type, str] = {}
+    entries = [(f"pre_quant_opt_config[{i}]", a) for i, a in enumerate(pre_quant)]
+    entries += [(f"algo_config[{i}]", a) for i, a in enumerate(post_quant)]
+    for path, algo in entries:
+        kind = type(algo)
+        if kind in seen and algo.effect != "correction":
+            raise ConfigError(path, f"{kind.__name__} is listed twice (also at {seen[kind]}): it would run twice, "
+                                    "the second run undoing or compounding the first; keep one entry with the "
+                                    "parameters you want")
+        seen[kind] = path
+
+
+def _verify_order(post_quant: Sequence[algorithms.AlgorithmConfig]) -> None:
+    """``algo_config`` runs in the order written (as in Quark 0.13); an algorithm whose effect comes earlier in
+    :data:`~quark_brevitas.config.algorithms.EFFECT_ORDER` than a preceding one's would undo that one."""
+    rank = {effect: index for index, effect in enumerate(algorithms.EFFECT_ORDER)}
+    works = " -> ".join(f"{effect} ({algorithms.EFFECTS[effect]})" for effect in algorithms.EFFECT_ORDER)
+    for later_index, later in enumerate(post_quant):
+        for index, earlier in enumerate(post_quant[:later_index]):
+            if rank.get(later.effect, 0) < rank.get(earlier.effect, 0):
+                first, then = type(earlier).__name__, type(later).__name__
+                raise ConfigError(
+                    f"algo_config[{later_index}]",
+                    f"{then} after {first} (algo_config[{index}]) would undo it: {first} "
+                    f"{algorithms.EFFECTS.get(earlier.effect, earlier.effect)}, then {then} "
+                    f"{algorithms.EFFECTS.get(later.effect, later.effect)}. Put {then} before {first}; the order "
+                    f"that works: {works}",
+                )
+
+
 def _verify_specs(layer: QuantizationConfig, path: str) -> dict[str, QuantizationSpec | None]:
     """Each tensor spec of ``layer`` on its own; returns the specs by role."""
     if not isinstance(layer, QuantizationConfig):
         raise ConfigError(path, f"must be a QuantizationConfig (QLayerConfig), got {type(layer).__name__}")
     check_fields(layer, path)
-    specs = {f.name: getattr(layer, f.name) for f in fields(layer)}
+    if layer.target_device is DeviceType.IPU:
+        raise ConfigError(f"{path}.target_device", "IPU is not supported: its quantizer constraints are Quark's own "
+                                                   "IPU flow; use None or DeviceType.CPU (the models and exports "
+                                                   "this library writes run on torch devices and onnxruntime)")
+    specs = {role: getattr(layer, role) for role in TENSOR_ROLES}
     for role, spec in specs.items():
         if spec is not None:
             verify_spec(spec, role, f"{path}.{role}")

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from quark_brevitas.config.enums import Dtype, QSchemeType, QuantType, ScaleType
+from quark_brevitas.config.enums import Dtype, ParamType, QSchemeType, QuantType, ScaleType
 
 __all__ = [
     "DTYPE_FIELDS",
+    "MIN_MAX_OBSERVERS",
+    "OBSERVER_FIELDS",
+    "REJECTED_OBSERVERS",
     "MX_BLOCK_SIZE",
     "MX_ELEMENT_DTYPES",
     "MX_FIELDS",
@@ -55,4 +58,39 @@ REJECTED_DTYPES: dict[Dtype, str] = {
     Dtype.mx9: "mx9 (shared micro-exponents: 2-element sub-blocks with a 1-bit micro-exponent under an 8-bit "
     "block exponent) has no Brevitas quantizer and cannot be composed from one; use dtype=mx with "
     "mx_element_dtype int8 (OCP MXINT8) or fp8_e4m3 (MXFP8)",
+}
+
+
+# ===================================================================== Quark's observer classes
+P, S = QSchemeType, ScaleType
+#: What each of Quark's observer classes (``QTensorConfig.observer_cls``, by class name) says in this library's
+#: fields: its granularity, ``param_type`` (min-max and percentile statistics: ``stats``; MSE searches: ``mse``)
+#: and power-of-two scales. Fields the spec sets otherwise contradict the observer (a ConfigError).
+OBSERVER_FIELDS: dict[str, dict[str, Any]] = {
+    "PerTensorMinMaxObserver": {"qscheme": P.per_tensor, "param_type": ParamType.stats},
+    "PerChannelMinMaxObserver": {"qscheme": P.per_channel, "param_type": ParamType.stats},
+    "PerGroupMinMaxObserver": {"qscheme": P.per_group, "param_type": ParamType.stats},
+    "PerTensorPowOf2MinMaxObserver": {"qscheme": P.per_tensor, "param_type": ParamType.stats, "scale_type": S.pof2},
+    "PerChannelPowOf2MinMaxObserver": {"qscheme": P.per_channel, "param_type": ParamType.stats, "scale_type": S.pof2},
+    "PerTensorPowOf2MinMSEObserver": {"qscheme": P.per_tensor, "param_type": ParamType.mse, "scale_type": S.pof2},
+    "PerChannelPowOf2MinMSEObserver": {"qscheme": P.per_channel, "param_type": ParamType.mse, "scale_type": S.pof2},
+    "PerTensorMSEObserver": {"qscheme": P.per_tensor, "param_type": ParamType.mse},
+    "PerTensorPercentileObserver": {"qscheme": P.per_tensor, "param_type": ParamType.stats},
+    "PerBlockMXObserver": {"qscheme": P.per_group, "param_type": ParamType.stats, "scale_type": S.pof2},
+    "PerBlockMXBufferReuseObserver": {"qscheme": P.per_group, "param_type": ParamType.stats, "scale_type": S.pof2},
+}
+#: The min-max observers: static activations then calibrate on the maximum (percentile 100), not on the default
+#: percentile of ``param_type=stats``.
+MIN_MAX_OBSERVERS = frozenset(name for name in OBSERVER_FIELDS if "MinMax" in name and "MSE" not in name)
+#: Quark's observers without an equivalent here, with the reason.
+REJECTED_OBSERVERS: dict[str, str] = {
+    "PlaceholderObserver": "it stands for Quark's float16/bfloat16 casts, which have no quantizer; leave the "
+                           "tensor's spec None to keep it in float",
+    "PerTensorHistogramObserver": "Brevitas has no histogram search; use PerTensorPercentileObserver or "
+                                  "PerTensorMSEObserver (param_type stats or mse)",
+    "PerTensorHistogramObserverPro": "Brevitas has no histogram search; use PerTensorPercentileObserver or "
+                                     "PerTensorMSEObserver (param_type stats or mse)",
+    "PerBlockMXDiffsObserver": "its MX scale rule is Quark's own; use PerBlockMXObserver",
+    "PerBlockBFPObserver": "block floating point (BFP16) is not supported",
+    "PerBlock2DMinMaxObserver": "2-D block scales are not supported; use PerGroupMinMaxObserver",
 }

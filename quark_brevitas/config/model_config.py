@@ -45,6 +45,7 @@ __all__ = [
     "FORMAT_VERSION",
     "READABLE_FORMAT_VERSIONS",
     "Config",
+    "QConfig",
     "layer_type_key",
     "type_name",
     "verify_config",
@@ -59,8 +60,14 @@ READABLE_FORMAT_VERSIONS = (1, 2)
 #: How the fields of the hierarchy and the algorithm lists are written (see :mod:`quark_brevitas.config.serialization`).
 LayerName = Annotated[str, Text("module name or pattern")]
 LayerTypeName = Annotated[str, Text("layer type name (e.g. 'Conv2d', 'torch.nn.Conv2d' or 'package.module.Class')")]
-PreQuantAlgorithm = Annotated[algorithms.PreQuantOptConfig, Polymorphic(algorithms.registered)]
-PostQuantAlgorithm = Annotated[algorithms.AlgoConfig, Polymorphic(algorithms.registered)]
+PreQuantAlgorithm = Annotated[algorithms.PreQuantOptConfig, Polymorphic(
+    algorithms.registered, note="post-quantization algorithms (GPTQ, GPFQ, AWQConfig, GPTQConfig, BiasCorrection, "
+                                "...) are accepted in algo_config, which takes every algorithm")]
+#: ``algo_config`` takes every algorithm, as Quark 0.13's does; weight transforms listed there (SmoothQuantConfig,
+#: ...) run before quantization, in the order written (:meth:`Config.pre_quant_algorithms`).
+PostQuantAlgorithm = Annotated[algorithms.AlgorithmConfig, Polymorphic(
+    algorithms.registered, note="algo_config takes every algorithm config of quark_brevitas.algos / "
+                                "quark_brevitas.config (instances, not classes or Quark's own objects)")]
 
 
 @dataclass(eq=True)
@@ -105,6 +112,24 @@ class Config:
             self.layer_type_quant_config = _normalised_type_keys(self.layer_type_quant_config)
         if isinstance(self.exclude, tuple):
             self.exclude = list(self.exclude)
+
+    # ----------------------------------------------------------------- the order algorithms run in
+    def pre_quant_algorithms(self) -> list[algorithms.AlgorithmConfig]:
+        """What runs on the float model, in order: ``pre_quant_opt_config``, then the weight transforms that
+        ``algo_config`` lists (Quark 0.13's style; verification keeps them ahead of every algorithm there that
+        fits the weights to the grid, so running them before quantization keeps the order written)."""
+        return [*self.pre_quant_opt_config,
+                *(a for a in self.algo_config if isinstance(a, algorithms.PreQuantOptConfig))]
+
+    def post_quant_algorithms(self) -> list[algorithms.AlgorithmConfig]:
+        """What runs on the quantized, calibrated model, in the order ``algo_config`` lists it."""
+        return [a for a in self.algo_config if not isinstance(a, algorithms.PreQuantOptConfig)]
+
+    def run_order(self) -> list[tuple[str, algorithms.AlgorithmConfig]]:
+        """Every algorithm with its place in the config (``"algo_config[0]"``), in the order they run."""
+        where = {id(a): f"pre_quant_opt_config[{i}]" for i, a in enumerate(self.pre_quant_opt_config)}
+        where.update({id(a): f"algo_config[{i}]" for i, a in enumerate(self.algo_config)})
+        return [(where[id(a)], a) for a in [*self.pre_quant_algorithms(), *self.post_quant_algorithms()]]
 
     # ----------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -179,6 +204,9 @@ def _read_config_text(path: Path) -> str:
 
 
 CONFIG_KEYS = [f.name for f in fields(Config)]
+
+#: Quark 0.11 renamed ``Config`` to ``QConfig`` (keeping ``Config`` as an alias): both names, one class.
+QConfig = Config
 
 
 # ===================================================================== layer-type keys

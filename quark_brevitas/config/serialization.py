@@ -38,6 +38,7 @@ from typing import Annotated, Any
 from quark_brevitas.errors import ConfigError
 
 __all__ = [
+    "OMITTED_WHEN_NONE",
     "VERSION_KEY",
     "Hint",
     "Polymorphic",
@@ -72,6 +73,8 @@ class Polymorphic:
 
     registered: Callable[[type], list[type]]
     tag: str = "name"
+    #: Appended to the message for a value that is not one of the classes (e.g. where such a value is accepted).
+    note: str = ""
 
     def classes(self, base: type) -> dict[str, type]:
         """The allowed classes by name, looked up at each use so that subclasses registered later count.
@@ -194,9 +197,10 @@ def _phrases(hint: Hint, python: bool) -> list[str]:
     name = hint.cls.__name__
     if hint.polymorphic is not None:
         names = list(hint.polymorphic.classes(hint.cls))
+        note = f"; {hint.polymorphic.note}" if hint.polymorphic.note else ""
         if python:
-            return [f"a {name} ({', '.join(names)})"]
-        return [f"a mapping with a {hint.polymorphic.tag!r} key naming a {name} (one of {names})"]
+            return [f"a {name} ({', '.join(names)}{note})"]
+        return [f"a mapping with a {hint.polymorphic.tag!r} key naming a {name} (one of {names}{note})"]
     if kind == "dataclass" and not python:
         return [f"a mapping describing a {name}"]
     return [f"a {name}"]
@@ -272,6 +276,12 @@ def _matches(hint: Hint, value: Any) -> bool:
 
 
 # ===================================================================== objects -> plain data
+#: A dataclass may list, in a class attribute of this name, optional fields that are written only when set
+#: (not ``None``): fields kept for an older generation of the format, so that a file says only what its author
+#: wrote (reading the file back gives ``None`` for them again).
+OMITTED_WHEN_NONE = "omitted_when_none"
+
+
 def to_plain(value: Any, annotation: Any = None) -> Any:
     """JSON-compatible data for ``value``: enums by name, dataclasses as mappings in field order, entries
     annotated :class:`Polymorphic` with their class name first. Wrong types are passed through, not
@@ -280,7 +290,9 @@ def to_plain(value: Any, annotation: Any = None) -> Any:
     if isinstance(value, Enum):
         return value.name
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        plain = {f.name: to_plain(getattr(value, f.name), field_hint) for f, field_hint in field_hints(type(value))}
+        omitted = getattr(type(value), OMITTED_WHEN_NONE, ())
+        plain = {f.name: to_plain(getattr(value, f.name), field_hint) for f, field_hint in field_hints(type(value))
+                 if not (f.name in omitted and getattr(value, f.name) is None)}
         if hint is not None and hint.polymorphic is not None:
             return {hint.polymorphic.tag: type(value).__name__, **plain}
         return plain
@@ -341,7 +353,9 @@ def _dataclass_from(hint: Hint, data: Any, path: str) -> Any:
         name = data[poly.tag]
         if not isinstance(name, str) or name not in classes:
             suggestion = did_you_mean(name, list(classes)) if isinstance(name, str) else ""
-            raise ConfigError(tag_path, f"{_shown(name)} is not a {cls.__name__}; {suggestion}allowed: {list(classes)}")
+            note = f"; {poly.note}" if poly.note else ""
+            raise ConfigError(tag_path, f"{_shown(name)} is not a {cls.__name__}; {suggestion}allowed: "
+                                        f"{list(classes)}{note}")
         cls, extra = classes[name], [poly.tag]
         # A class whose tag is one of its fields keeps that field at its default (the tag names the class).
         data = {key: value for key, value in data.items() if key != poly.tag}

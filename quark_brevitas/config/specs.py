@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
 from quark_brevitas.config.enums import (
+    DeviceType,
     Dtype,
     ParamType,
     QSchemeType,
@@ -26,7 +27,14 @@ from quark_brevitas.config.enums import (
     ScaleType,
     ZeroPointType,
 )
-from quark_brevitas.config.formats import DTYPE_FIELDS, MX_ELEMENT_DTYPES, MX_FIELDS, REJECTED_DTYPES
+from quark_brevitas.config.formats import (
+    DTYPE_FIELDS,
+    MX_ELEMENT_DTYPES,
+    MX_FIELDS,
+    OBSERVER_FIELDS,
+    REJECTED_DTYPES,
+    REJECTED_OBSERVERS,
+)
 from quark_brevitas.errors import ConfigError
 
 __all__ = [
@@ -65,8 +73,9 @@ class QuantizationSpec:
       ``mx_element_dtype``, ...): fields left at their defaults take the dtype's values, fields that
       contradict it are an error. ``uint4``/``uint8`` mean asymmetric (unsigned codes and a zero point).
     - ``group_size``: elements per group for ``per_group`` (32 for MX).
-    - ``ch_axis``: Quark's channel axis, optional: 0 (output channels) for ``per_channel`` weights, 1 (input
-      channels) for ``per_group`` weights; Brevitas uses the equivalent axis of transposed convolutions.
+    - ``ch_axis``: Quark's channel axis, optional: 0 (output channels) for ``per_channel`` weights, 1 or -1 (input
+      channels; -1 is Quark 0.13's spelling) for ``per_group`` weights; Brevitas uses the equivalent axis of
+      transposed convolutions.
     - ``round_method``: element rounding: ``half_even`` (the default), ``floor`` or ``round`` (half away
       from zero).
     - ``is_dynamic``: activations only: scales computed from each input at run time (per tensor, per token
@@ -76,6 +85,11 @@ class QuantizationSpec:
       ``fp6_e3m2``, ``fp6_e2m3`` or ``fp4``.
     - ``percentile``: static int activations with ``stats``: the percentile of the calibration data mapped to
       the top of the range (default 99.999; 100 = max).
+    - ``observer_cls``: Quark's observer class (or its name), accepted where it says something these fields can
+      honour (:data:`~quark_brevitas.config.formats.OBSERVER_FIELDS`): its granularity, ``param_type`` (min-max
+      and percentile: ``stats``, a min-max observer calibrating static activations on the maximum; MSE: ``mse``)
+      and power-of-two scales; a field set otherwise contradicts it (ConfigError), an observer without an
+      equivalent is refused with the reason.
     """
 
     qscheme: QSchemeType = QSchemeType.per_tensor
@@ -94,6 +108,12 @@ class QuantizationSpec:
     zero_point_type: ZeroPointType | None = None
     mx_element_dtype: Dtype | None = None
     percentile: float | None = None
+    observer_cls: str | None = None
+
+    def __post_init__(self) -> None:
+        # Quark passes the observer class itself; it is kept by name (plain, serialisable data without torch).
+        if isinstance(self.observer_cls, type):
+            object.__setattr__(self, "observer_cls", self.observer_cls.__name__)
 
     def resolved(self, path: str = "") -> QuantizationSpec:
         """This spec with its ``dtype`` short form spelled out in the other fields (see :func:`resolve_dtype`)."""
@@ -117,6 +137,10 @@ class QuantizationConfig:
     output_tensors: QuantizationSpec | None = None
     weight: QuantizationSpec | None = None
     bias: QuantizationSpec | None = None
+    #: Quark's deployment target (``DeviceType``): ``cpu`` (or ``None``) is what this library produces (models
+    #: and exports that run on any torch device and on onnxruntime's CPU provider); ``ipu`` is refused (its
+    #: constraints are Quark's own).
+    target_device: DeviceType | None = None
 
 
 
@@ -125,7 +149,7 @@ QTensorConfig = QuantizationSpec
 QLayerConfig = QuantizationConfig
 
 #: The tensors of a layer, in field order: ``input_tensors``, ``output_tensors``, ``weight``, ``bias``.
-TENSOR_ROLES = tuple(f.name for f in fields(QuantizationConfig))
+TENSOR_ROLES = ("input_tensors", "output_tensors", "weight", "bias")
 
 
 class QuantHierarchy(Protocol):
@@ -163,6 +187,7 @@ def resolve_dtype(spec: QuantizationSpec, path: str = "") -> QuantizationSpec:
     (``mx_element_dtype`` without ``dtype=mx`` is an error).
     """
     prefix = f"{path}." if path else ""
+    spec = _resolve_observer(spec, prefix)
     dtype, element = spec.dtype, spec.mx_element_dtype
     if element is not None and dtype is not Dtype.mx:
         raise ConfigError(f"{prefix}mx_element_dtype", "only used with dtype=mx; set dtype=Dtype.mx or remove it")
@@ -193,6 +218,32 @@ def resolve_dtype(spec: QuantizationSpec, path: str = "") -> QuantizationSpec:
             raise ConfigError(f"{prefix}{name}", f"{what} means {name}={getattr(value, 'name', value)!r}, but "
                               f"{name} is {shown!r}; leave {name} at its default or make it agree")
         changes[name] = value
+    return replace(spec, **changes) if changes else spec
+
+
+def _resolve_observer(spec: QuantizationSpec, prefix: str) -> QuantizationSpec:
+    """Spell out Quark's ``observer_cls`` in the fields it implies (as the dtype short form is): a field still at
+    its default takes the observer's value, a field set to something else is a :class:`ConfigError` naming both."""
+    name = spec.observer_cls
+    if name is None:
+        return spec
+    if name in REJECTED_OBSERVERS:
+        raise ConfigError(f"{prefix}observer_cls", f"{name} is not supported: {REJECTED_OBSERVERS[name]}")
+    if name not in OBSERVER_FIELDS:
+        raise ConfigError(f"{prefix}observer_cls", f"{name!r} is not one of Quark's observers this library can "
+                                                   f"honour; allowed: {sorted(OBSERVER_FIELDS)} (or leave it None "
+                                                   "and choose param_type)")
+    defaults = spec_defaults(spec)
+    changes: dict[str, Any] = {}
+    for field_name, value in OBSERVER_FIELDS[name].items():
+        current = getattr(spec, field_name)
+        if current == value:
+            continue
+        if current != defaults[field_name]:
+            raise ConfigError(f"{prefix}{field_name}", f"observer_cls={name} means {field_name}="
+                              f"{getattr(value, 'name', value)}, but {field_name} is "
+                              f"{getattr(current, 'name', current)}; remove observer_cls or make them agree")
+        changes[field_name] = value
     return replace(spec, **changes) if changes else spec
 
 
