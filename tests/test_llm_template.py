@@ -215,8 +215,12 @@ def test_plan_shows_what_the_template_chose(capsys: pytest.CaptureFixture[str]) 
     assert lines[0] == "template opt, scheme uint4_wo_64 (uint4 weights, asymmetric, groups of 64), exclude lm_head"
     assert lines[1] == "  weight: int4 per_group g64 asym stats" and lines[2] == "  input_tensors: float"
     assert lines[3] == "algorithms, in the order they run:"
-    assert lines[4].startswith("  1. SmoothQuantConfig(") and lines[5].startswith("  2. GPTQConfig(")
-    assert "group_size=64" in lines[5] and "static_groups=True" in lines[5]
+    assert lines[4] == "  1. pre_quant_opt_config[0] SmoothQuantConfig (before quantization, on the float model)"
+    assert lines[5] == "  2. algo_config[0] GPTQConfig (after quantization and calibration)"
+    from quark_brevitas.config import LLMTemplate
+
+    gptq = LLMTemplate.get("opt").get_config(scheme="uint4_wo_64", algorithm=["smoothquant", "gptq"]).algo_config[0]
+    assert gptq.group_size == 64 and gptq.static_groups is True
     assert "    final_layer_norm -> fc1" in lines
 
 
