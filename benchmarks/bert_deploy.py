@@ -67,8 +67,8 @@ from quark_brevitas import (  # noqa: E402
     algos,
 )
 from quark_brevitas.config import ParamType  # noqa: E402
+from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.export import create_ort_session, export_onnx_qcdq  # noqa: E402
-from quark_brevitas.presets import get_preset  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
 SEQUENCE, BATCH = 64, 16

@@ -19,9 +19,9 @@ from typing import Any
 from torch import nn
 
 from quark_brevitas.backend import PlannedLayer
+from quark_brevitas.calibration.data import BatchToInputs
 from quark_brevitas.config import Config
 from quark_brevitas.container import Container
-from quark_brevitas.data import BatchToInputs
 from quark_brevitas.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)

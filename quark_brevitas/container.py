@@ -12,7 +12,7 @@ without patching the library. For example, to quantize a custom layer type::
 
 Replaceable parts: ``layer_map`` (float class -> LayerMapping), ``backends`` (one per
 :class:`~quark_brevitas.config.Backend` name), ``calibrator`` (``(model, data) -> model``, where ``data`` is a
-:class:`~quark_brevitas.data.CalibrationData`: iterating it yields the batches),
+:class:`~quark_brevitas.calibration.data.CalibrationData`: iterating it yields the batches),
 ``onnx_exporter`` and ``qonnx_exporter`` (``(model, args, path) -> report``).
 """
 

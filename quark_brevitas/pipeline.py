@@ -7,7 +7,7 @@
   checkpoint's record of the model (:meth:`~quark_brevitas.algorithms.AlgorithmHandler.restore`).
 - **Data phase**: data-driven pre-quantization algorithms (``ActivationEqualization``), activation
   calibration and post-quantization algorithms (GPTQ, GPFQ, bias correction, ...). The pipeline owns the
-  loop over calibration data: algorithms receive a :class:`~quark_brevitas.data.CalibrationData`
+  loop over calibration data: algorithms receive a :class:`~quark_brevitas.calibration.data.CalibrationData`
   and call its ``forward``; they never iterate a loader themselves.
 
 The data phase runs on the whole model at once, or, for a model made of repeated blocks (Hugging Face
@@ -40,9 +40,9 @@ from quark_brevitas.algorithms.ties import run_untied
 from quark_brevitas.backend import PlannedLayer
 from quark_brevitas.blocks.run import blockwise_obstacle, choose_block_stack, named_decoder_layers, quantize_blocks
 from quark_brevitas.brevitas_adapter import current_shard, require_equal_shares
+from quark_brevitas.calibration.data import BatchToInputs, CalibrationData, model_device_dtype
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
-from quark_brevitas.data import BatchToInputs, CalibrationData, model_device_dtype
 from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.resolve import Resolver
 

@@ -45,7 +45,7 @@ from quark_brevitas.brevitas_adapter import (
     scale_impl,
     scale_parameters,
 )
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import CalibrationDataError, QuarkBrevitasError
 from quark_brevitas.types import TQTThresholdInitMeth
 

@@ -181,7 +181,7 @@ def test_shard_helpers_without_a_process_group() -> None:
     adapter.barrier(None)
     with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\), got rank 2, world_size 2"):
         adapter.Shard(2, 2)
-    from quark_brevitas import data
+    from quark_brevitas.calibration import data
 
     assert data.Shard is adapter.Shard, "data.Shard must stay the adapter's class (one Shard, re-exported)"
 

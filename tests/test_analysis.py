@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import reference as ref
 import torch
+from quark_brevitas.cli.digits import DigitsCNN
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
@@ -32,7 +33,6 @@ from quark_brevitas.analysis import (
     write_rows,
 )
 from quark_brevitas.analysis.sizes import tensor_bits
-from quark_brevitas.digits import DigitsCNN
 from quark_brevitas.errors import ModelError
 from quark_brevitas.types import Dtype, QSchemeType, ScaleType, ZeroPointType
 
@@ -112,7 +112,7 @@ def test_compare_layers_against_independent_computations(mlp: MLP, batches: list
 
 
 def test_compare_layers_on_a_transformer_with_preprocess_and_attention() -> None:
-    from quark_brevitas.presets import get_preset
+    from quark_brevitas.config.presets import get_preset
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0),
@@ -132,7 +132,7 @@ def test_compare_layers_after_gptq_keeps_the_float_reference(digits_model, digit
     import dataclasses
 
     from quark_brevitas import integer_weights
-    from quark_brevitas.presets import get_preset
+    from quark_brevitas.config.presets import get_preset
 
     config = get_preset("w4a8_gptq")
     quant = ModelQuantizer(config).quantize_model(digits_model, digits_data.calib)
@@ -222,7 +222,7 @@ def test_sensitivity_with_eval_fn_lower_is_better(mlp: MLP, batches: list[torch.
 
 
 def test_sensitivity_cheap_mode_undoes_gptq_weights(digits_model, digits_data) -> None:
-    from quark_brevitas.presets import get_preset
+    from quark_brevitas.config.presets import get_preset
 
     config = get_preset("w4a8_gptq")
     cheap = {row.name: row for row in sensitivity(digits_model, config, digits_data.calib, modes=("only",))}

@@ -156,7 +156,7 @@ def test_min_metric_gives_the_cheapest_assignment_that_reaches_it(measurements, 
 
 
 def test_eval_fn_drives_the_refinement(measurements, digits_model, digits_data, candidates) -> None:
-    from quark_brevitas.digits import evaluate
+    from quark_brevitas.cli.digits import evaluate
 
     calls = []
 

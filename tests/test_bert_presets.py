@@ -31,9 +31,9 @@ from quark_brevitas import (  # noqa: E402
     QTensorConfig,
 )
 from quark_brevitas.brevitas_adapter import EqualizedModule, activation_equalization_mode  # noqa: E402
+from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.errors import ConfigError, ModelError  # noqa: E402
 from quark_brevitas.export import export_onnx_qcdq, run_onnx  # noqa: E402
-from quark_brevitas.presets import get_preset  # noqa: E402
 
 WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "ran", "far", "quick", "brown", "fox", "jumps", "over",
          "river", "slowly", "green", "house", "under", "bridge"]

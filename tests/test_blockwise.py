@@ -16,7 +16,7 @@ from quark_brevitas.blocks.stack import detect_block_stack, find_block_stack  # 
 from quark_brevitas.blocks.store import ActivationStore  # noqa: E402
 from quark_brevitas.checkpoint import load_quantized, save_quantized  # noqa: E402
 from quark_brevitas.errors import ModelError  # noqa: E402
-from quark_brevitas.intweights import integer_weights  # noqa: E402
+from quark_brevitas.export.intweights import integer_weights  # noqa: E402
 from quark_brevitas.types import QSchemeType  # noqa: E402
 
 W4_CHANNEL = QTensorConfig(qscheme=QSchemeType.per_channel, bit_width=4)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from quark_brevitas.cli.digits import DigitsCNN, example_input
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -36,7 +37,6 @@ from quark_brevitas import (
 from quark_brevitas.algorithms import apply_algorithm
 from quark_brevitas.checkpoint import CONFIG_ATTRIBUTE, read_checkpoint
 from quark_brevitas.cli import main
-from quark_brevitas.digits import DigitsCNN, example_input
 from quark_brevitas.outputs import MARKER_FILE
 from quark_brevitas.types import Dtype, QSchemeType, RoundType, ZeroPointType
 
@@ -352,7 +352,7 @@ _CHILD = textwrap.dedent("""
     import torch
     from safetensors.torch import load_file, save_file
     from quark_brevitas import load_quantized
-    from quark_brevitas.digits import DigitsCNN
+    from quark_brevitas.cli.digits import DigitsCNN
 
     torch.set_num_threads(int(sys.argv[1]))
     images = load_file(sys.argv[2])["images"]

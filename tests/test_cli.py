@@ -19,8 +19,8 @@ import yaml
 
 from quark_brevitas import Config
 from quark_brevitas.cli import main
+from quark_brevitas.config.presets import DEFAULT_PRESET, DESCRIPTIONS, PRESETS, get_preset
 from quark_brevitas.outputs import MARKER_FILE
-from quark_brevitas.presets import DEFAULT_PRESET, DESCRIPTIONS, PRESETS, get_preset
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -165,7 +165,7 @@ def test_help_exit_0(capsys: pytest.CaptureFixture[str]) -> None:
 
 # ===================================================================== plan / presets
 def test_plan_rows(capsys: pytest.CaptureFixture[str]) -> None:
-    from quark_brevitas.digits import DigitsCNN
+    from quark_brevitas.cli.digits import DigitsCNN
 
     assert main(["plan"]) == 0
     lines = capsys.readouterr().out.splitlines()

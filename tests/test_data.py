@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
-from quark_brevitas.data import cache_keyword, output_cache, prepare_batch, run_batches
+from quark_brevitas.calibration.data import cache_keyword, output_cache, prepare_batch, run_batches
 from quark_brevitas.errors import CalibrationDataError
 
 W8A8 = Config(global_quant_config=QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig()),

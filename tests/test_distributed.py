@@ -17,10 +17,10 @@ import torch.distributed as dist
 transformers = pytest.importorskip("transformers")
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
+from quark_brevitas.calibration.data import CalibrationData, Shard  # noqa: E402
 from quark_brevitas.checkpoint import load_quantized, read_weights, save_quantized  # noqa: E402
-from quark_brevitas.data import CalibrationData, Shard  # noqa: E402
 from quark_brevitas.errors import CalibrationDataError  # noqa: E402
-from quark_brevitas.intweights import integer_weights  # noqa: E402
+from quark_brevitas.export.intweights import integer_weights  # noqa: E402
 from quark_brevitas.types import QSchemeType  # noqa: E402
 
 WORLD = 2

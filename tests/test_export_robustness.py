@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
+from quark_brevitas.config.presets import get_preset
 from quark_brevitas.export import ExportMismatchError, export_onnx_qcdq, verify_onnx
 from quark_brevitas.export.pinned import check_pinned
 from quark_brevitas.export.runtime import run_model_proto
 from quark_brevitas.export.verify import compute_reference, exported_module
-from quark_brevitas.presets import get_preset
 from quark_brevitas.types import Dtype, QSchemeType
 
 transformers = pytest.importorskip("transformers")

@@ -21,10 +21,10 @@ transformers = pytest.importorskip("transformers")
 from llm_models import VOCAB, tiny_llama, tiny_opt, token_batches  # noqa: E402
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
+from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.errors import ConfigError  # noqa: E402
 from quark_brevitas.export import ExportError, export_gguf  # noqa: E402
 from quark_brevitas.outputs import OutputError  # noqa: E402
-from quark_brevitas.presets import get_preset  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType, ScaleType  # noqa: E402
 
 TYPES = {"gguf_q4_0": "Q4_0", "gguf_q4_1": "Q4_1", "gguf_q8_0": "Q8_0"}

@@ -18,9 +18,9 @@ from quark_brevitas import ModelExporter, ModelQuantizer, load_quantized, save_q
 from quark_brevitas.brevitas_adapter import iter_quantizers
 from quark_brevitas.checkpoint import CheckpointError, read_checkpoint
 from quark_brevitas.config import Config, QLayerConfig, QTensorConfig
+from quark_brevitas.config.presets import get_preset
 from quark_brevitas.export import run_onnx
-from quark_brevitas.intweights import integer_weights
-from quark_brevitas.presets import get_preset
+from quark_brevitas.export.intweights import integer_weights
 from quark_brevitas.types import QSchemeType
 
 HALF = [torch.float16, torch.bfloat16]

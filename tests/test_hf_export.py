@@ -20,6 +20,7 @@ from onnx import numpy_helper
 transformers = pytest.importorskip("transformers")
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig  # noqa: E402
+from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.export import (  # noqa: E402
     ExportError,
     ExportMismatchError,
@@ -31,7 +32,6 @@ from quark_brevitas.export.args import KeywordInputs, normalize_example, with_at
 from quark_brevitas.export.pinned import check_pinned  # noqa: E402
 from quark_brevitas.export.runtime import run_model_proto  # noqa: E402
 from quark_brevitas.export.verify import compute_reference, exported_module  # noqa: E402
-from quark_brevitas.presets import get_preset  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
 WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "ran", "far", "quick", "brown", "fox", "jumps", "over",

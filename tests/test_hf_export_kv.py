@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig  # noqa: E402
-from quark_brevitas.data import cache_keyword, output_cache  # noqa: E402
+from quark_brevitas.calibration.data import cache_keyword, output_cache  # noqa: E402
 from quark_brevitas.export import ExportError, export_onnx_qcdq, run_onnx, verify_onnx  # noqa: E402
 from quark_brevitas.export.args import normalize_example  # noqa: E402
 from quark_brevitas.export.kv import TOTAL, export_module, with_past  # noqa: E402

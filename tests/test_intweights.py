@@ -1,4 +1,4 @@
-"""Tests of quark_brevitas.intweights: integer (or float8) weights, scales and zero points per layer.
+"""Tests of quark_brevitas.export.intweights: integer (or float8) weights, scales and zero points per layer.
 
 Done-when check: integer weights times scales (minus zero points) reproduce every quantized weight
 exactly, for int8/int4, per tensor/per channel, symmetric/asymmetric, power-of-two scales and fp8.

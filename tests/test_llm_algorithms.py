@@ -34,6 +34,10 @@ from quark_brevitas.algorithms.gptq import gptq_columns  # noqa: E402
 from quark_brevitas.api import ModelQuantizer  # noqa: E402
 from quark_brevitas.blocks.capture import capture_block_inputs  # noqa: E402
 from quark_brevitas.brevitas_adapter import QuantLayer, weight_grid  # noqa: E402
+from quark_brevitas.calibration.data import (
+    BlockInputs,  # noqa: E402
+    CalibrationData,  # noqa: E402
+)
 from quark_brevitas.config import (  # noqa: E402
     AWQConfig,
     Config,
@@ -41,10 +45,6 @@ from quark_brevitas.config import (  # noqa: E402
     QuantizationConfig,
     QuantizationSpec,
     SmoothQuantConfig,
-)
-from quark_brevitas.data import (
-    BlockInputs,  # noqa: E402
-    CalibrationData,  # noqa: E402
 )
 from quark_brevitas.errors import ConfigError  # noqa: E402
 from quark_brevitas.hf.structure import model_structure  # noqa: E402

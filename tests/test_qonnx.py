@@ -13,10 +13,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from quark_brevitas.cli.digits import example_input
 from torch import nn
 
 from quark_brevitas import Config, Container, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig, QuantType
-from quark_brevitas.digits import example_input
 from quark_brevitas.export import ExportArgumentError, ExportError, ExportMismatchError
 from quark_brevitas.export import qonnx as export_qonnx_mod
 from quark_brevitas.export.qonnx import QONNX_DOMAIN, export_qonnx, max_runtime_ir_version, run_qonnx

@@ -23,9 +23,9 @@ from quark_brevitas.backend import DEFAULT_LAYER_MAP, LayerMapping
 from quark_brevitas.brevitas_adapter import iter_quantizers, quantization_disabled
 from quark_brevitas.cli import main
 from quark_brevitas.config import Config, QLayerConfig, QTensorConfig
+from quark_brevitas.config.presets import get_preset
 from quark_brevitas.container import Container
 from quark_brevitas.errors import CalibrationDataError, ConfigError, ModelError
-from quark_brevitas.presets import get_preset
 from quark_brevitas.types import Dtype, ParamType, QSchemeType
 
 INT8 = QTensorConfig()
@@ -318,7 +318,7 @@ def test_a_one_shot_generator_feeds_gptq_like_a_list(caplog: Any) -> None:
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
     batches = [torch.randn(8, 16) for _ in range(3)]
     from_list = ModelQuantizer(get_preset("w4a8_gptq")).quantize_model(model, batches)
-    with caplog.at_level(logging.INFO, logger="quark_brevitas.data"):
+    with caplog.at_level(logging.INFO, logger="quark_brevitas.calibration.data"):
         from_generator = ModelQuantizer(get_preset("w4a8_gptq")).quantize_model(model, (b for b in batches))
     assert any("one-shot" in r.message for r in caplog.records)
     with torch.no_grad():
@@ -460,7 +460,7 @@ def test_a_model_with_optional_inputs_is_not_traced_and_keeps_both_call_forms(ca
 # ===================================================================== command line (item 8)
 @pytest.fixture(scope="module")
 def digits_checkpoint(tmp_path_factory: Any, digits_model: nn.Module, digits_data: Any) -> Any:
-    from quark_brevitas.digits import example_input
+    from quark_brevitas.cli.digits import example_input
 
     directory = tmp_path_factory.mktemp("digits_ckpt")
     quantized = ModelQuantizer(get_preset("w8a8")).quantize_model(digits_model, digits_data.calib)
@@ -483,7 +483,7 @@ def test_cli_export_with_a_wrong_input_shape_is_one_line(capsys: Any, digits_che
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("quark_brevitas.digits:DigitsData", "calling it failed (TypeError"),
+    ("quark_brevitas.cli.digits:DigitsData", "calling it failed (TypeError"),
     ("no_such_module_here:Model", "cannot import it (ModuleNotFoundError"),
     ("quark_brevitas.cli:DEFAULT_MODEL", "is a str, not a callable"),
 ])

@@ -10,8 +10,8 @@ import yaml
 
 from quark_brevitas import algos
 from quark_brevitas.config import Config, QLayerConfig, QTensorConfig
+from quark_brevitas.config.presets import PRESETS, get_preset
 from quark_brevitas.config.schema import SCHEMA_PATH, config_json_schema, schema_text
-from quark_brevitas.presets import PRESETS, get_preset
 from quark_brevitas.types import QSchemeType
 
 jsonschema = pytest.importorskip("jsonschema")

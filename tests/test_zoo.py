@@ -19,7 +19,7 @@ from zoo_models import ZOO, ZooModel
 
 from quark_brevitas import ModelExporter, ModelQuantizer, load_quantized, save_quantized
 from quark_brevitas.config import QLayerConfig, QTensorConfig
-from quark_brevitas.presets import get_preset
+from quark_brevitas.config.presets import get_preset
 
 pytestmark = pytest.mark.slow
 

@@ -51,7 +51,7 @@ from quark_brevitas.brevitas_adapter import (
     weight_grid,
 )
 from quark_brevitas.calibration import calibrate
-from quark_brevitas.data import BlockInputs, CalibrationData
+from quark_brevitas.calibration.data import BlockInputs, CalibrationData
 from quark_brevitas.hf.structure import ScalingGroup, check_scaling_groups
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from typing import Any
 
 from torch import nn
 
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import CalibrationDataError, ConfigError
 
 __all__ = ["AlgorithmHandler", "SavedStructure", "apply_algorithm", "describe_algorithms", "handler_for", "register",
@@ -60,7 +60,7 @@ class AlgorithmHandler:
 
     Called per block (the block-by-block data phase, :mod:`quark_brevitas.blocks.engine`), a handler may
     assume: ``model`` is one block (or a holder module around one layer outside the blocks, whose
-    attribute keeps the layer's name); ``data`` is a :class:`~quark_brevitas.data.BlockInputs` whose
+    attribute keeps the layer's name); ``data`` is a :class:`~quark_brevitas.calibration.data.BlockInputs` whose
     batches are that block's ``(args, kwargs)`` as the model called it (keyword inputs such as attention
     masks and position embeddings included), produced by the already quantized earlier blocks;
     ``data.forward(model, desc)`` runs them through the block; names inside ``model`` are relative to the

@@ -31,7 +31,7 @@ from quark_brevitas.algorithms.base import AlgorithmHandler
 from quark_brevitas.blocks.capture import blocks_are_chained
 from quark_brevitas.blocks.engine import BlockwiseEngine
 from quark_brevitas.brevitas_adapter import int_weight_format
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.hf.structure import ScalingGroup, Structure, infer_scaling_layers, is_linear, model_structure
 

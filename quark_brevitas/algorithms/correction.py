@@ -10,7 +10,7 @@ from torch import nn
 from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, SavedStructure, register
 from quark_brevitas.brevitas_adapter import QuantLayer, bias_correction_mode, norm_correction_mode
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.calibration.data import CalibrationData
 
 
 def _forward_in_mode(model: nn.Module, data: CalibrationData, name: str, mode: Any) -> nn.Module:

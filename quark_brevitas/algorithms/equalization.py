@@ -10,7 +10,7 @@ from torch import nn
 from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, SavedStructure, register
 from quark_brevitas.brevitas_adapter import activation_equalization_mode, wrap_equalized
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.calibration.data import CalibrationData
 
 #: Class name of the wrapper activation equalization puts around a layer (as a checkpoint records it).
 _WRAPPER = "EqualizedModule"

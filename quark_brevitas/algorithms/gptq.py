@@ -44,7 +44,7 @@ from quark_brevitas.brevitas_adapter import (
     quantization_disabled,
     weight_grid,
 )
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ModelError
 from quark_brevitas.hf.structure import is_linear
 

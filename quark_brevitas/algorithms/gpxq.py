@@ -23,7 +23,7 @@ from quark_brevitas.algorithms.base import AlgorithmHandler, SavedStructure, reg
 from quark_brevitas.algorithms.gptq import warn_few_samples
 from quark_brevitas.blocks.capture import UntilStopped
 from quark_brevitas.brevitas_adapter import QuantLayer, a2gpfq_available, a2gpfq_mode, gpfq_mode, gptq_mode
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import UnsupportedAlgorithmError
 
 #: The float copy of each weight GPFQ keeps while it runs (Brevitas's name); removed afterwards.

@@ -11,7 +11,7 @@ from torch import nn
 from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, register
 from quark_brevitas.brevitas_adapter import is_graph_module, symbolic_trace
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.calibration.data import CalibrationData
 
 logger = logging.getLogger(__name__)
 

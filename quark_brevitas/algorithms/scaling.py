@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ModelError
 from quark_brevitas.hf.structure import input_channels, is_linear
 

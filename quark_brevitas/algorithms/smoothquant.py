@@ -26,7 +26,7 @@ from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.scaling import ChannelStats, fold_scales, linear_weight
 from quark_brevitas.blocks.capture import first_batch_output
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.hf.structure import ScalingGroup, check_scaling_groups
 

@@ -10,7 +10,7 @@
 - :func:`write_rows` / :func:`write_json` / :func:`write_csv` and :func:`plot_pareto`.
 
 Everything quantizes through :class:`~quark_brevitas.api.ModelQuantizer` (the pipeline), feeds batches through
-the pipeline's :class:`~quark_brevitas.data.CalibrationData` loop, and leaves the caller's model untouched.
+the pipeline's :class:`~quark_brevitas.calibration.data.CalibrationData` loop, and leaves the caller's model untouched.
 Plots need the ``plot`` extra (matplotlib).
 """
 

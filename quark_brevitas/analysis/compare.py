@@ -21,7 +21,7 @@ correction) move the float weights and biases: when the quantized model's config
 float model is quantized once more without them, and the switched-off layers borrow those parameters, so the
 reference stays the float function and the weight SQNR compares the final weights with the original ones.
 
-Every forward pass goes through the pipeline's :meth:`~quark_brevitas.data.CalibrationData.forward` loop:
+Every forward pass goes through the pipeline's :meth:`~quark_brevitas.calibration.data.CalibrationData.forward` loop:
 for each batch, one module runs the float model, the switched-off model, the quantized model and each
 layer alone, then drops the batch's tensors (memory: one batch's activations).
 """
@@ -43,9 +43,9 @@ from quark_brevitas.brevitas_adapter import (
     quantization_disabled,
     weight_quantization_pairs,
 )
+from quark_brevitas.calibration.data import BatchToInputs
 from quark_brevitas.config import Config
 from quark_brevitas.container import Container
-from quark_brevitas.data import BatchToInputs
 from quark_brevitas.errors import ModelError
 from quark_brevitas.pipeline import CONFIG_ATTRIBUTE
 

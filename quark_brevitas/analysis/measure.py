@@ -1,8 +1,9 @@
 """How the analysis tools measure a model: the batches, the float reference, the metric, and layer toggles.
 
-- :func:`evaluation_data`: the user's batches as the pipeline's :class:`~quark_brevitas.data.CalibrationData`,
-  optionally only the first few (the cheap default of the analysis tools); every forward pass of the
-  analysis goes through its ``forward`` loop (batch conventions, checks, progress bar).
+- :func:`evaluation_data`: the user's batches as the pipeline's
+  :class:`~quark_brevitas.calibration.data.CalibrationData`, optionally only the first few (the cheap default
+  of the analysis tools); every forward pass of the analysis goes through its ``forward`` loop (batch
+  conventions, checks, progress bar).
 - :class:`Metric`: one number for a model, higher or lower is better: the user's ``eval_fn(model)`` (accuracy,
   perplexity, ...), or by default the SQNR in dB of the model's output against the float model's output on
   the evaluation batches (the float outputs are computed once).
@@ -28,9 +29,9 @@ from torch import nn
 from quark_brevitas.analysis.metrics import SQNR, output_tensor
 from quark_brevitas.api import ModelQuantizer
 from quark_brevitas.brevitas_adapter import quantization_disabled, quantized_units, quantizer_names
+from quark_brevitas.calibration.data import BatchToInputs, CalibrationData
 from quark_brevitas.config import Config
 from quark_brevitas.container import Container
-from quark_brevitas.data import BatchToInputs, CalibrationData
 
 logger = logging.getLogger(__name__)
 

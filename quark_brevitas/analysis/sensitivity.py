@@ -49,9 +49,9 @@ from quark_brevitas.analysis.measure import (
 )
 from quark_brevitas.analysis.metrics import Rows
 from quark_brevitas.api import ModelQuantizer
+from quark_brevitas.calibration.data import BatchToInputs
 from quark_brevitas.config import Config
 from quark_brevitas.container import Container
-from quark_brevitas.data import BatchToInputs
 from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)

@@ -12,6 +12,7 @@
 - :mod:`~quark_brevitas.blocks.store`: cached activations, in memory or on disk;
 - :mod:`~quark_brevitas.blocks.protocol`: what the engine needs from whoever quantizes the blocks.
 
-This package module imports nothing, on purpose: :mod:`quark_brevitas.data` imports
-:mod:`~quark_brevitas.blocks.store` and the engine imports :mod:`quark_brevitas.data`; import the submodules.
+This package module imports nothing, on purpose: :mod:`quark_brevitas.calibration.data` imports
+:mod:`~quark_brevitas.blocks.store` and the engine imports :mod:`quark_brevitas.calibration.data`; import the
+submodules.
 """

@@ -17,7 +17,7 @@ from torch import nn
 
 from quark_brevitas.blocks.store import ActivationStore, detached
 from quark_brevitas.brevitas_adapter import StopFwdException
-from quark_brevitas.data import CACHE_KEYWORDS, BlockInputs, CalibrationData, takes
+from quark_brevitas.calibration.data import CACHE_KEYWORDS, BlockInputs, CalibrationData, takes
 from quark_brevitas.errors import ModelError
 
 __all__ = ["BlockCapture", "CallRecorder", "Clock", "CountingRunner", "Replay", "UntilStopped", "blocks_are_chained",
@@ -87,8 +87,8 @@ def _is_kv_cache(value: Any) -> bool:
 def replayable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     """A module call's arguments as they can be cached and replayed: key/value caches dropped (Hugging Face
     ``Cache`` objects wherever they are, and anything under a cache keyword of
-    :data:`~quark_brevitas.data.CACHE_KEYWORDS`, ``cache`` or ``past_key_values`` depending on the transformers
-    release; a block replayed on a cache would append to it on every call and attend to the appended keys),
+    :data:`~quark_brevitas.calibration.data.CACHE_KEYWORDS`, ``cache`` or ``past_key_values`` depending on the
+    transformers release; a block replayed on a cache would append to it on every call and attend to the appended keys),
     ``use_cache`` off."""
     kept = {key: None if key in CACHE_KEYWORDS or _is_kv_cache(value) else value for key, value in kwargs.items()}
     if "use_cache" in kept:

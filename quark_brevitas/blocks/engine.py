@@ -6,7 +6,7 @@ calibrated the way llm-compressor's sequential pipeline, GPTQModel and AutoAWQ d
 1. the inputs of the first block are captured once for every calibration batch, including what the model
    passes to it by keyword (attention masks, rotary position embeddings, position ids);
 2. for each block, a :class:`~quark_brevitas.blocks.protocol.UnitQuantizer` processes that block alone, fed
-   with its cached inputs (:class:`~quark_brevitas.data.BlockInputs`): the pipeline's data-phase stages
+   with its cached inputs (:class:`~quark_brevitas.calibration.data.BlockInputs`): the pipeline's data-phase stages
    (:meth:`quark_brevitas.pipeline.Pipeline.quantize_unit`), or one LLM algorithm on its whole-model path
    (:meth:`quark_brevitas.algorithms.blocks.BlockwiseHandler.apply`); then the processed block's outputs become
    the next block's inputs (for a stack that is not chained, each block's inputs are captured instead, with
@@ -41,7 +41,7 @@ from quark_brevitas.blocks.protocol import UnitQuantizer
 from quark_brevitas.blocks.sources import BlockSource, SoloLayer
 from quark_brevitas.blocks.stack import outside_layers
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory, detached
-from quark_brevitas.data import BlockInputs, CalibrationData
+from quark_brevitas.calibration.data import BlockInputs, CalibrationData
 from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)

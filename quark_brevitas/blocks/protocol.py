@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torch import nn
 
 if TYPE_CHECKING:
-    from quark_brevitas.data import CalibrationData
+    from quark_brevitas.calibration.data import CalibrationData
 
 __all__ = ["UnitQuantizer", "UnitRebuilder"]
 

@@ -23,7 +23,7 @@ from quark_brevitas.blocks.protocol import UnitQuantizer
 from quark_brevitas.blocks.sources import BlockSource, CopiedBlocks, copy_without_blocks
 from quark_brevitas.blocks.stack import resolve_block_stack
 from quark_brevitas.blocks.store import StoreFactory
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)

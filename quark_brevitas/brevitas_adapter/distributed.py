@@ -110,7 +110,7 @@ def require_equal_shares(loader: Iterable[Any], shard: Shard, needed_by: str) ->
 
 # ===================================================================== statistics across processes
 #: ``reduce(tensor, op)``: combine ``tensor`` in place with the same tensor of every other process (``op``:
-#: ``"sum"`` or ``"max"``) and return it; :meth:`quark_brevitas.data.CalibrationData.all_reduce`.
+#: ``"sum"`` or ``"max"``) and return it; :meth:`quark_brevitas.calibration.data.CalibrationData.all_reduce`.
 Reducer = Callable[[torch.Tensor, str], torch.Tensor]
 
 

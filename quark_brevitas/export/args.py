@@ -23,7 +23,7 @@ import torch
 from brevitas.quant_tensor import QuantTensor
 from torch import nn
 
-from quark_brevitas.data import takes
+from quark_brevitas.calibration.data import takes
 from quark_brevitas.export.errors import ExportArgumentError
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 :func:`export_gguf` (Quark's name and arguments) writes one ``.gguf`` file with the architecture metadata,
 the tokenizer and every tensor of a quantized Hugging Face decoder: quantized Linear weights packed block by
-block from :func:`~quark_brevitas.intweights.integer_weights` (never re-quantized), everything else as F32.
+block from :func:`~quark_brevitas.export.intweights.integer_weights` (never re-quantized), everything else as F32.
 GGUF block types hold one float16 scale (Q4_1: and one float16 offset) per 32 consecutive input channels:
 
 - ``Q8_0``: int8 symmetric weights per group of 32;
@@ -35,8 +35,8 @@ from torch import nn
 from quark_brevitas.brevitas_adapter import iter_quantizers
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.export.intweights import IntegerWeight, integer_weights
 from quark_brevitas.extras import require
-from quark_brevitas.intweights import IntegerWeight, integer_weights
 from quark_brevitas.outputs import output_dir as atomic_output_dir
 
 __all__ = ["GGUF_FAMILIES", "GGUF_FILE_NAME", "GGUF_WEIGHT_TYPES", "export_gguf"]

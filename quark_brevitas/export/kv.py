@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas.data import CACHE_KEYWORDS, cache_keyword, output_cache, takes
+from quark_brevitas.calibration.data import CACHE_KEYWORDS, cache_keyword, output_cache, takes
 from quark_brevitas.export.args import Example, KeywordInputs, past_name, past_names, type_name
 from quark_brevitas.export.errors import ExportError
 
@@ -54,7 +54,7 @@ class CachedDecoder(nn.Module):
         self.names = tuple(names)
         self.layers = layers
         #: The cache argument's name in this model's forward (``cache`` or ``past_key_values``, see
-        #: :func:`~quark_brevitas.data.cache_keyword`); :func:`with_past` has checked that there is one.
+        #: :func:`~quark_brevitas.calibration.data.cache_keyword`); :func:`with_past` has checked that there is one.
         self.cache_keyword = cache_keyword(model) or "past_key_values"
 
     def forward(self, *args: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ What is added on top of ``brevitas.export.export_qonnx``:
   input's shapes (batch included).
 * **Float weights.** As QONNX intends, each weight is stored in float32 in front of its ``Quant`` /
   ``FloatQuant`` node, which carries the format (FINN folds them when it builds hardware); the
-  integer codes themselves come from :func:`quark_brevitas.intweights.integer_weights`.
+  integer codes themselves come from :func:`quark_brevitas.export.intweights.integer_weights`.
 * **Version workaround.** qonnx runs each standard node in onnxruntime through a one-node model
   that ``onnx.helper.make_model`` stamps with the installed onnx's newest IR version; onnxruntime
   may support only an older one (onnx 1.23 writes IR 14, onnxruntime 1.31 reads up to 13). While

@@ -8,7 +8,7 @@ validates what it will read), ``model.safetensors`` (or one shard per block plus
 checkpoint) and the tokenizer when one is given.
 
 Why the weights are exact: every quantized Linear layer's integer (or fp8) codes, scales and zero points are read
-from the quantized model (:func:`~quark_brevitas.intweights.integer_weights` per tensor / per channel,
+from the quantized model (:func:`~quark_brevitas.export.intweights.integer_weights` per tensor / per channel,
 :func:`~quark_brevitas.export.blocked.plan_weights` per group; both prove ``(codes - zero_point) * scale`` equals
 the layer's quantized weight bit for bit) and only re-encoded: unsigned codes ``u`` with zero point ``z`` become
 compressed-tensors' signed ``u - 2^(b-1)`` and ``z - 2^(b-1)`` (same differences), then packed with the package's
@@ -192,8 +192,8 @@ def _group_weight(name: str, layer: nn.Module) -> tuple[TensorFormat, torch.Tens
 
 def _plain_weight(name: str, layer: nn.Module) -> tuple[TensorFormat, torch.Tensor, torch.Tensor,
                                                         torch.Tensor | None]:
-    """Per-tensor / per-channel int or fp8 weights, from :func:`~quark_brevitas.intweights.integer_weights`."""
-    from quark_brevitas.intweights import integer_weights
+    """Per-tensor / per-channel int or fp8 weights, from :func:`~quark_brevitas.export.intweights.integer_weights`."""
+    from quark_brevitas.export.intweights import integer_weights
 
     entry = next(iter(integer_weights(layer).values()))
     out_features = entry.int_weight.shape[0]

@@ -39,9 +39,9 @@ _INDEX_FILE = "model.safetensors.index.json"
 def _streamed_units(checkpoint: Path) -> Iterator[tuple[str, nn.Module, str | None, Any]]:
     """``(prefix, module, skip, hf_config)`` for each block of a streamed checkpoint (loaded one at a time and
     dropped after), then the rest of the model without its block stack."""
-    from quark_brevitas.hf.streaming import _quantized_skeleton
+    from quark_brevitas.hf.streaming import quantized_skeleton
 
-    model, stack, blocks, _ = _quantized_skeleton(checkpoint, None, keep=False)
+    model, stack, blocks, _ = quantized_skeleton(checkpoint, None, keep=False)
     modules = model.get_submodule(stack)
     for index in range(len(modules)):
         block = blocks.load(index, modules[index])

@@ -301,6 +301,6 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
 
 
 def _run(model: nn.Module, batches: list[dict[str, torch.Tensor]], measure: _Measure) -> None:
-    from quark_brevitas.data import CalibrationData
+    from quark_brevitas.calibration.data import CalibrationData
 
     CalibrationData(batches).forward(model, "Evaluating", on_output=measure)

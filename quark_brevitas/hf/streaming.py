@@ -24,7 +24,7 @@ last finished block (re-checking the finished blocks' files: a damaged one is re
 checkpoint as an uninterrupted run.
 
 Under ``torch.distributed`` every process reads the model and takes its share of the batches (see
-:class:`~quark_brevitas.data.Shard`); the first process writes the checkpoint.
+:class:`~quark_brevitas.calibration.data.Shard`); the first process writes the checkpoint.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from quark_brevitas.blocks.sources import BlockSource, SoloLayer
 from quark_brevitas.blocks.stack import detect_block_stack, outside_layers
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory
 from quark_brevitas.brevitas_adapter import barrier, current_shard, ignore_missing_keys, load_quant_model_mode
+from quark_brevitas.calibration.data import BatchToInputs, CalibrationData, Shard
 from quark_brevitas.checkpoint import (
     CHECKSUMS_KEY,
     CONFIG_FILE,
@@ -70,7 +71,6 @@ from quark_brevitas.checkpoint.load import check_state, check_structure
 from quark_brevitas.checkpoint.manifest import dtype_name, library_versions, module_structure, state_tensors
 from quark_brevitas.config import Config
 from quark_brevitas.container import Container
-from quark_brevitas.data import BatchToInputs, CalibrationData, Shard
 from quark_brevitas.errors import ModelError
 from quark_brevitas.extras import require
 from quark_brevitas.outputs import check_output_dir, commit, file_sha256, open_work_dir, work_dir
@@ -378,7 +378,7 @@ def quantize_pretrained(
     return output
 
 
-def _quantized_skeleton(directory: str | os.PathLike[str], container: Container | None,
+def quantized_skeleton(directory: str | os.PathLike[str], container: Container | None,
                         keep: bool) -> tuple[nn.Module, str, CheckpointBlocks, Any]:
     """A streamed checkpoint's model with everything but the blocks rebuilt and loaded, its block stack, the
     source of its quantized blocks and the checkpoint's description."""
@@ -414,7 +414,7 @@ def load_pretrained_quantized(directory: str | os.PathLike[str], *, container: C
     """The quantized model of a checkpoint written by :func:`quantize_pretrained`, rebuilt from the Hugging Face
     config it records one block at a time (no float weights needed) and checked against its manifest.
     Returns the model in eval mode, ready for ``generate()``."""
-    model, stack, blocks, info = _quantized_skeleton(directory, container, keep=True)
+    model, stack, blocks, info = quantized_skeleton(directory, container, keep=True)
     modules = model.get_submodule(stack)
     for index in range(len(modules)):
         modules[index] = blocks.load(index, modules[index])
@@ -443,7 +443,7 @@ def evaluate_pretrained(
     data = CalibrationData(batches, batch_to_inputs)
     blocks: BlockSource
     if (source / MANIFEST_FILE).is_file():
-        model, stack, blocks, _ = _quantized_skeleton(source, container, keep=False)
+        model, stack, blocks, _ = quantized_skeleton(source, container, keep=False)
     else:
         model, hf_config = load_skeleton(source)
         found = detect_block_stack(model)

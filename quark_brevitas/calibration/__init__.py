@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from quark_brevitas.brevitas_adapter import calibration_mode, sampled_activation_mse
-from quark_brevitas.data import CalibrationData
+from quark_brevitas.calibration.data import CalibrationData
 
 __all__ = ["calibrate"]
 

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch import nn
-
-from quark_brevitas import algos
 from quark_brevitas.config import Config, ParamType, QLayerConfig, QTensorConfig, QuantType
+from quark_brevitas.config import algorithms as algos
+from quark_brevitas.config.enums import Dtype, QSchemeType, ScaleType
 from quark_brevitas.errors import ConfigError
-from quark_brevitas.types import Dtype, QSchemeType, ScaleType
 
 __all__ = ["DEFAULT_PRESET", "DESCRIPTIONS", "PRESETS", "get_preset"]
 
@@ -68,6 +66,8 @@ def _linear_only(layer: QLayerConfig, pre: list[algos.AlgorithmConfig] | None = 
                  post: list[algos.AlgorithmConfig] | None = None, *, embeddings: bool = False) -> Config:
     """Linear layers get ``layer``; with ``embeddings``, the embedding tables get int8 weights too (encoders: the
     ONNX exporter gathers int8 rows; GGUF has no int8 per-tensor embedding type, so its presets leave them float)."""
+    from torch import nn  # the layer-type keys; torch is loaded only when a preset is built
+
     types = {nn.Linear: layer, nn.Embedding: _EMBEDDING} if embeddings else {nn.Linear: layer}
     return Config(QLayerConfig(), layer_type_quant_config=types,
                   pre_quant_opt_config=[algos.Preprocess(), *(pre or [])], algo_config=list(post or []))

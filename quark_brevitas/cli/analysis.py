@@ -1,0 +1,165 @@
+"""``quark-brevitas analyze`` / ``autoconfig``: per-layer error, sensitivity and a mixed-precision config for
+the built-in example (:mod:`quark_brevitas.analysis`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from quark_brevitas.api import ModelQuantizer
+from quark_brevitas.cli.options import CLIError, positive_int, resolve_config
+from quark_brevitas.extras import available, install_hint
+
+logger = logging.getLogger("quark_brevitas.cli")
+
+
+DEFAULT_ANALYSIS_OUTPUT = "quark_brevitas_analysis"
+
+
+DEFAULT_AUTOCONFIG_OUTPUT = "quark_brevitas_autoconfig.yaml"
+
+
+def add_analysis_commands(sub: Any, verbosity: argparse.ArgumentParser,
+                           config_args: argparse.ArgumentParser) -> None:
+    """The ``analyze`` and ``autoconfig`` subcommands. The model options (``--epochs``, ``--seed``) are those of
+    the built-in digits CNN; :func:`_analysis_subject` is the one place that builds the model and its data, so a
+    ``--model DIR`` (Hugging Face folder) option plugs in there."""
+    from quark_brevitas.analysis import DEFAULT_CANDIDATES
+
+    subject = argparse.ArgumentParser(add_help=False)
+    subject.add_argument("--epochs", type=positive_int, default=15, help="training epochs (default 15)")
+    subject.add_argument("--seed", type=int, default=0, help="data split and training seed (default 0)")
+    subject.add_argument("--batches", type=positive_int, default=4,
+                         help="calibration batches the measurements use (default 4; --exact: all)")
+    subject.add_argument("--exact", action="store_true",
+                         help="re-run the pipeline for every measurement instead of switching layers off (slower)")
+
+    analyze = sub.add_parser(
+        "analyze", parents=[verbosity, config_args, subject],
+        help="per-layer error report and sensitivity ranking of a config on the digits CNN",
+        description="Train the digits CNN, quantize it, compare it with the float model layer by layer (SQNR of "
+                    "weights, inputs, outputs) and rank the layers by sensitivity; prints the tables and writes "
+                    "layers.json/.csv/.png and sensitivity.json/.csv/.png.",
+    )
+    analyze.add_argument("--output", metavar="DIR", default=DEFAULT_ANALYSIS_OUTPUT,
+                         help=f"output directory (default {DEFAULT_ANALYSIS_OUTPUT})")
+    analyze.add_argument("--no-plots", action="store_true", help="skip the PNG files (no matplotlib needed)")
+    analyze.set_defaults(func=_cmd_analyze)
+
+    autoconfig = sub.add_parser(
+        "autoconfig", parents=[verbosity, subject],
+        help="choose a format per layer under a budget and write the config as YAML",
+        description="Measure every layer of the digits CNN with every candidate format, choose one per layer under "
+                    "the budget (knapsack on the measured output SQNR, refined by quantizing the best proposals "
+                    "for real) and write the Config as YAML (for 'quantize --config' and 'plan --config').",
+    )
+    budget = autoconfig.add_mutually_exclusive_group()
+    budget.add_argument("--budget-bits", type=float, metavar="BITS",
+                        help="average bits per weight, scales included (uniform W4 per-channel: about 4.1)")
+    budget.add_argument("--budget-bytes", type=float, metavar="BYTES", help="model size in bytes")
+    autoconfig.add_argument("--min-metric", type=float, metavar="DB",
+                            help="smallest assignment whose output SQNR reaches DB (alone or within a budget)")
+    autoconfig.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES), metavar="NAMES",
+                            help=f"comma-separated candidate formats (default {','.join(DEFAULT_CANDIDATES)})")
+    autoconfig.add_argument("--refine", type=positive_int, default=4,
+                            help="proposals quantized for real to pick the best (default 4)")
+    autoconfig.add_argument("--output", metavar="FILE", default=DEFAULT_AUTOCONFIG_OUTPUT,
+                            help=f"the YAML config to write (default {DEFAULT_AUTOCONFIG_OUTPUT})")
+    autoconfig.set_defaults(func=_cmd_autoconfig)
+
+
+@dataclass(frozen=True)
+class _Subject:
+    """What the analysis commands work on: a float model, calibration batches, a test metric and their label."""
+
+    model: nn.Module
+    calib: Any
+    evaluate: Any
+    label: str
+
+
+def _analysis_subject(args: argparse.Namespace) -> _Subject:
+    """The built-in digits CNN, trained now, with its calibration batches and test accuracy."""
+    from quark_brevitas.cli.digits import evaluate, load_digits_data, train_digits_cnn
+
+    data = load_digits_data(seed=args.seed)
+    model = train_digits_cnn(data, epochs=args.epochs, seed=args.seed)
+    return _Subject(model, data.calib, lambda m: evaluate(m, data.test), "digits CNN")
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from quark_brevitas import analysis
+
+    config, source = resolve_config(args)
+    output = Path(args.output)
+    if output.exists() and not output.is_dir():
+        raise CLIError(f"--output {str(output)!r} exists and is not a directory")
+    subject = _analysis_subject(args)
+    ModelQuantizer(config).plan(subject.model)
+    quant = ModelQuantizer(config).quantize_model(subject.model, subject.calib)
+    layers = analysis.compare_layers(subject.model, quant, subject.calib, max_batches=args.batches)
+    ranking = analysis.sensitivity(subject.model, config, subject.calib, exact=args.exact,
+                                   max_batches=None if args.exact else args.batches)
+    written = [*analysis.write_rows(layers, output, "layers"), *analysis.write_rows(ranking, output, "sensitivity")]
+    if not args.no_plots and not available("matplotlib"):
+        # The tables and files are the result; the pictures are optional and need an extra.
+        logger.warning("plots skipped: they need matplotlib, which is not installed; install it with %s (or pass "
+                       "--no-plots)", install_hint("matplotlib"))
+    elif not args.no_plots:
+        written.append(analysis.plot_layer_sqnr(layers, output / "layers.png",
+                                                title=f"{subject.label}, {source}: error per layer"))
+        written.append(analysis.plot_sensitivity(ranking, output / "sensitivity.png",
+                                                 title=f"{subject.label}, {source}: sensitivity per layer"))
+    print(f"{subject.label}, {source}: float accuracy {subject.evaluate(subject.model):.2f} %, quantized "
+          f"{subject.evaluate(quant):.2f} %\n")
+    print(analysis.layer_table(layers), end="\n\n")
+    print(analysis.sensitivity_table(ranking), end="\n\n")
+    print("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+def _candidates(text: str) -> list[Any]:
+    from quark_brevitas.analysis import CANDIDATES
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CANDIDATES]
+    if unknown or not names:
+        raise CLIError(f"--candidates: unknown {unknown or 'empty list'}; allowed: {', '.join(CANDIDATES)}")
+    return [CANDIDATES[name] for name in names]
+
+
+def _cmd_autoconfig(args: argparse.Namespace) -> int:
+    from quark_brevitas import analysis
+    from quark_brevitas.backend import plan_table
+
+    if args.budget_bits is None and args.budget_bytes is None and args.min_metric is None:
+        raise CLIError("give a budget: --budget-bits, --budget-bytes or --min-metric")
+    candidates = _candidates(args.candidates)
+    output = Path(args.output)
+    if output.is_dir():
+        raise CLIError(f"--output {str(output)!r} is a directory; give a .yaml file name")
+    subject = _analysis_subject(args)
+    search = analysis.search_mixed_precision(
+        subject.model, candidates, subject.calib, budget_bits=args.budget_bits, budget_bytes=args.budget_bytes,
+        min_metric=args.min_metric, exact=args.exact, max_batches=None if args.exact else args.batches,
+        refine=args.refine)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(search.config.to_yaml())
+    quant = ModelQuantizer(search.config).quantize_model(subject.model, subject.calib)
+    size = analysis.model_size(subject.model, search.config)
+    print(f"{subject.label}: one format per layer from {args.candidates}")
+    print(analysis.format_table(search.rows(), [("name", "layer"), ("module_type", "type"), ("candidate", "format"),
+                                                ("average_weight_bits", "weight bits"),
+                                                ("alone_sqnr_db", "output SQNR alone (dB)")]))
+    print(f"\naverage weight bits {size.average_weight_bits:.3f}, model size {size.total_bytes:.0f} bytes; "
+          f"{search.metric_name} {search.metric:.2f} (measured on {len(search.tried)} proposals)")
+    print(f"test accuracy: float {subject.evaluate(subject.model):.2f} %, this config {subject.evaluate(quant):.2f} %")
+    print(f"\n{plan_table(ModelQuantizer(search.config).plan(subject.model))}\n")
+    print(f"wrote {output} (run it: quark-brevitas quantize --config {output})")
+    return 0
