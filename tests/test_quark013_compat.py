@@ -190,6 +190,24 @@ def test_serialisation_writes_what_the_user_wrote_and_round_trips() -> None:
     assert QConfig.from_dict(reference.to_dict()) == reference
 
 
+def test_quark013s_smooth_name_is_read_and_ours_written() -> None:
+    """Quark 0.13 names SmoothQuant ``"smooth"`` (its files, its ``SmoothQuantConfig.name``): read in both lists,
+    written back as ``"smoothquant"``, and the same config as the one spelled our way."""
+    assert SmoothQuantConfig(name="smooth", alpha=0.5) == SmoothQuantConfig(alpha=0.5)
+    data = QConfig(global_quant_config=W4, pre_quant_opt_config=[], algo_config=[AWQConfig()]).to_dict()
+    quark_entry = {"name": "smooth", "alpha": 0.5, "scale_clamp_min": 0.001, "model_decoder_layers": "model.layers"}
+    for key in ("algo_config", "pre_quant_opt_config"):
+        written_by_quark = {**data, key: [dict(quark_entry), *data[key]]}
+        config = QConfig.from_dict(written_by_quark)
+        smooth = getattr(config, key)[0]
+        assert smooth == SmoothQuantConfig(alpha=0.5, model_decoder_layers="model.layers")
+        assert config.to_dict()[key][0]["name"] == "smoothquant"
+        assert [type(a).__name__ for _, a in config.run_order()] == ["SmoothQuantConfig", "AWQConfig"]
+    with pytest.raises(ConfigError, match=r"algo_config\[0\].name: 'smoth' is not a AlgorithmConfig; did you mean "
+                                          r"'smooth'"):
+        QConfig.from_dict({**data, "algo_config": [{"name": "smoth"}]})
+
+
 def test_gptq_block_size_is_used_by_the_update(monkeypatch, calib_dataloader) -> None:
     from quark_brevitas.algorithms import gptq
 
