@@ -305,5 +305,55 @@ def test_quarks_top_level_names() -> None:
     import quark_brevitas
     from quark_brevitas.config import Config
 
-    assert quark_brevitas.QConfig is Config and "QConfig" in quark_brevitas.__all__
+    assert "QConfig" in quark_brevitas.__all__ and quark_brevitas.QConfig is QConfig
+    # one class under two names: QConfig builds a Config, and every Config is a QConfig
+    built = QConfig(global_quant_config=W4)
+    assert type(built) is Config and built == Config(global_quant_config=W4)
+    assert isinstance(Config(global_quant_config=W4), QConfig) and issubclass(Config, QConfig)
     assert quark_brevitas.ModelQuantizer is ModelQuantizer
+
+
+# ---------------------------------------------------------------- Quark 0.13's QConfig fields that Config lacks
+QUARK_DEFAULTS = {"kv_cache_quant_config": {}, "kv_cache_group": [], "min_kv_scale": 0.0, "kv_cache_post_rope": False,
+                  "shared_scale_groups": [], "softmax_quant_spec": None, "quant_mode": "eager_mode",
+                  "quant_flow": "standard", "gpu_resident_blocks": 0, "sync_moe_expert_input_amax": False,
+                  "keep_prequantized_layers": True, "log_severity_level": 1, "version": "0.13.0"}
+
+
+def test_quarks_qconfig_fields_at_their_defaults_and_metadata_are_accepted() -> None:
+    import enum
+
+    from quark_brevitas.config.quark_fields import QUARK_ONLY_FIELDS
+
+    class QuantizationMode(enum.Enum):  # Quark's enum, as Quark 0.13 code passes it
+        eager_mode = 1
+        fx_graph_mode = 2
+
+    assert set(QUARK_DEFAULTS) | {"quant_method"} == set(QUARK_ONLY_FIELDS)
+    plain = QConfig(global_quant_config=W4, algo_config=[AWQConfig()])
+    spelled_out = QConfig(global_quant_config=W4, algo_config=[AWQConfig()],
+                          **{**QUARK_DEFAULTS, "quant_mode": QuantizationMode.eager_mode})
+    assert spelled_out == plain
+    # a file Quark 0.13 writes carries them (and its quant_method marker) at the top level
+    written_by_quark = {**plain.to_dict(), **QUARK_DEFAULTS, "quant_method": "quark", "log_severity_level": None}
+    assert QConfig.from_dict(written_by_quark) == plain
+
+
+@pytest.mark.parametrize(("field", "value", "fragment"), [
+    ("kv_cache_quant_config", {"*k_proj": QLayerConfig(output_tensors=QTensorConfig())},
+     "a dict is not supported: KV-cache quantization"),
+    ("softmax_quant_spec", QTensorConfig(), "a QuantizationSpec is not supported: softmax"),
+    ("quant_mode", "fx_graph_mode", "'fx_graph_mode' is not supported: quark_brevitas replaces layers in place"),
+    ("quant_flow", "per_block", "quantize_pretrained"),
+    ("min_kv_scale", 0.01, "0.01 is not supported: KV-cache"),
+    ("keep_prequantized_layers", False, "float models only"),
+    ("version", 13, "13 is the version of Quark that wrote the config (metadata); allowed: a str or None"),
+])
+def test_quarks_qconfig_fields_that_would_change_something_are_refused(field: str, value, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        QConfig(global_quant_config=W4, **{field: value})
+    assert info.value.path == field and fragment in str(info.value)
+    with pytest.raises(ConfigError) as from_file:
+        QConfig.from_dict({**QConfig(global_quant_config=W4).to_dict(), field: value if field != "kv_cache_quant_config"
+                           else {"*k_proj": {"output_tensors": {}}}})
+    assert from_file.value.path == field

@@ -20,7 +20,8 @@ the recipes are this project's own:
   defaults (GPTQ: ``damp_percent=0.01``, ``desc_act=True``, ``static_groups=True``, ``block_size=128``; the
   restated ``bit``/``sym``/``group_size`` left ``None``: the weight spec says them);
   ``algo_configs={"awq": AWQConfig(...)}`` replaces a default. All of them go into ``algo_config`` in the order
-  given, as Quark 0.13's template writes them (SmoothQuant there still runs on the float model). :func:`register_template_algorithm` adds one (later algorithms register here).
+  given, as Quark 0.13's template writes them (SmoothQuant there still runs on the float model).
+  :func:`register_template_algorithm` adds one (later algorithms register here).
 
 Plain data like the rest of the package: nothing here imports torch (``layer_type_config`` keys may be
 ``nn.Module`` classes; they are stored by name, as in :class:`Config`).
