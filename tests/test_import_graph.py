@@ -129,8 +129,8 @@ def test_package_has_no_import_cycle() -> None:
 
 
 #: The config package from the bottom up: each module may import only those before it (and ``errors``).
-CONFIG_LAYERS = ["enums", "formats", "serialization", "specs", "algorithms", "checks", "model_config", "families",
-                 "template"]
+CONFIG_LAYERS = ["enums", "formats", "serialization", "specs", "algorithms", "checks", "quark_fields", "model_config",
+                 "families", "template"]
 
 
 def test_config_layers_import_downwards_only() -> None:

@@ -3,8 +3,8 @@ registration, serialisation, and Quark 0.13's documented LLM flow (template -> q
 on tiny Llama, Qwen2 and OPT models with only the imports changed.
 
 The expected specs below are written by hand from Quark 0.13's scheme definitions
-(``quark/torch/quantization/config/template.py`` and the ``*Spec`` classes it uses): Quark's ``ch_axis=-1`` of
-per-group weights is written ``1`` here (the same axis of a Linear weight), its min-max observer of static
+(``quark/torch/quantization/config/template.py`` and the ``*Spec`` classes it uses): per-group and MX weights
+keep Quark's ``ch_axis=-1`` (the same axis of a Linear weight as ``1``), its min-max observer of static
 activations ``percentile=100``, its OCP MX specs ``dtype=mx`` with the element format.
 """
 
@@ -45,20 +45,20 @@ def _fp(e: int, m: int, qscheme: QSchemeType, *, axis: int | None = None, dynami
 def _mx(e: int, m: int, *, dynamic: bool) -> dict:
     return {"dtype": Dtype.mx, "quant_type": FLOAT, "bit_width": 1 + e + m, "exponent_bit_width": e,
             "mantissa_bit_width": m, "qscheme": PG, "group_size": 32, "scale_type": ScaleType.pof2,
-            "symmetric": True, "ch_axis": None if dynamic else 1, "is_dynamic": dynamic}
+            "symmetric": True, "ch_axis": None if dynamic else -1, "is_dynamic": dynamic}
 
 
 MIN_MAX = 100.0
 #: scheme -> (weight, input_tensors), by hand from Quark 0.13's definitions.
 EXPECTED: dict[str, tuple[dict, dict | None]] = {
-    "int4_wo_32": (_int(4, PG, group=32, axis=1), None),
-    "int4_wo_64": (_int(4, PG, group=64, axis=1), None),
-    "int4_wo_128": (_int(4, PG, group=128, axis=1), None),
+    "int4_wo_32": (_int(4, PG, group=32, axis=-1), None),
+    "int4_wo_64": (_int(4, PG, group=64, axis=-1), None),
+    "int4_wo_128": (_int(4, PG, group=128, axis=-1), None),
     "int4_wo_per_channel": (_int(4, PC, axis=0), None),
-    "int4_wa_64": (_int(4, PG, group=64, axis=1), _int(4, PG, group=64, dynamic=True)),
-    "uint4_wo_32": (_int(4, PG, sym=False, group=32, axis=1), None),
-    "uint4_wo_64": (_int(4, PG, sym=False, group=64, axis=1), None),
-    "uint4_wo_128": (_int(4, PG, sym=False, group=128, axis=1), None),
+    "int4_wa_64": (_int(4, PG, group=64, axis=-1), _int(4, PG, group=64, dynamic=True)),
+    "uint4_wo_32": (_int(4, PG, sym=False, group=32, axis=-1), None),
+    "uint4_wo_64": (_int(4, PG, sym=False, group=64, axis=-1), None),
+    "uint4_wo_128": (_int(4, PG, sym=False, group=128, axis=-1), None),
     "uint4_wo_per_channel": (_int(4, PC, sym=False, axis=0), None),
     "int8": (_int(8, PT), _int(8, PT, percentile=MIN_MAX)),
     "fp8": (_fp(4, 3, PT), _fp(4, 3, PT, percentile=MIN_MAX)),
@@ -129,11 +129,16 @@ def test_templates_read_the_family_table() -> None:
 def test_algorithms_in_order_with_quarks_defaults_and_overrides() -> None:
     template = LLMTemplate.get("qwen2")
     config = template.get_config(scheme="uint4_wo_64", algorithm=["smoothquant", "gptq"])
-    assert config.pre_quant_opt_config == [SmoothQuantConfig(alpha=1.0)]
-    assert config.algo_config == [GPTQConfig(bit=4, sym=False, group_size=64, damp_percent=0.01, desc_act=True,
-                                             static_groups=True)]
+    # As Quark 0.13's template writes them: every algorithm in algo_config, in the order given, the restated
+    # bit/sym/group_size left None (the weight spec says them), GPTQ with Quark's block_size.
+    assert config.pre_quant_opt_config == []
+    assert config.algo_config == [SmoothQuantConfig(alpha=1.0),
+                                  GPTQConfig(damp_percent=0.01, desc_act=True, static_groups=True, block_size=128)]
+    assert [(algo.bit, algo.sym, algo.group_size) for algo in config.algo_config[1:]] == [(None, None, None)]
+    assert [where for where, _ in config.run_order()] == ["algo_config[0]", "algo_config[1]"]
+    assert config.pre_quant_algorithms() == [SmoothQuantConfig(alpha=1.0)]  # still on the float model
     per_channel = template.get_config(scheme="int4_wo_per_channel", algorithm="AWQ")
-    assert per_channel.algo_config == [AWQConfig(bit=4, sym=True, group_size=-1)]
+    assert per_channel.algo_config == [AWQConfig()]
     mine = AWQConfig(bit=4, sym=True, group_size=32, model_decoder_layers="model.layers")
     assert template.get_config(scheme="int4_wo_32", algorithm="awq", algo_configs={"awq": mine}).algo_config == [mine]
     with pytest.raises(ConfigError, match=r"algo_config\[0\]: AWQConfig quantizes weights to integers"):
@@ -215,12 +220,12 @@ def test_plan_shows_what_the_template_chose(capsys: pytest.CaptureFixture[str]) 
     assert lines[0] == "template opt, scheme uint4_wo_64 (uint4 weights, asymmetric, groups of 64), exclude lm_head"
     assert lines[1] == "  weight: int4 per_group g64 asym stats" and lines[2] == "  input_tensors: float"
     assert lines[3] == "algorithms, in the order they run:"
-    assert lines[4] == "  1. pre_quant_opt_config[0] SmoothQuantConfig (before quantization, on the float model)"
-    assert lines[5] == "  2. algo_config[0] GPTQConfig (after quantization and calibration)"
+    assert lines[4] == "  1. algo_config[0] SmoothQuantConfig (before quantization, on the float model)"
+    assert lines[5] == "  2. algo_config[1] GPTQConfig (after quantization and calibration)"
     from quark_brevitas.config import LLMTemplate
 
-    gptq = LLMTemplate.get("opt").get_config(scheme="uint4_wo_64", algorithm=["smoothquant", "gptq"]).algo_config[0]
-    assert gptq.group_size == 64 and gptq.static_groups is True
+    gptq = LLMTemplate.get("opt").get_config(scheme="uint4_wo_64", algorithm=["smoothquant", "gptq"]).algo_config[1]
+    assert gptq.group_size is None and gptq.static_groups is True and gptq.block_size == 128
     assert "    final_layer_norm -> fc1" in lines
 
 
@@ -251,3 +256,32 @@ def test_plan_template_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -
     assert "--template needs --scheme; supported: int4_wo_32" in capsys.readouterr().err
     assert main(["plan", "--scheme", "int8"]) == 2
     assert "give --template too" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme", ["int4_wo_32", "uint4_wo_32", "int4_wa_64", "mxfp4_weight_only", "mxfp6_e2m3"])
+def test_quarks_ch_axis_minus_one_quantizes_as_axis_one(scheme: str) -> None:
+    """The template writes per-group and MX weights with Quark's ch_axis=-1; the model quantized with it equals the
+    one quantized with ch_axis=1 (the same axis of a Linear weight), weight codes and scales alike."""
+    import dataclasses
+
+    import torch
+
+    from quark_brevitas import ModelQuantizer
+
+    from_template = LLMTemplate.get("llama").get_config(scheme=scheme, exclude_layers=[])
+    assert from_template.global_quant_config.weight.ch_axis == -1
+    axis_one = dataclasses.replace(from_template, global_quant_config=dataclasses.replace(
+        from_template.global_quant_config,
+        weight=dataclasses.replace(from_template.global_quant_config.weight, ch_axis=1)))
+    models = []
+    for config in (from_template, axis_one):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+        models.append(ModelQuantizer(config).quantize_model(model, [torch.randn(4, 64)]))
+    with torch.no_grad():
+        for index in (0, 2):
+            one, two = models[0][index].quant_weight(), models[1][index].quant_weight()
+            assert torch.equal(one.value, two.value) and torch.equal(one.scale, two.scale)
+            assert not torch.equal(one.value, models[0][index].weight)  # quantized
+        sample = torch.randn(2, 64)
+        assert torch.equal(models[0](sample), models[1](sample))

@@ -25,7 +25,14 @@ transformers = pytest.importorskip("transformers")
 from llm_models import LLAMA_SCALING_LAYERS, VOCAB, logits, tiny_llama, tiny_opt, token_batches, with_outliers  # noqa: E402
 
 from quark_brevitas import LLMTemplate, ModelExporter, ModelQuantizer  # noqa: E402  # was: from quark.torch import ...
-from quark_brevitas.config import AWQConfig, Config, QLayerConfig, QTensorConfig  # noqa: E402
+from quark_brevitas.config import (  # noqa: E402
+    AWQConfig,
+    Config,
+    GPTQConfig,
+    QLayerConfig,
+    QTensorConfig,
+    SmoothQuantConfig,
+)
 from quark_brevitas.export import run_onnx  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType, RoundType, ScaleType  # noqa: E402
 
@@ -76,19 +83,48 @@ def test_quark_013_llm_flow_template_quantize_evaluate_export(model_type: str, t
     assert torch.allclose(onnx_logits, logits(model, held_out[0]), atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.slow
-def test_the_template_equals_the_recipe_written_in_the_references_style() -> None:
-    """LLMTemplate's int4_wo_32 + awq on Llama gives the same model as Quark's own spelled-out recipe."""
-    batches = token_batches(count=2, batch=2, length=16)
-    from_template = LLMTemplate.get("llama").get_config(scheme="int4_wo_32", algorithm="awq",
-                                                        exclude_layers=["lm_head"])
+OPT_SCALING_LAYERS = [
+    {"prev_op": "self_attn_layer_norm", "layers": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+     "inp": "self_attn.q_proj", "module2inspect": "self_attn"},
+    {"prev_op": "self_attn.v_proj", "layers": ["self_attn.out_proj"], "inp": "self_attn.out_proj"},
+    {"prev_op": "final_layer_norm", "layers": ["fc1"], "inp": "fc1"},
+    {"prev_op": "fc1", "layers": ["fc2"], "inp": "fc2"},
+]
+#: model type -> (the reference's scaling layers, its decoder layers), spelled out.
+BY_HAND = {"llama": (LLAMA_SCALING_LAYERS, "model.layers"), "qwen2": (LLAMA_SCALING_LAYERS, "model.layers"),
+           "opt": (OPT_SCALING_LAYERS, "model.decoder.layers")}
+
+
+def by_hand(model_type: str, algorithm: str | list[str]) -> Config:
+    """The template's recipe written in the reference's style (reference 002): explicit specs, restated
+    bit/sym/group_size, explicit scaling and decoder layers, SmoothQuant in pre_quant_opt_config."""
+    scaling, decoder_layers = BY_HAND[model_type]
     spec = QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_group, symmetric=True, scale_type=ScaleType.float,
                          round_method=RoundType.half_even, ch_axis=1, is_dynamic=False, group_size=32)
-    by_hand = Config(global_quant_config=QLayerConfig(weight=spec), pre_quant_opt_config=[],
-                     algo_config=[AWQConfig(bit=4, sym=True, group_size=32, scaling_layers=LLAMA_SCALING_LAYERS,
-                                            model_decoder_layers="model.layers")],
-                     exclude=["lm_head"])
-    one = ModelQuantizer(from_template).quantize_model(tiny_llama(), batches)
-    two = ModelQuantizer(by_hand).quantize_model(tiny_llama(), batches)
+    pre_quant = [SmoothQuantConfig(alpha=1.0, scaling_layers=scaling, model_decoder_layers=decoder_layers)] \
+        if "smoothquant" in algorithm else []
+    algos = {"awq": AWQConfig(bit=4, sym=True, group_size=32, scaling_layers=scaling,
+                              model_decoder_layers=decoder_layers),
+             "gptq": GPTQConfig(bit=4, sym=True, group_size=32, damp_percent=0.01, desc_act=True, static_groups=True,
+                                model_decoder_layers=decoder_layers)}
+    names = [algorithm] if isinstance(algorithm, str) else algorithm
+    return Config(global_quant_config=QLayerConfig(weight=spec), pre_quant_opt_config=pre_quant,
+                  algo_config=[algos[name] for name in names if name in algos], exclude=["lm_head"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model_type", "algorithm"), [("llama", "awq"), ("qwen2", "awq"), ("opt", "awq"),
+                                                       ("opt", ["smoothquant", "gptq"]),
+                                                       ("llama", ["smoothquant", "gptq"])])
+def test_the_template_equals_the_recipe_written_in_the_references_style(model_type: str,
+                                                                        algorithm: str | list[str]) -> None:
+    """LLMTemplate's int4_wo_32 with AWQ, or SmoothQuant then GPTQ (Quark 0.13's style: every algorithm in
+    algo_config, fields left None, ch_axis=-1), gives the same model as the recipe spelled out the reference's way."""
+    batches = token_batches(count=2, batch=2, length=16)
+    from_template = LLMTemplate.get(model_type).get_config(scheme="int4_wo_32", algorithm=algorithm,
+                                                           exclude_layers=["lm_head"])
+    one = ModelQuantizer(from_template).quantize_model(FAMILIES[model_type](), batches)
+    two = ModelQuantizer(by_hand(model_type, algorithm)).quantize_model(FAMILIES[model_type](), batches)
     for tokens in batches:
         assert torch.equal(logits(one, tokens), logits(two, tokens))
+    assert not torch.equal(logits(one, batches[0]), logits(FAMILIES[model_type](), batches[0]))  # quantized

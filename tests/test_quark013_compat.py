@@ -190,6 +190,24 @@ def test_serialisation_writes_what_the_user_wrote_and_round_trips() -> None:
     assert QConfig.from_dict(reference.to_dict()) == reference
 
 
+def test_quark013s_smooth_name_is_read_and_ours_written() -> None:
+    """Quark 0.13 names SmoothQuant ``"smooth"`` (its files, its ``SmoothQuantConfig.name``): read in both lists,
+    written back as ``"smoothquant"``, and the same config as the one spelled our way."""
+    assert SmoothQuantConfig(name="smooth", alpha=0.5) == SmoothQuantConfig(alpha=0.5)
+    data = QConfig(global_quant_config=W4, pre_quant_opt_config=[], algo_config=[AWQConfig()]).to_dict()
+    quark_entry = {"name": "smooth", "alpha": 0.5, "scale_clamp_min": 0.001, "model_decoder_layers": "model.layers"}
+    for key in ("algo_config", "pre_quant_opt_config"):
+        written_by_quark = {**data, key: [dict(quark_entry), *data[key]]}
+        config = QConfig.from_dict(written_by_quark)
+        smooth = getattr(config, key)[0]
+        assert smooth == SmoothQuantConfig(alpha=0.5, model_decoder_layers="model.layers")
+        assert config.to_dict()[key][0]["name"] == "smoothquant"
+        assert [type(a).__name__ for _, a in config.run_order()] == ["SmoothQuantConfig", "AWQConfig"]
+    with pytest.raises(ConfigError, match=r"algo_config\[0\].name: 'smoth' is not a AlgorithmConfig; did you mean "
+                                          r"'smooth'"):
+        QConfig.from_dict({**data, "algo_config": [{"name": "smoth"}]})
+
+
 def test_gptq_block_size_is_used_by_the_update(monkeypatch, calib_dataloader) -> None:
     from quark_brevitas.algorithms import gptq
 
@@ -287,5 +305,55 @@ def test_quarks_top_level_names() -> None:
     import quark_brevitas
     from quark_brevitas.config import Config
 
-    assert quark_brevitas.QConfig is Config and "QConfig" in quark_brevitas.__all__
+    assert "QConfig" in quark_brevitas.__all__ and quark_brevitas.QConfig is QConfig
+    # one class under two names: QConfig builds a Config, and every Config is a QConfig
+    built = QConfig(global_quant_config=W4)
+    assert type(built) is Config and built == Config(global_quant_config=W4)
+    assert isinstance(Config(global_quant_config=W4), QConfig) and issubclass(Config, QConfig)
     assert quark_brevitas.ModelQuantizer is ModelQuantizer
+
+
+# ---------------------------------------------------------------- Quark 0.13's QConfig fields that Config lacks
+QUARK_DEFAULTS = {"kv_cache_quant_config": {}, "kv_cache_group": [], "min_kv_scale": 0.0, "kv_cache_post_rope": False,
+                  "shared_scale_groups": [], "softmax_quant_spec": None, "quant_mode": "eager_mode",
+                  "quant_flow": "standard", "gpu_resident_blocks": 0, "sync_moe_expert_input_amax": False,
+                  "keep_prequantized_layers": True, "log_severity_level": 1, "version": "0.13.0"}
+
+
+def test_quarks_qconfig_fields_at_their_defaults_and_metadata_are_accepted() -> None:
+    import enum
+
+    from quark_brevitas.config.quark_fields import QUARK_ONLY_FIELDS
+
+    class QuantizationMode(enum.Enum):  # Quark's enum, as Quark 0.13 code passes it
+        eager_mode = 1
+        fx_graph_mode = 2
+
+    assert set(QUARK_DEFAULTS) | {"quant_method"} == set(QUARK_ONLY_FIELDS)
+    plain = QConfig(global_quant_config=W4, algo_config=[AWQConfig()])
+    spelled_out = QConfig(global_quant_config=W4, algo_config=[AWQConfig()],
+                          **{**QUARK_DEFAULTS, "quant_mode": QuantizationMode.eager_mode})
+    assert spelled_out == plain
+    # a file Quark 0.13 writes carries them (and its quant_method marker) at the top level
+    written_by_quark = {**plain.to_dict(), **QUARK_DEFAULTS, "quant_method": "quark", "log_severity_level": None}
+    assert QConfig.from_dict(written_by_quark) == plain
+
+
+@pytest.mark.parametrize(("field", "value", "fragment"), [
+    ("kv_cache_quant_config", {"*k_proj": QLayerConfig(output_tensors=QTensorConfig())},
+     "a dict is not supported: KV-cache quantization"),
+    ("softmax_quant_spec", QTensorConfig(), "a QuantizationSpec is not supported: softmax"),
+    ("quant_mode", "fx_graph_mode", "'fx_graph_mode' is not supported: quark_brevitas replaces layers in place"),
+    ("quant_flow", "per_block", "quantize_pretrained"),
+    ("min_kv_scale", 0.01, "0.01 is not supported: KV-cache"),
+    ("keep_prequantized_layers", False, "float models only"),
+    ("version", 13, "13 is the version of Quark that wrote the config (metadata); allowed: a str or None"),
+])
+def test_quarks_qconfig_fields_that_would_change_something_are_refused(field: str, value, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        QConfig(global_quant_config=W4, **{field: value})
+    assert info.value.path == field and fragment in str(info.value)
+    with pytest.raises(ConfigError) as from_file:
+        QConfig.from_dict({**QConfig(global_quant_config=W4).to_dict(), field: value if field != "kv_cache_quant_config"
+                           else {"*k_proj": {"output_tensors": {}}}})
+    assert from_file.value.path == field

@@ -33,6 +33,8 @@ class AlgorithmConfig:
     #: What the algorithm does to the weights, which decides where it may stand in ``algo_config`` (see
     #: :data:`EFFECTS`): a later algorithm must not undo an earlier one.
     effect: ClassVar[str] = "rounding"
+    #: Other names files may give the class by (a Quark release's spelling): read, never written.
+    tag_aliases: ClassVar[tuple[str, ...]] = ()
 
     def verify(self, config: QuantHierarchy, path: str) -> None:
         """Semantic checks of the parameters (their types are checked generically before this runs, by
@@ -294,7 +296,7 @@ class SmoothQuantConfig(PreQuantOptConfig):
     into the weights. The scales are folded into the preceding norm or linear layer, so the quantized model
     (and its ONNX export) has no extra multiplication. Runs without FX tracing, on the float model.
 
-    - ``name``: Quark's identifier of the algorithm, ``"smoothquant"``.
+    - ``name``: Quark's identifier of the algorithm, ``"smoothquant"`` (Quark 0.13's ``"smooth"`` is read as it).
     - ``alpha``: migration strength, 0 (none) to 1 (all of the activation range into the weights).
     - ``scale_clamp_min``: lower bound of the scales.
     - ``scaling_layers``: Quark's list of ``{"prev_op", "layers", "inp", "module2inspect"}`` (names relative to a
@@ -303,12 +305,20 @@ class SmoothQuantConfig(PreQuantOptConfig):
     - ``model_decoder_layers``: the ModuleList of decoder layers (e.g. ``"model.layers"``); ``None``: inferred.
     """
 
+    #: Quark 0.13 names it ``"smooth"`` (in its files and as ``SmoothQuantConfig.name``); read as this class.
+    tag_aliases: ClassVar[tuple[str, ...]] = ("smooth",)
     name: str = "smoothquant"
     alpha: float = 1
     scale_clamp_min: float = 1e-3
     scaling_layers: list[dict[str, Any]] | None = None
     embedding_layers: list[str] | None = None
     model_decoder_layers: str | None = None
+
+    def __post_init__(self) -> None:
+        # Quark 0.13 code may spell the name its way; one spelling (ours, which files are written with) keeps a
+        # config equal to the same config written the reference's way.
+        if self.name in self.tag_aliases:
+            self.name = "smoothquant"
 
     def verify(self, config: QuantHierarchy, path: str) -> None:
         super().verify(config, path)

@@ -27,6 +27,7 @@ from quark_brevitas.config.checks import (
     verify_partial_layer_config,
 )
 from quark_brevitas.config.enums import Backend
+from quark_brevitas.config.quark_fields import without_quark_fields
 from quark_brevitas.config.serialization import (
     Polymorphic,
     Text,
@@ -145,7 +146,10 @@ class Config:
     def from_dict(cls, data: dict[str, Any]) -> Config:
         """Build and verify a Config from :meth:`to_dict` output or a config file's content (with or
         without ``format_version``). Errors name the offending path."""
-        config = from_plain(cls, without_version(data, READABLE_FORMAT_VERSIONS))
+        data = without_version(data, READABLE_FORMAT_VERSIONS)
+        if isinstance(data, Mapping):  # files Quark 0.13 writes carry its QConfig fields (quant_method, version, ...)
+            data = without_quark_fields(data)
+        config = from_plain(Config, data)
         verify_config(config)
         return config
 
@@ -205,8 +209,28 @@ def _read_config_text(path: Path) -> str:
 
 CONFIG_KEYS = [f.name for f in fields(Config)]
 
-#: Quark 0.11 renamed ``Config`` to ``QConfig`` (keeping ``Config`` as an alias): both names, one class.
-QConfig = Config
+
+class _AliasOfConfig(type):
+    """Makes every Config an instance of QConfig (and Config a subclass of it): one class under two names."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, Config)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, Config)
+
+
+class QConfig(Config, metaclass=_AliasOfConfig):
+    """Quark 0.11+'s name of :class:`Config` (Quark kept ``Config`` as an alias): it builds a plain Config.
+
+    Quark 0.13's QConfig fields that Config lacks (``kv_cache_quant_config``, ``quant_mode``, ``version``, ...:
+    :data:`~quark_brevitas.config.quark_fields.QUARK_ONLY_FIELDS`) are accepted where they change nothing here
+    (their defaults; metadata) and refused with a ConfigError naming the field otherwise, so Quark 0.13 code that
+    spells them out runs unchanged and a setting that would be ignored never is.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Config:  # type: ignore[misc]
+        return Config(*args, **without_quark_fields(kwargs))
 
 
 # ===================================================================== layer-type keys

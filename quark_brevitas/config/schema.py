@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_brevitas.config.model_config import READABLE_FORMAT_VERSIONS, Config, type_name
-from quark_brevitas.config.serialization import VERSION_KEY, Hint, field_hints, tag_default, to_plain
+from quark_brevitas.config.serialization import VERSION_KEY, Hint, field_hints, tag_default, tag_names, to_plain
 
 __all__ = ["SCHEMA_PATH", "config_json_schema", "write_schema"]
 
@@ -115,7 +115,7 @@ def _define(hint: Hint, defs: dict[str, Any]) -> str:
         schema = _object_schema(sub, defs)
         own = tag_default(sub, tag)  # Quark's LLM configs: the tag is their own field, e.g. name = "awq"
         tag_schema = {"const": sub.__name__} if own is None else \
-            {**schema["properties"][tag], "enum": [own, sub.__name__]}
+            {**schema["properties"][tag], "enum": [*tag_names(sub, tag)[1:], sub.__name__]}
         tag_schema.pop("type", None)
         schema["properties"] = {tag: tag_schema, **{k: v for k, v in schema["properties"].items() if k != tag}}
         schema["required"] = [tag, *schema.get("required", [])]

@@ -80,13 +80,20 @@ class Polymorphic:
         """The allowed classes by name, looked up at each use so that subclasses registered later count.
 
         A class with a field named like the tag (Quark's LLM algorithm configs: ``name: str = "awq"``) is written
-        with that field's value as its tag, so it is found by the field's default too."""
+        with that field's value as its tag, so it is found by the field's default too, and by the other spellings
+        it reads (:func:`tag_names`)."""
         found = {cls.__name__: cls for cls in sorted(self.registered(base), key=lambda cls: cls.__name__)}
         for cls in list(found.values()):
-            alias = tag_default(cls, self.tag)
-            if alias is not None:
+            for alias in tag_names(cls, self.tag)[1:]:
                 found.setdefault(alias, cls)
         return found
+
+
+def tag_names(cls: type, tag: str) -> list[str]:
+    """Every name a file may give ``cls`` by: its class name, its own tag value (:func:`tag_default`), then the
+    other spellings it reads (``tag_aliases``, e.g. Quark 0.13's ``"smooth"`` for SmoothQuantConfig)."""
+    own = tag_default(cls, tag)
+    return [cls.__name__, *([own] if own is not None else []), *getattr(cls, "tag_aliases", ())]
 
 
 def tag_default(cls: type, tag: str) -> str | None:

@@ -8,18 +8,20 @@ the recipes are this project's own:
 
 - **Schemes** (:data:`SCHEMES`): each Quark scheme the project can execute maps to the specs Quark's definition
   gives (element format, granularity, group size, symmetry, static or dynamic activations; Quark's min-max
-  observer for static activations is ``percentile=100``). Quark writes ``ch_axis=-1`` for per-group weights
-  (the last dimension: a Linear's input channels); the specs here write the same axis as ``1``. Quark's
+  observer for static activations is ``percentile=100``). Per-group and MX weights have ``ch_axis=-1`` as Quark
+  writes them (the last dimension: a Linear's input channels, the same axis as ``1``). Quark's
   schemes that the project cannot execute are listed in :data:`UNSUPPORTED_SCHEMES` with the reason, and asking
   for one is a :class:`ConfigError` listing the supported ones.
 - **Families** (:mod:`quark_brevitas.config.families`, the table the structure inference reads): Llama,
   Mistral, Qwen2, OPT, GPT-2 and BERT. A template's algorithm configs leave ``scaling_layers`` and
   ``model_decoder_layers`` to the structure inference, which uses the family's groups where they are exact in
   the model at hand (grouped-query attention, post-norm blocks) and shows them in ``quark-brevitas plan``.
-- **Algorithms** (:data:`TEMPLATE_ALGORITHMS`): ``awq``, ``gptq`` and ``smoothquant``, built for the scheme's
-  weight spec with Quark 0.13's defaults (GPTQ: ``damp_percent=0.01``, ``desc_act=True``,
-  ``static_groups=True``); ``algo_configs={"awq": AWQConfig(...)}`` replaces a default. Algorithms are applied
-  in the order given. :func:`register_template_algorithm` adds one (later algorithms register here).
+- **Algorithms** (:data:`TEMPLATE_ALGORITHMS`): ``awq``, ``gptq`` and ``smoothquant`` with Quark 0.13's
+  defaults (GPTQ: ``damp_percent=0.01``, ``desc_act=True``, ``static_groups=True``, ``block_size=128``; the
+  restated ``bit``/``sym``/``group_size`` left ``None``: the weight spec says them);
+  ``algo_configs={"awq": AWQConfig(...)}`` replaces a default. All of them go into ``algo_config`` in the order
+  given, as Quark 0.13's template writes them (SmoothQuant there still runs on the float model).
+  :func:`register_template_algorithm` adds one (later algorithms register here).
 
 Plain data like the rest of the package: nothing here imports torch (``layer_type_config`` keys may be
 ``nn.Module`` classes; they are stored by name, as in :class:`Config`).
@@ -36,7 +38,6 @@ from quark_brevitas.config.algorithms import (
     AlgorithmConfig,
     AWQConfig,
     GPTQConfig,
-    PreQuantOptConfig,
     SmoothQuantConfig,
 )
 from quark_brevitas.config.enums import Dtype, QSchemeType, RoundType, ScaleType, ZeroPointType
@@ -64,7 +65,7 @@ def _int4_group(group_size: int, *, unsigned: bool = False, dynamic: bool = Fals
     """Quark's ``Int4PerGroupSpec`` / ``Uint4PerGroupSpec``: 4-bit groups of input channels, float scales."""
     return QuantizationSpec(dtype=Dtype.uint4 if unsigned else Dtype.int4, qscheme=QSchemeType.per_group,
                             symmetric=not unsigned, scale_type=ScaleType.float, round_method=_HALF_EVEN,
-                            group_size=group_size, ch_axis=None if dynamic else 1, is_dynamic=dynamic)
+                            group_size=group_size, ch_axis=None if dynamic else -1, is_dynamic=dynamic)
 
 
 def _int4_channel(*, unsigned: bool = False) -> QuantizationSpec:
@@ -91,7 +92,7 @@ def _fp8_channel(*, dynamic: bool) -> QuantizationSpec:
 def _mx(element: Dtype, *, dynamic: bool) -> QuantizationSpec:
     """Quark's ``OCP_MX*Spec``: blocks of 32 sharing a power-of-two (E8M0) scale; activations dynamic."""
     return QuantizationSpec(dtype=Dtype.mx, mx_element_dtype=element, round_method=_HALF_EVEN,
-                            ch_axis=None if dynamic else 1, is_dynamic=dynamic)
+                            ch_axis=None if dynamic else -1, is_dynamic=dynamic)
 
 
 @dataclass(frozen=True)
@@ -172,21 +173,15 @@ UNSUPPORTED_SCHEMES: Mapping[str, str] = {
 AlgorithmFactory = Callable[[Family | None, QuantizationSpec | None], AlgorithmConfig]
 
 
-def _restated(weight: QuantizationSpec | None) -> dict[str, Any]:
-    """``bit`` / ``sym`` / ``group_size`` as the weight spec says (AWQConfig and GPTQConfig restate them)."""
-    if weight is None:
-        return {}
-    grouped = weight.qscheme is QSchemeType.per_group
-    return {"bit": weight.bit_width, "sym": weight.symmetric, "group_size": weight.group_size if grouped else -1}
-
-
 def _awq(family: Family | None, weight: QuantizationSpec | None) -> AlgorithmConfig:
-    return AWQConfig(**_restated(weight))
+    # bit / sym / group_size stay None, as Quark 0.13 has them: the weight spec says them (and verification
+    # refuses a weight spec AWQ cannot serve).
+    return AWQConfig()
 
 
 def _gptq(family: Family | None, weight: QuantizationSpec | None) -> AlgorithmConfig:
-    # Quark 0.13's GPTQConfig defaults: damp_percent 0.01, desc_act, static_groups (and block_size 128).
-    return GPTQConfig(**_restated(weight), damp_percent=0.01, desc_act=True, static_groups=True)
+    # Quark 0.13's template defaults for GPTQ.
+    return GPTQConfig(damp_percent=0.01, desc_act=True, static_groups=True, block_size=128)
 
 
 def _smoothquant(family: Family | None, weight: QuantizationSpec | None) -> AlgorithmConfig:
@@ -358,13 +353,11 @@ class LLMTemplate:
                    for pattern, name in (layer_config or {}).items()}
         by_type = {layer_type: self.get_scheme(name, f"layer_type_config[{_type_label(layer_type)!r}]").layer_config()
                    for layer_type, name in (layer_type_config or {}).items()}
-        pre_quant: list[AlgorithmConfig] = []
-        post_quant: list[AlgorithmConfig] = []
-        for algo in self._algorithms(algorithm, algo_configs, chosen.config.weight):
-            # Until every algorithm runs from algo_config, the ones that transform the float model go first.
-            (pre_quant if isinstance(algo, PreQuantOptConfig) else post_quant).append(algo)
-        config = Config(global_quant_config=chosen.layer_config(), pre_quant_opt_config=pre_quant,
-                        algo_config=post_quant, layer_type_quant_config=by_type, layer_quant_config=by_name,
+        # Every algorithm goes into algo_config in the order given, as Quark 0.13's template puts them; the
+        # weight transforms among them (SmoothQuant) still run on the float model (Config.run_order).
+        config = Config(global_quant_config=chosen.layer_config(), pre_quant_opt_config=[],
+                        algo_config=self._algorithms(algorithm, algo_configs, chosen.config.weight),
+                        layer_type_quant_config=by_type, layer_quant_config=by_name,
                         exclude=list(self.exclude_layers_name if exclude_layers is None else exclude_layers))
         verify_config(config)
         return config
