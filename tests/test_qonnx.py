@@ -13,13 +13,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from quark_brevitas.cli.digits import example_input
 from torch import nn
 
 from quark_brevitas import Config, Container, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig, QuantType
+from quark_brevitas.cli.digits import example_input
 from quark_brevitas.export import ExportArgumentError, ExportError, ExportMismatchError
 from quark_brevitas.export import qonnx as export_qonnx_mod
 from quark_brevitas.export.qonnx import QONNX_DOMAIN, export_qonnx, max_runtime_ir_version, run_qonnx
+from quark_brevitas.extras import MissingExtraError
 from quark_brevitas.types import QSchemeType, ScaleType
 
 
@@ -134,9 +135,11 @@ def test_wrong_input_shape_and_arguments(small_quant, tmp_path: Path) -> None:
 
 def test_missing_qonnx_is_explained(small_quant, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model, x = small_quant
-    monkeypatch.setitem(sys.modules, "qonnx.core", None)  # makes "from qonnx.core import ..." fail
-    with pytest.raises(ExportError, match=r"pip install 'quark_brevitas\[qonnx\]'"):
+    for name in ("qonnx.core", "qonnx.core.modelwrapper", "qonnx.core.onnx_exec"):
+        monkeypatch.setitem(sys.modules, name, None)  # makes "import qonnx.core..." fail, also after earlier imports
+    with pytest.raises(MissingExtraError, match=r'pip install "quark_brevitas\[qonnx\]"'):
         export_qonnx(model, x, tmp_path / "q.onnx")
+    assert not (tmp_path / "q.onnx").exists()
 
 
 def test_ir_version_workaround_is_needed_and_scoped(small_quant, tmp_path: Path) -> None:

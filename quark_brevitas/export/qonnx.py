@@ -144,7 +144,7 @@ def max_runtime_ir_version() -> int:
 @contextmanager
 def _runtime_compatible_node_models() -> Iterator[None]:
     """Make qonnx stamp its one-node onnxruntime models with an IR version onnxruntime accepts."""
-    from qonnx.core import onnx_exec
+    onnx_exec = require("qonnx.core.onnx_exec", "checking a QONNX file")
 
     original = getattr(onnx_exec, "qonnx_make_model", None)
     limit = max_runtime_ir_version()
