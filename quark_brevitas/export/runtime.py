@@ -25,9 +25,6 @@ from quark_brevitas.export.args import PathLike, TensorArgs, normalize_args
 from quark_brevitas.export.errors import ExportArgumentError, ExportError
 from quark_brevitas.export.passes.graph import attr
 
-# MatMulNBits compute precision: 1 = float32 (see create_ort_session).
-_MATMULNBITS_ACCURACY_LEVEL = "1"
-
 
 # --------------------------------------------------------------------------------------------
 # onnxruntime
@@ -58,18 +55,14 @@ def create_ort_session(path: PathLike) -> ort.InferenceSession:
     ``QuantizeLinear``) no longer matches the exported graph (:mod:`quark_brevitas.export.passes.float8`).
     Files with blocked 8-bit weights (MXINT8, int5-8 per group) get the QDQ fusions disabled:
     onnxruntime fuses them with int8 activations into ``MatMulIntegerToFloat`` as if their
-    scales were per channel and fails at run time. Integer files use onnxruntime's default (fully
-    optimized) settings, except that the ``MatMulNBits`` kernels onnxruntime makes of weight-only
-    ``DequantizeLinear -> MatMul`` run in float32 (accuracy level 1) rather than on int8-quantized
-    activations (its default, level 4).
+    scales were per channel and fails at run time. Every other file runs with onnxruntime's default (fully
+    optimized) settings: a file must be right as users open it. 4-bit per-group weights are ``MatMulNBits``
+    nodes that carry their ``accuracy_level`` (1, float32; :mod:`quark_brevitas.export.passes.nbits`).
     """
     file = pathlib.Path(path)
     if not file.is_file():
         raise ExportError(f"ONNX file {file} does not exist")
     options = ort.SessionOptions()
-    # onnxruntime fuses DequantizeLinear (blocked int4/int8) -> MatMul into MatMulNBits, by default at
-    # accuracy level 4, which quantizes the activations to int8 on the fly: not what the file says.
-    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", _MATMULNBITS_ACCURACY_LEVEL)
     header = onnx.load(str(file), load_external_data=False)
     if _has_blocked_8bit_weights(header):
         options.add_session_config_entry("session.disable_quant_qdq", "1")
