@@ -41,7 +41,7 @@ from quark_brevitas.export.passes.float8 import relu_as_max_before_float8_quanti
 from quark_brevitas.export.passes.float_bias import FLOAT_BIAS_REWRITE, move_float_biases_out
 from quark_brevitas.export.passes.folding import fold_constant_quantization
 from quark_brevitas.export.passes.graph import clean_graph, opset_of, traced_module_paths
-from quark_brevitas.export.passes.kernels import rewrite_for_4bit_kernels, rewrite_for_integer_kernels
+from quark_brevitas.export.passes.kernels import rewrite_for_integer_kernels, rewrite_for_weight_only_kernels
 from quark_brevitas.export.runtime import create_ort_session, run_model_proto, run_onnx
 from quark_brevitas.export.summary import bias_dtypes, count_ops, float_initializer_bytes, weight_dtypes
 from quark_brevitas.export.verify import VerificationResult
@@ -208,8 +208,6 @@ class QCDQFormat(ExportFormat[ExportReport]):
                 proto = insert_dequantize(proto, plans)
             except QuarkBrevitasError as exc:
                 raise ExportError(str(exc)) from exc
-            if self.int4_kernel == "matmulnbits":
-                self.rewrites = (*self.rewrites, *rewrite_for_4bit_kernels(proto))
             clean_graph(proto.graph)
         four_bit = [paths[id(self.model_modules[q.name])] for q in self.quantizers if q.role == "weight"
                     and not q.planned and q.fmt in ("int2", "int3", "int4", "uint2", "uint3", "uint4")
@@ -222,6 +220,9 @@ class QCDQFormat(ExportFormat[ExportReport]):
             self.packed = packed
             if packed:
                 clean_graph(proto.graph)
+        if self.int4_kernel == "matmulnbits":
+            self.rewrites = (*self.rewrites, *rewrite_for_weight_only_kernels(proto))
+            clean_graph(proto.graph)
         if len(self.opsets) > 1:  # "lowest working opset": onnxruntime must accept the file
             staged = workdir / f"staged_opset{opset}.onnx"
             onnx.save_model(proto, str(staged))

@@ -25,7 +25,6 @@ from quark_brevitas.export.args import PathLike, TensorArgs, normalize_args
 from quark_brevitas.export.errors import ExportArgumentError, ExportError
 from quark_brevitas.export.passes.graph import attr
 
-
 # --------------------------------------------------------------------------------------------
 # onnxruntime
 # --------------------------------------------------------------------------------------------

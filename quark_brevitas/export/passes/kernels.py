@@ -11,9 +11,9 @@ QuantizeLinear/DequantizeLinear are 8-bit integer per tensor (:mod:`~quark_brevi
 weights and biases only where they are constant integer initializers; float8 tensors are never touched.
 The exporter still verifies the rewritten file against PyTorch.
 
-:data:`FOUR_BIT_KERNEL_REWRITES` holds the rewrites onto onnxruntime's weight-only 4-bit kernel (``MatMulNBits``,
-:mod:`~quark_brevitas.export.passes.nbits`); they run once the per-group weights are written as blocked
-``DequantizeLinear`` (opset 21), after the integer-kernel rewrites, and are exact in the same sense.
+:data:`WEIGHT_ONLY_KERNEL_REWRITES` holds the rewrites onto onnxruntime's weight-only kernel (``MatMulNBits``,
+:mod:`~quark_brevitas.export.passes.nbits`); they run last, once every weight is written (per-group ones as
+blocked ``DequantizeLinear``, opset 21), and are exact in the same sense.
 
 Adding a rewrite means writing it (a function of a :class:`~quark_brevitas.export.passes.graph.GraphIndex`
 returning how often it applied) and registering it here, with the description the report shows.
@@ -37,7 +37,7 @@ from quark_brevitas.export.passes.layout import (
     sink_dequantize,
     transpose_weights_offline,
 )
-from quark_brevitas.export.passes.nbits import declare_ms_domain, matmul_nbits
+from quark_brevitas.export.passes.nbits import NBITS_REWRITE, declare_ms_domain, matmul_nbits
 from quark_brevitas.export.passes.unsigned import unsigned_activations
 
 logger = logging.getLogger(__name__)
@@ -69,16 +69,17 @@ INTEGER_KERNEL_REWRITES: tuple[Rewrite, ...] = (
 )
 
 
-#: The rewrites onto onnxruntime's 4-bit weight-only kernel, applied after the per-group weights are written.
-FOUR_BIT_KERNEL_REWRITES: tuple[Rewrite, ...] = (
-    Rewrite("4-bit per-group weights as MatMulNBits (com.microsoft)", matmul_nbits),
+#: The rewrites onto onnxruntime's weight-only kernel, applied once every weight is written (per-group ones as
+#: blocked DequantizeLinear, 4-bit ones as INT4/UINT4).
+WEIGHT_ONLY_KERNEL_REWRITES: tuple[Rewrite, ...] = (
+    Rewrite(NBITS_REWRITE, matmul_nbits),
 )
 
 
-def rewrite_for_4bit_kernels(model: onnx.ModelProto) -> tuple[tuple[str, int], ...]:
-    """Apply :data:`FOUR_BIT_KERNEL_REWRITES` (and declare the com.microsoft opset if they used it); returns
+def rewrite_for_weight_only_kernels(model: onnx.ModelProto) -> tuple[tuple[str, int], ...]:
+    """Apply :data:`WEIGHT_ONLY_KERNEL_REWRITES` (and declare the com.microsoft opset if they used it); returns
     ``(description, count)`` pairs like :func:`rewrite_for_integer_kernels`."""
-    done = apply_rewrites(model, FOUR_BIT_KERNEL_REWRITES)
+    done = apply_rewrites(model, WEIGHT_ONLY_KERNEL_REWRITES)
     declare_ms_domain(model)
     return done
 
