@@ -40,6 +40,23 @@ ALLOWED = ("past_key_values=True exports decoder language models whose forward t
            "and returns a transformers DynamicCache (GPT-2, OPT, Llama, Mistral, Qwen2, ... *ForCausalLM or their "
            "base models)")
 
+#: The keyword (and output key) of the key/value cache: ``cache`` in transformers >= 5.24 (``past_key_values`` is
+#: deprecated there and no longer in the forward's signature), ``past_key_values`` before.
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+def cache_keyword(model: nn.Module) -> str | None:
+    """The keyword ``model``'s forward takes its key/value cache by (``None``: it takes none)."""
+    return next((k for k in CACHE_KEYWORDS if takes(model, k)), None)
+
+
+def returned_cache(out: Any) -> Any:
+    """The key/value cache in a model's outputs (under either of :data:`CACHE_KEYWORDS`), or ``None``."""
+    if not hasattr(out, "get"):
+        return None
+    return next((out.get(k) for k in CACHE_KEYWORDS if out.get(k) is not None), None)
+
+
 #: The symbolic dimension of past + current tokens (``attention_mask``, ``present.*``).
 TOTAL = "past_sequence + sequence"
 
@@ -61,9 +78,10 @@ class CachedDecoder(nn.Module):
         past = args[n:]
         cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(self.layers)],
                              config=getattr(self.model, "config", None))
-        out = self.model(**dict(zip(self.names, args[:n])), past_key_values=cache, use_cache=True)
-        result = {key: value for key, value in out.items() if key != "past_key_values" and value is not None}
-        for i, (key, value) in enumerate(cache_tensors(self.model, out.get("past_key_values"))):
+        keyword = cache_keyword(self.model) or "past_key_values"
+        out = self.model(**dict(zip(self.names, args[:n])), **{keyword: cache}, use_cache=True)
+        result = {key: value for key, value in out.items() if key not in CACHE_KEYWORDS and value is not None}
+        for i, (key, value) in enumerate(cache_tensors(self.model, returned_cache(out))):
             result[f"present.{i}.key"] = key
             result[f"present.{i}.value"] = value
         return result
@@ -91,7 +109,9 @@ def cache_tensors(model: nn.Module, cache: Any) -> list[tuple[torch.Tensor, torc
 
 
 def _require_decoder(model: nn.Module) -> None:
-    missing = [k for k in ("past_key_values", "use_cache") if not takes(model, k)]
+    missing = [k for k in ("use_cache",) if not takes(model, k)]
+    if cache_keyword(model) is None:
+        missing.insert(0, "past_key_values")
     if missing:
         raise ExportError(f"{type_name(model)}.forward takes no {' / '.join(missing)}: it is not a decoder with a "
                           f"cache. {ALLOWED}.")
@@ -125,7 +145,7 @@ def with_past(model: nn.Module, example: Example) -> Example:
     first = {k: v[:, :split] if k in aligned else v for k, v in inputs.items()}
     with torch.no_grad():
         out = model(**first, use_cache=True)
-    pairs = cache_tensors(model, out.get("past_key_values") if hasattr(out, "get") else None)
+    pairs = cache_tensors(model, returned_cache(out))
     current = {k: v[:, split:] if k in aligned and k != "attention_mask" else v for k, v in inputs.items()}
     logger.info("exporting with past key/values: a past of %d token(s) made by running the model on the prompt's "
                 "first tokens, %d current token(s), %d layers", split, length - split, len(pairs))
