@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib", type=int, default=128, help="calibration sequences of 128 tokens (GPTQ)")
     parser.add_argument("--no-gptq", action="store_true", help="skip the GPTQ row of the trained Llama")
     parser.add_argument("--skip", choices=["perplexity", "speed"], action="append", default=[])
+    parser.add_argument("--keep", type=Path, help="write the ONNX files here (kept) instead of a temporary folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for name in ("quark_brevitas", "transformers", "onnxruntime"):
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     repeats, new_tokens = (2, 16) if args.quick else (args.repeats, NEW_TOKENS)
     with tempfile.TemporaryDirectory(prefix="llm_deploy_") as tmp:
-        work = Path(tmp)
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         if "perplexity" not in args.skip:
             section_perplexity(work, 8 if args.quick else args.eval, 8 if args.quick else args.calib,
                                gptq=not args.no_gptq)
