@@ -49,11 +49,11 @@ What the function guarantees on top of ``brevitas.export.export_onnx_qcdq``:
   (:mod:`~quark_brevitas.export.passes.nbits`); ``int4_kernel="dequantize"`` keeps the standard opset-21 form.
 
 :func:`run_onnx` / :func:`create_ort_session` run such files in onnxruntime (CPU) with the
-session settings they need (none, except for blocked 8-bit weights with quantized inputs and for
-``int4_kernel="dequantize"`` files with weight-only MatMuls). Float8 files need none: onnxruntime's
-default session drops a ``Relu`` in front of a float8 ``QuantizeLinear`` (``ReluQuantRewrite``), so the exporter writes such a Relu as
-``Max(x, 0)`` (:mod:`~quark_brevitas.export.passes.float8`) and the file is right in
-``onnxruntime.InferenceSession(path)``.
+session settings they need: none, except for blocked 8-bit weights with quantized inputs and for
+``int4_kernel="dequantize"`` files with weight-only MatMuls. Float8 files need none: onnxruntime's
+default session drops a ``Relu`` in front of a float8 ``QuantizeLinear`` (``ReluQuantRewrite``), so the
+exporter writes such a Relu as ``Max(x, 0)`` (:mod:`~quark_brevitas.export.passes.float8`) and the file
+is right in ``onnxruntime.InferenceSession(path)``.
 
 The package is split by concept: :mod:`~quark_brevitas.export.errors` (exceptions),
 :mod:`~quark_brevitas.export.args` (argument checks), :mod:`~quark_brevitas.export.orchestrate` (the one
