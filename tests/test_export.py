@@ -305,10 +305,14 @@ def test_4bit_weight_only_layers_are_stored_in_4_bits_by_default(tmp_path: pathl
     config = Config(QLayerConfig(weight=QTensorConfig(bit_width=4, qscheme=QSchemeType.per_channel)),
                     pre_quant_opt_config=[])
     model = ModelQuantizer(config).quantize_model(mlp)
-    report = export_onnx_qcdq(model, torch.randn(4, 32), tmp_path / "w4.onnx")
+    report = export_onnx_qcdq(model, torch.randn(4, 32), tmp_path / "w4.onnx", int4_kernel="dequantize")
     assert report.n_4bit_weights == 2 and report.opset == 21
     assert {w.data_type for w in _weight_inits(report.path)} == {TensorProto.INT4}
     assert report.max_abs_diff <= report.tolerance
+    default = export_onnx_qcdq(model, torch.randn(4, 32), tmp_path / "w4_nbits.onnx")  # onnxruntime's 4-bit kernel
+    assert default.weight_dtypes == ("UINT4",) and default.max_abs_diff <= default.tolerance
+    ops = [n.op_type for n in onnx.load(str(default.path)).graph.node]
+    assert ops.count("MatMulNBits") == 2 and "DequantizeLinear" not in ops
 
 
 @pytest.mark.parametrize(

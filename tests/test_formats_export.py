@@ -36,6 +36,10 @@ def _weight_dequantizers(path) -> list[tuple[onnx.NodeProto, onnx.TensorProto]]:
             if n.op_type == "DequantizeLinear" and n.input[0] in inits and len(inits[n.input[0]].dims) >= 2]
 
 
+def _matmul_nbits(path) -> list[onnx.NodeProto]:
+    return [n for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(DIGITS))
 def test_digits_exports_run_in_onnxruntime_with_pytorchs_predictions(digits_model, digits_data, tmp_path, name):
@@ -48,7 +52,12 @@ def test_digits_exports_run_in_onnxruntime_with_pytorchs_predictions(digits_mode
     assert report.max_abs_diff < 1e-4  # exact weights: only float summation order differs
     assert sorted(p.name for p in tmp_path.iterdir()) == ["digits.onnx"]
     dequantizers = _weight_dequantizers(path)
-    assert len(dequantizers) == 4  # every layer's weight, stored as codes
+    # every layer's weight stored as codes; 4-bit Linear weights as MatMulNBits (the default int4_kernel)
+    nbits = _matmul_nbits(path)
+    assert len(nbits) == (2 if code_type == T.INT4 else 0)
+    assert all(onnx.helper.get_attribute_value(a) == block for n in nbits for a in n.attribute
+               if a.name == "block_size")
+    assert len(dequantizers) + len(nbits) == 4
     for node, codes in dequantizers:
         assert codes.data_type == code_type
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
@@ -81,12 +90,15 @@ def _mlp() -> nn.Module:
     ids=lambda s: s.short(),
 )
 def test_weight_formats_export_exactly_on_token_inputs(tmp_path, spec):
-    """3-D (token) inputs: the torch exporter writes the Linear weights transposed for MatMul."""
+    """3-D (token) inputs: the torch exporter writes the Linear weights transposed for MatMul (weights with 4/8-bit
+    integer codes then become MatMulNBits, the others stay DequantizeLinear)."""
     quant = ModelQuantizer(Config(QLayerConfig(weight=spec), pre_quant_opt_config=[])).quantize_model(_mlp())
     x = torch.randn(3, 5, 48)
     report = export_onnx_qcdq(quant, x, tmp_path / "m.onnx")
     assert report.opset == 21 and report.max_abs_diff < 1e-4
-    assert len(_weight_dequantizers(tmp_path / "m.onnx")) == 2
+    nbits = len(_matmul_nbits(tmp_path / "m.onnx"))
+    assert nbits == 2 or not spec.resolved().short().startswith(("int", "uint"))
+    assert len(_weight_dequantizers(tmp_path / "m.onnx")) + nbits == 2
     assert any(spec.resolved().short().split()[0] in f or "fp" in f for f in report.formats)
     other = torch.randn(7, 5, 48)  # the batch is dynamic
     with torch.no_grad():

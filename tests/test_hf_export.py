@@ -342,8 +342,12 @@ def test_4bit_weight_only_bert_is_stored_in_4_bits(tokenizer: object, tmp_path: 
     config = Config(QLayerConfig(weight=QTensorConfig(bit_width=4, qscheme=QSchemeType.per_channel)))
     quant = ModelQuantizer(config).quantize_model(model, [_batch(tokenizer, SENTENCES[:4])])
     report = export_onnx_qcdq(quant, _batch(tokenizer, SENTENCES[4:8]), tmp_path / "w4.onnx")
-    assert report.n_4bit_weights == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert report.weight_dtypes == ("INT4",) and report.max_abs_diff <= report.tolerance
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert report.n_4bit_weights == n_linear
+    # weight-only: onnxruntime's MatMulNBits with 4-bit codes (unsigned, zero point 8 implied)
+    assert report.weight_dtypes == ("UINT4",) and report.max_abs_diff <= report.tolerance
+    nbits = [n for n in onnx.load(str(report.path)).graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == n_linear and all(a.i == 4 for n in nbits for a in n.attribute if a.name == "bits")
 
 
 def _kernels(path: pathlib.Path, tmp_path: pathlib.Path) -> dict[str, int]:

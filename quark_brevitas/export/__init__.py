@@ -43,12 +43,17 @@ What the function guarantees on top of ``brevitas.export.export_onnx_qcdq``:
   ``past_key_values=True``, with their key/value cache as graph inputs and outputs (:mod:`~quark_brevitas.export.kv`).
 * **Dynamic int8 inputs** of Linear layers are written as their quantization and ``MatMulInteger``
   (:mod:`~quark_brevitas.export.dynamic`); 4-bit weights of weight-only layers as ``INT4``/``UINT4``.
+* **Weight-only Linear layers** (int4 per group, int4/int8 per channel) become onnxruntime's ``MatMulNBits``
+  (com.microsoft) holding the same codes, scales and zero points, with ``accuracy_level`` 1 (float32) in the node
+  so that a default session computes what PyTorch computes, and decoding reads the packed weights directly
+  (:mod:`~quark_brevitas.export.passes.nbits`); ``int4_kernel="dequantize"`` keeps the standard opset-21 form.
 
 :func:`run_onnx` / :func:`create_ort_session` run such files in onnxruntime (CPU) with the
-session settings they need. Float8 files need none: onnxruntime's default session drops a ``Relu``
-in front of a float8 ``QuantizeLinear`` (``ReluQuantRewrite``), so the exporter writes such a Relu as
-``Max(x, 0)`` (:mod:`~quark_brevitas.export.passes.float8`) and the file is right in
-``onnxruntime.InferenceSession(path)``.
+session settings they need: none, except for blocked 8-bit weights with quantized inputs and for
+``int4_kernel="dequantize"`` files with weight-only MatMuls. Float8 files need none: onnxruntime's
+default session drops a ``Relu`` in front of a float8 ``QuantizeLinear`` (``ReluQuantRewrite``), so the
+exporter writes such a Relu as ``Max(x, 0)`` (:mod:`~quark_brevitas.export.passes.float8`) and the file
+is right in ``onnxruntime.InferenceSession(path)``.
 
 The package is split by concept: :mod:`~quark_brevitas.export.errors` (exceptions),
 :mod:`~quark_brevitas.export.args` (argument checks), :mod:`~quark_brevitas.export.orchestrate` (the one

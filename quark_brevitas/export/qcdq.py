@@ -41,7 +41,7 @@ from quark_brevitas.export.passes.float8 import relu_as_max_before_float8_quanti
 from quark_brevitas.export.passes.float_bias import FLOAT_BIAS_REWRITE, move_float_biases_out
 from quark_brevitas.export.passes.folding import fold_constant_quantization
 from quark_brevitas.export.passes.graph import clean_graph, opset_of, traced_module_paths
-from quark_brevitas.export.passes.kernels import rewrite_for_integer_kernels
+from quark_brevitas.export.passes.kernels import rewrite_for_integer_kernels, rewrite_for_weight_only_kernels
 from quark_brevitas.export.runtime import create_ort_session, run_model_proto, run_onnx
 from quark_brevitas.export.summary import bias_dtypes, count_ops, float_initializer_bytes, weight_dtypes
 from quark_brevitas.export.verify import VerificationResult
@@ -49,6 +49,9 @@ from quark_brevitas.export.verify import VerificationResult
 logger = logging.getLogger(__name__)
 
 Rewrites = tuple[tuple[str, int], ...]
+
+#: How per-group 4-bit weights reach onnxruntime (``export_onnx_qcdq(int4_kernel=...)``).
+INT4_KERNELS = ("matmulnbits", "dequantize")
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,12 @@ class QCDQFormat(ExportFormat[ExportReport]):
     can_pin = True
 
     def __init__(self, *, opset: int | None, dynamic_batch: bool, dynamic_sequence: bool,
-                 integer_kernels: bool, int4_weights: bool | None = None) -> None:
+                 integer_kernels: bool, int4_weights: bool | None = None,
+                 int4_kernel: str = "matmulnbits") -> None:
+        if int4_kernel not in INT4_KERNELS:
+            raise ExportError(f"int4_kernel must be one of {', '.join(map(repr, INT4_KERNELS))}; "
+                              f"got {int4_kernel!r}")
+        self.int4_kernel = int4_kernel
         self.int4_weights = int4_weights
         self.requested_opset = opset
         self.dynamic_batch = dynamic_batch
@@ -212,6 +220,9 @@ class QCDQFormat(ExportFormat[ExportReport]):
             self.packed = packed
             if packed:
                 clean_graph(proto.graph)
+        if self.int4_kernel == "matmulnbits":
+            self.rewrites = (*self.rewrites, *rewrite_for_weight_only_kernels(proto))
+            clean_graph(proto.graph)
         if len(self.opsets) > 1:  # "lowest working opset": onnxruntime must accept the file
             staged = workdir / f"staged_opset{opset}.onnx"
             onnx.save_model(proto, str(staged))
@@ -306,6 +317,7 @@ def export_onnx_qcdq(
     dynamic_sequence: bool = True,
     int4_weights: bool | None = None,
     past_key_values: bool = False,
+    int4_kernel: str = "matmulnbits",
 ) -> ExportReport:
     """Export a Brevitas-quantized model to a verified, self-contained ONNX QCDQ file.
 
@@ -368,6 +380,15 @@ def export_onnx_qcdq(
             outputs: ``logits`` then ``present.{i}.key`` / ``.value`` (past + current tokens). Feed the presents
             back as the next step's pasts; a first step takes pasts of length 0. Models whose forward takes no
             cache, or returns none with ``use_cache=True`` (BERT, ...), raise :class:`ExportError`.
+        int4_kernel: How per-group (and MX) 4-bit weights of Linear layers reach onnxruntime. ``"matmulnbits"``
+            (default; onnxruntime is this function's target): as its ``MatMulNBits`` kernel (com.microsoft, 4-bit
+            codes packed two a byte, the same codes, scales and zero points, ``accuracy_level`` 1 = float32
+            arithmetic), which reads the packed weight directly and decodes several times faster than float;
+            weights it cannot take (a group size that is not a power of two >= 16, a weight shared with an
+            embedding) stay in the ``"dequantize"`` form, named in an INFO log. ``"dequantize"``: standard ONNX
+            only, ``INT4``/``UINT4`` codes and a blocked ``DequantizeLinear`` (opset 21) in front of a float
+            ``MatMul``/``Gemm``, for other runtimes; onnxruntime's default session fuses that into its own
+            ``MatMulNBits`` at accuracy level 4 (int8 activations on the fly), which changes the results a little.
 
     Returns:
         An :class:`ExportReport` with the file's path, opset, size, the verified difference and
@@ -385,5 +406,5 @@ def export_onnx_qcdq(
     ``None`` skipped -- and become the graph outputs in that order.
     """
     fmt = QCDQFormat(opset=opset, dynamic_batch=dynamic_batch, dynamic_sequence=dynamic_sequence,
-                     integer_kernels=integer_kernels, int4_weights=int4_weights)
+                     integer_kernels=integer_kernels, int4_weights=int4_weights, int4_kernel=int4_kernel)
     return export_verified(fmt, model, args, path, tolerance, past_key_values=past_key_values)

@@ -25,10 +25,6 @@ from quark_brevitas.export.args import PathLike, TensorArgs, normalize_args
 from quark_brevitas.export.errors import ExportArgumentError, ExportError
 from quark_brevitas.export.passes.graph import attr
 
-# MatMulNBits compute precision: 1 = float32 (see create_ort_session).
-_MATMULNBITS_ACCURACY_LEVEL = "1"
-
-
 # --------------------------------------------------------------------------------------------
 # onnxruntime
 # --------------------------------------------------------------------------------------------
@@ -39,6 +35,7 @@ _SESSION_CACHE: collections.OrderedDict[str, tuple[tuple[int, int, int], ort.Inf
 )
 _SESSION_CACHE_SIZE = 4
 _SESSION_LOCK = threading.Lock()
+_INTEGER_CODES = frozenset({TensorProto.INT4, TensorProto.UINT4, TensorProto.INT8, TensorProto.UINT8})
 
 
 def _has_blocked_8bit_weights(model: onnx.ModelProto) -> bool:
@@ -50,6 +47,26 @@ def _has_blocked_8bit_weights(model: onnx.ModelProto) -> bool:
                for node in model.graph.node)
 
 
+#: accuracy level of the MatMulNBits onnxruntime fuses out of a weight-only DequantizeLinear -> MatMul: 1 = float32.
+_FUSED_MATMULNBITS_ACCURACY_LEVEL = "1"
+
+
+def has_weight_only_dequantize_matmul(model: onnx.ModelProto) -> bool:
+    """Whether a constant integer weight's ``DequantizeLinear`` feeds a ``MatMul`` whose input is float (a
+    weight-only layer in the ``int4_kernel="dequantize"`` form): onnxruntime's default session fuses that into a
+    ``MatMulNBits`` at accuracy level 4, int8 activations on the fly, which is not what the file says."""
+    ints = {init.name for init in model.graph.initializer if init.data_type in _INTEGER_CODES}
+    producers = {out: node for node in model.graph.node for out in node.output}
+    weights = {node.output[0] for node in model.graph.node
+               if node.op_type == "DequantizeLinear" and node.input[0] in ints}
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in weights:
+            source = producers.get(node.input[0])
+            if source is None or source.op_type != "DequantizeLinear":
+                return True
+    return False
+
+
 def create_ort_session(path: PathLike) -> ort.InferenceSession:
     """Create a CPU onnxruntime session for an ONNX file written by :func:`export_onnx_qcdq`.
 
@@ -58,21 +75,23 @@ def create_ort_session(path: PathLike) -> ort.InferenceSession:
     ``QuantizeLinear``) no longer matches the exported graph (:mod:`quark_brevitas.export.passes.float8`).
     Files with blocked 8-bit weights (MXINT8, int5-8 per group) get the QDQ fusions disabled:
     onnxruntime fuses them with int8 activations into ``MatMulIntegerToFloat`` as if their
-    scales were per channel and fails at run time. Integer files use onnxruntime's default (fully
-    optimized) settings, except that the ``MatMulNBits`` kernels onnxruntime makes of weight-only
-    ``DequantizeLinear -> MatMul`` run in float32 (accuracy level 1) rather than on int8-quantized
-    activations (its default, level 4).
+    scales were per channel and fails at run time. Every other file of the default export runs with
+    onnxruntime's default (fully optimized) settings: a file must be right as users open it, so weight-only
+    Linear layers are ``MatMulNBits`` nodes that carry their ``accuracy_level`` (1, float32;
+    :mod:`quark_brevitas.export.passes.nbits`). Only files written with ``int4_kernel="dequantize"`` (standard
+    ONNX, for other runtimes) that hold weight-only ``DequantizeLinear -> MatMul`` layers are opened with
+    ``session.qdq_matmulnbits_accuracy_level=1``, because onnxruntime would otherwise fuse them at level 4
+    (:func:`has_weight_only_dequantize_matmul`); users of such files in onnxruntime must set it too.
     """
     file = pathlib.Path(path)
     if not file.is_file():
         raise ExportError(f"ONNX file {file} does not exist")
     options = ort.SessionOptions()
-    # onnxruntime fuses DequantizeLinear (blocked int4/int8) -> MatMul into MatMulNBits, by default at
-    # accuracy level 4, which quantizes the activations to int8 on the fly: not what the file says.
-    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", _MATMULNBITS_ACCURACY_LEVEL)
     header = onnx.load(str(file), load_external_data=False)
     if _has_blocked_8bit_weights(header):
         options.add_session_config_entry("session.disable_quant_qdq", "1")
+    if has_weight_only_dequantize_matmul(header):
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", _FUSED_MATMULNBITS_ACCURACY_LEVEL)
     try:
         return ort.InferenceSession(
             str(file), options, providers=["CPUExecutionProvider"])

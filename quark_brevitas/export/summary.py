@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from quark_brevitas.export.passes.graph import BIAS_CONSUMERS, LAYOUT_OPS, WEIGHT_CONSUMERS
+from quark_brevitas.export.passes.graph import BIAS_CONSUMERS, LAYOUT_OPS, WEIGHT_CONSUMERS, attr
 
 _FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE})
 
@@ -38,8 +38,10 @@ def operand_dtypes(graph: onnx.GraphProto, consumers: frozenset[str], index: int
 
 
 def weight_dtypes(graph: onnx.GraphProto) -> tuple[str, ...]:
-    """ONNX types of the weights of Conv/ConvTranspose/Gemm/MatMul, e.g. ``("INT8",)``."""
-    return operand_dtypes(graph, WEIGHT_CONSUMERS, 1)
+    """ONNX types of the weights of Conv/ConvTranspose/Gemm/MatMul, e.g. ``("INT8",)``; the codes of a
+    ``MatMulNBits`` (packed into uint8, stored unsigned with their zero points) count as ``UINT4`` / ``UINT8``."""
+    nbits = {f"UINT{attr(node, 'bits', 4)}" for node in graph.node if node.op_type == "MatMulNBits"}
+    return tuple(sorted(set(operand_dtypes(graph, WEIGHT_CONSUMERS, 1)) | nbits))
 
 
 def bias_dtypes(graph: onnx.GraphProto) -> tuple[str, ...]:

@@ -11,6 +11,10 @@ QuantizeLinear/DequantizeLinear are 8-bit integer per tensor (:mod:`~quark_brevi
 weights and biases only where they are constant integer initializers; float8 tensors are never touched.
 The exporter still verifies the rewritten file against PyTorch.
 
+:data:`WEIGHT_ONLY_KERNEL_REWRITES` holds the rewrites onto onnxruntime's weight-only kernel (``MatMulNBits``,
+:mod:`~quark_brevitas.export.passes.nbits`); they run last, once every weight is written (per-group ones as
+blocked ``DequantizeLinear``, opset 21), and are exact in the same sense.
+
 Adding a rewrite means writing it (a function of a :class:`~quark_brevitas.export.passes.graph.GraphIndex`
 returning how often it applied) and registering it here, with the description the report shows.
 """
@@ -33,6 +37,7 @@ from quark_brevitas.export.passes.layout import (
     sink_dequantize,
     transpose_weights_offline,
 )
+from quark_brevitas.export.passes.nbits import NBITS_REWRITE, declare_ms_domain, matmul_nbits
 from quark_brevitas.export.passes.unsigned import unsigned_activations
 
 logger = logging.getLogger(__name__)
@@ -64,8 +69,28 @@ INTEGER_KERNEL_REWRITES: tuple[Rewrite, ...] = (
 )
 
 
+#: The rewrites onto onnxruntime's weight-only kernel, applied once every weight is written (per-group ones as
+#: blocked DequantizeLinear, 4-bit ones as INT4/UINT4).
+WEIGHT_ONLY_KERNEL_REWRITES: tuple[Rewrite, ...] = (
+    Rewrite(NBITS_REWRITE, matmul_nbits),
+)
+
+
+def rewrite_for_weight_only_kernels(model: onnx.ModelProto) -> tuple[tuple[str, int], ...]:
+    """Apply :data:`WEIGHT_ONLY_KERNEL_REWRITES` (and declare the com.microsoft opset if they used it); returns
+    ``(description, count)`` pairs like :func:`rewrite_for_integer_kernels`."""
+    done = apply_rewrites(model, WEIGHT_ONLY_KERNEL_REWRITES)
+    declare_ms_domain(model)
+    return done
+
+
 def rewrite_for_integer_kernels(model: onnx.ModelProto) -> tuple[tuple[str, int], ...]:
-    """Apply the registered rewrites until none applies; returns ``(description, count)`` pairs.
+    """Apply :data:`INTEGER_KERNEL_REWRITES`; see :func:`apply_rewrites`."""
+    return apply_rewrites(model, INTEGER_KERNEL_REWRITES)
+
+
+def apply_rewrites(model: onnx.ModelProto, rewrites: tuple[Rewrite, ...]) -> tuple[tuple[str, int], ...]:
+    """Apply ``rewrites`` until none applies; returns ``(description, count)`` pairs.
 
     One rewrite can enable another (a ReLU moved behind its quantizer lets the quantizer move on
     up), so the whole sequence is repeated until a round changes nothing. No rewrite undoes
@@ -74,10 +99,10 @@ def rewrite_for_integer_kernels(model: onnx.ModelProto) -> tuple[tuple[str, int]
     graph = model.graph
     if opset_of(model) < _MIN_REWRITE_OPSET or has_subgraphs(graph):
         return ()
-    totals = dict.fromkeys((rewrite.description for rewrite in INTEGER_KERNEL_REWRITES), 0)
+    totals = dict.fromkeys((rewrite.description for rewrite in rewrites), 0)
     for _ in range(_MAX_REWRITE_ROUNDS):
         changed = 0
-        for description, rewrite in INTEGER_KERNEL_REWRITES:
+        for description, rewrite in rewrites:
             while applied := rewrite(GraphIndex(graph)):
                 totals[description] += applied
                 changed += applied
@@ -86,5 +111,5 @@ def rewrite_for_integer_kernels(model: onnx.ModelProto) -> tuple[tuple[str, int]
     topological_sort(graph)
     done = tuple((description, n) for description, n in totals.items() if n)
     for description, n in done:
-        logger.debug("integer-kernel rewrite: %s (%d)", description, n)
+        logger.debug("kernel rewrite: %s (%d)", description, n)
     return done

@@ -1,0 +1,307 @@
+"""Deploying a quantized Llama: one table, a row per format (issue 18, item 6).
+
+Run: ``python benchmarks/llm_deploy.py`` (a few minutes; ``--quick`` for a smoke run). It needs the trained Llama
+of ``benchmarks/llm.py`` (``benchmarks/.cache/llm/llama-4x256-200steps``; trained by that script's cache on first
+use, about ten minutes on 2 cores).
+
+ONNX rows (this file), measured in one run:
+
+* **float ONNX**: the float model exported with its key/value cache (``export_onnx_qcdq(past_key_values=True)``);
+* **ours, MatMulNBits**: W4 per-group 128 (symmetric int4; round-to-nearest and GPTQ) exported the same way, the
+  weights as onnxruntime's ``MatMulNBits`` with our codes and scales (``int4_kernel="matmulnbits"``, the default);
+* **onnxruntime MatMulNBitsQuantizer**: onnxruntime's own quantizer (RTN, block size 128, its defaults: asymmetric,
+  no accuracy level = float32) run on the float ONNX file of the same run;
+* for comparison only, our file edited to ``accuracy_level=4`` (onnxruntime quantizes the activations to int8 per
+  block on the fly: several times faster on CPUs with int8 dot products, but no longer what the quantized model
+  computes, so the export never writes it).
+
+Columns: file size; perplexity of what onnxruntime computes on the trained Llama (4 blocks, 256 wide; held-out
+docstrings, ``--eval`` sequences of 128 tokens, each run as one prompt step with an empty past); decode speed on a
+larger Llama built from a config with random weights (1024 wide, 8 blocks, intermediate 2816, vocabulary 4096):
+batch 1, a 128-token prompt, then 128 new tokens one step at a time feeding the presents back as pasts, tokens/s
+of those 128 steps (the prompt step excluded), onnxruntime's default session with 1 and 2 intra-op threads. The
+files are timed interleaved (each repetition runs every file once, in a rotated order) and the median is printed:
+the CPU is shared, so single runs are noisy.
+
+Other formats (GGUF through the ``gguf`` package / llama.cpp, compressed-tensors through transformers) add their
+rows to :data:`ROWS` via :func:`add_row`: same columns, "-" where a column does not apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import llm  # noqa: E402  (the trained Llama, its tokens and its recipes)
+from tables import format_table  # noqa: E402
+
+SPEED_WIDTH, SPEED_INTERMEDIATE, SPEED_BLOCKS, SPEED_HEADS = 1024, 2816, 8, 16
+BLOCK = 128
+PROMPT, NEW_TOKENS = 128, 128
+#: The comparison row of a file edited to accuracy_level 4 (not what the export writes: not exact).
+LEVEL4 = "{} at accuracy_level 4 (int8 activations, not exact)"
+
+
+@dataclass
+class Row:
+    """One format: its file sizes (trained / speed model), perplexity and decode tokens/s by thread count."""
+
+    name: str
+    size_mb: float | None = None
+    speed_size_mb: float | None = None
+    perplexity: float | None = None
+    tokens_per_s: dict[int, float] = field(default_factory=dict)
+
+
+ROWS: dict[str, Row] = {}
+
+
+def add_row(name: str, **values: Any) -> Row:
+    """Create or update the row ``name`` of the one table."""
+    row = ROWS.setdefault(name, Row(name))
+    for key, value in values.items():
+        setattr(row, key, value)
+    return row
+
+
+# ===================================================================== files
+def _prompt(length: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def export_decoder(model: torch.nn.Module, path: Path, example: dict[str, torch.Tensor]) -> Path:
+    """The (quantized or float) decoder as ONNX with its key/value cache, verified against PyTorch."""
+    from quark_brevitas.export import export_onnx_qcdq
+
+    report = export_onnx_qcdq(model, example, path, past_key_values=True)
+    logging.info("%s: %.1f MB, max |ORT - PyTorch| %.2g (%s)", path.name, report.file_size / 1e6,
+                 report.max_abs_diff, report.verified_by)
+    return path
+
+
+def ort_quantizer_file(float_file: Path, path: Path) -> Path:
+    """onnxruntime's own MatMulNBitsQuantizer (RTN, block 128, its defaults) applied to our float ONNX file."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(float_file)), block_size=BLOCK)
+    quantizer.process()
+    onnx.save_model(quantizer.model.model, str(path))
+    return path
+
+
+def with_accuracy_level(path: Path, level: int, out: Path) -> Path:
+    """A copy of ``path`` whose MatMulNBits nodes compute at ``level`` (4: int8 activations quantized on the fly,
+    faster, but no longer what the quantized model computes: for comparison only, never written by the export)."""
+    import onnx
+
+    proto = onnx.load(str(path))
+    for node in proto.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attribute in node.attribute:
+                if attribute.name == "accuracy_level":
+                    attribute.i = level
+    onnx.save_model(proto, str(out))
+    return out
+
+
+def quantize(model: torch.nn.Module, recipe: str, calib: list[dict[str, torch.Tensor]]) -> torch.nn.Module:
+    from quark_brevitas import ModelQuantizer
+
+    return ModelQuantizer(llm.recipe_config(recipe)).quantize_model(model, calib)
+
+
+# ===================================================================== running the files
+def _session(path: Path, threads: int) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()  # onnxruntime's defaults: what a user gets
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _empty_pasts(session: Any, batch: int) -> dict[str, np.ndarray]:
+    pasts = {}
+    for graph_input in session.get_inputs():
+        if graph_input.name.startswith("past_key_values."):
+            heads, head_dim = graph_input.shape[1], graph_input.shape[3]
+            pasts[graph_input.name] = np.zeros((batch, heads, 0, head_dim), np.float32)
+    return pasts
+
+
+def _step(session: Any, names: list[str], feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return dict(zip(names, session.run(None, feed)))
+
+
+def decode_tokens_per_s(session: Any, prompt: np.ndarray, new_tokens: int) -> float:
+    """Greedy decoding of ``new_tokens`` after ``prompt`` (batch 1); tokens/s of the one-token steps."""
+    names = [o.name for o in session.get_outputs()]
+    feed = {"input_ids": prompt, "attention_mask": np.ones_like(prompt), **_empty_pasts(session, 1)}
+    outputs = _step(session, names, feed)
+    mask = feed["attention_mask"]
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        token = outputs["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
+        mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+        feed = {"input_ids": token, "attention_mask": mask}
+        feed.update({name.replace("present.", "past_key_values."): value for name, value in outputs.items()
+                     if name.startswith("present.")})
+        outputs = _step(session, names, feed)
+    return new_tokens / (time.perf_counter() - start)
+
+
+def onnx_perplexity(path: Path, windows: list[dict[str, torch.Tensor]]) -> float:
+    """Perplexity of the file's logits (each window one prompt step with an empty past)."""
+    from quark_brevitas.hf.lm import PerplexityMeter
+
+    session = _session(path, 1)
+    names = [o.name for o in session.get_outputs()]
+    meter = PerplexityMeter()
+    for batch in windows:
+        ids = batch["input_ids"].numpy()
+        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), **_empty_pasts(session, ids.shape[0])}
+        meter.add(torch.from_numpy(_step(session, names, feed)["logits"]), batch)
+    return meter.perplexity
+
+
+def _mb(path: Path) -> float:
+    return path.stat().st_size / 1e6
+
+
+# ===================================================================== sections
+def section_perplexity(work: Path, eval_sequences: int, calib_sequences: int, gptq: bool) -> None:
+    """The trained Llama: float, ours (RTN, GPTQ) and onnxruntime's quantizer, perplexity in onnxruntime."""
+    import transformers
+
+    folder = llm.trained_llama(200)
+    splits = llm.token_splits()
+    evaluation = llm.windows(splits["eval"], eval_sequences, 8)
+    calib = llm.windows(splits["calib"], calib_sequences, 4)
+    example = {"input_ids": evaluation[0]["input_ids"][:2, :16]}
+    example["attention_mask"] = torch.ones_like(example["input_ids"])
+
+    def fresh() -> torch.nn.Module:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+
+    float_file = export_decoder(fresh(), work / "trained_float.onnx", example)
+    files = {"float ONNX": float_file,
+             "onnxruntime MatMulNBitsQuantizer (RTN, asym, g128)": ort_quantizer_file(
+                 float_file, work / "trained_ort_rtn.onnx")}
+    recipes = {"ours RTN W4 g128, MatMulNBits": "rtn_w4_g128"}
+    if gptq:
+        recipes["ours GPTQ W4 g128, MatMulNBits"] = "gptq_w4_g128"
+    for name, recipe in recipes.items():
+        files[name] = export_decoder(quantize(fresh(), recipe, calib), work / f"trained_{recipe}.onnx", example)
+    last = list(recipes)[-1]
+    files[LEVEL4.format(last)] = with_accuracy_level(files[last], 4, work / "trained_level4.onnx")
+    for name, path in files.items():
+        add_row(name, size_mb=_mb(path), perplexity=onnx_perplexity(path, evaluation))
+        logging.info("%s: perplexity %.3f", name, ROWS[name].perplexity)
+
+
+def section_speed(work: Path, threads: list[int], repeats: int, new_tokens: int) -> None:
+    """The 1024-wide Llama with random weights: decode tokens/s of float, ours and onnxruntime's quantizer."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=llm.VOCAB, hidden_size=SPEED_WIDTH,
+                                      intermediate_size=SPEED_INTERMEDIATE, num_hidden_layers=SPEED_BLOCKS,
+                                      num_attention_heads=SPEED_HEADS, num_key_value_heads=SPEED_HEADS,
+                                      max_position_embeddings=PROMPT + NEW_TOKENS + 8, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    example = _prompt(8, llm.VOCAB)
+    float_file = export_decoder(model, work / "speed_float.onnx", example)
+    files = {"float ONNX": float_file,
+             "onnxruntime MatMulNBitsQuantizer (RTN, asym, g128)": ort_quantizer_file(
+                 float_file, work / "speed_ort_rtn.onnx")}
+    quant = quantize(model, "rtn_w4_g128", [_prompt(32, llm.VOCAB, seed=1)])
+    ours = export_decoder(quant, work / "speed_ours.onnx", example)
+    del quant, model
+    for name in ("ours RTN W4 g128, MatMulNBits", "ours GPTQ W4 g128, MatMulNBits"):
+        files[name] = ours  # GPTQ changes the codes, not the kernels or the file's size
+    level4 = with_accuracy_level(ours, 4, work / "speed_level4.onnx")
+    for name in ("ours RTN W4 g128, MatMulNBits", "ours GPTQ W4 g128, MatMulNBits"):
+        files[LEVEL4.format(name)] = level4
+    prompt = _prompt(PROMPT, llm.VOCAB, seed=2)["input_ids"].numpy()
+    unique = {path: [name for name, p in files.items() if p == path] for path in dict.fromkeys(files.values())}
+    for n_threads in threads:
+        sessions = {path: _session(path, n_threads) for path in unique}
+        for session in sessions.values():  # warm-up: first runs allocate and pre-pack
+            decode_tokens_per_s(session, prompt, 4)
+        samples: dict[Path, list[float]] = {path: [] for path in unique}
+        order = list(unique)
+        for r in range(repeats):
+            for path in order[r % len(order):] + order[:r % len(order)]:
+                samples[path].append(decode_tokens_per_s(sessions[path], prompt, new_tokens))
+        for path, names in unique.items():
+            median = statistics.median(samples[path])
+            logging.info("%s, %d thread(s): %s tokens/s", path.name, n_threads,
+                         ", ".join(f"{s:.1f}" for s in samples[path]))
+            for name in names:
+                add_row(name, speed_size_mb=_mb(path)).tokens_per_s[n_threads] = median
+
+
+def render(threads: list[int]) -> str:
+    header = ["format", "file MB (trained 4x256)", "file MB (1024 x 8)", "perplexity (trained)",
+              *[f"tokens/s, {t} thread{'s' if t > 1 else ''}" for t in threads]]
+    float_speed = ROWS["float ONNX"].tokens_per_s if "float ONNX" in ROWS else {}
+
+    def speed(row: Row, t: int) -> str:
+        if t not in row.tokens_per_s:
+            return "-"
+        ratio = f" ({row.tokens_per_s[t] / float_speed[t]:.2f}x)" if t in float_speed else ""
+        return f"{row.tokens_per_s[t]:.1f}{ratio}"
+
+    rows = [[row.name, "-" if row.size_mb is None else f"{row.size_mb:.1f}",
+             "-" if row.speed_size_mb is None else f"{row.speed_size_mb:.1f}",
+             "-" if row.perplexity is None else f"{row.perplexity:.3f}", *[speed(row, t) for t in threads]]
+            for row in ROWS.values()]
+    return format_table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (numbers not comparable)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=5, help="timed decodes per file and thread count")
+    parser.add_argument("--eval", type=int, default=64, help="held-out sequences of 128 tokens for perplexity")
+    parser.add_argument("--calib", type=int, default=128, help="calibration sequences of 128 tokens (GPTQ)")
+    parser.add_argument("--no-gptq", action="store_true", help="skip the GPTQ row of the trained Llama")
+    parser.add_argument("--skip", choices=["perplexity", "speed"], action="append", default=[])
+    parser.add_argument("--keep", type=Path, help="write the ONNX files here (kept) instead of a temporary folder")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for name in ("quark_brevitas", "transformers", "onnxruntime"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    repeats, new_tokens = (2, 16) if args.quick else (args.repeats, NEW_TOKENS)
+    with tempfile.TemporaryDirectory(prefix="llm_deploy_") as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        if "perplexity" not in args.skip:
+            section_perplexity(work, 8 if args.quick else args.eval, 8 if args.quick else args.calib,
+                               gptq=not args.no_gptq)
+        if "speed" not in args.skip:
+            section_speed(work, args.threads, repeats, new_tokens)
+    print(render(args.threads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
