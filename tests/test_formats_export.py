@@ -8,10 +8,10 @@ import onnx
 import pytest
 import torch
 from onnx_check import assert_onnx_predictions_match
-from quark_brevitas.cli.digits import example_input
 from torch import nn
 
 from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig
+from quark_brevitas.cli.digits import example_input
 from quark_brevitas.export import ExportError, ExportMismatchError, export_onnx_qcdq, run_onnx, verify_onnx
 from quark_brevitas.types import Dtype, QSchemeType, RoundType, ZeroPointType
 
