@@ -21,6 +21,7 @@ from quark_brevitas.config.algorithms import (
     GPTQConfig,
     Preprocess,
     PreQuantOptConfig,
+    RotationConfig,
     SmoothQuantConfig,
     registered,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "GPTQConfig",
     "PreQuantOptConfig",
     "Preprocess",
+    "RotationConfig",
     "SmoothQuantConfig",
     "registered",
 ]

@@ -31,7 +31,7 @@ are built by :mod:`quark_brevitas.quantizers` when the model is planned.
 
 from __future__ import annotations
 
-from quark_brevitas.config.algorithms import AWQConfig, GPTQConfig, SmoothQuantConfig
+from quark_brevitas.config.algorithms import AWQConfig, GPTQConfig, RotationConfig, SmoothQuantConfig
 from quark_brevitas.config.checks import HIERARCHY_LEVELS, verify_layer_config, verify_partial_layer_config
 from quark_brevitas.config.enums import (
     Backend,
@@ -104,6 +104,7 @@ __all__ = [
     "QuantizationSpec",
     "RoundType",
     "ScaleType",
+    "RotationConfig",
     "SmoothQuantConfig",
     "ZeroPointType",
     "describe",
