@@ -21,10 +21,10 @@ from quark_brevitas.config.algorithms import (
     GPTQConfig,
     Preprocess,
     PreQuantOptConfig,
-    RotationConfig,
     SmoothQuantConfig,
     registered,
 )
+from quark_brevitas.config.rotation import RotationConfig
 
 __all__ = [
     "SCALING_LAYER_KEYS",

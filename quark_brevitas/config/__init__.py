@@ -31,7 +31,7 @@ are built by :mod:`quark_brevitas.quantizers` when the model is planned.
 
 from __future__ import annotations
 
-from quark_brevitas.config.algorithms import AWQConfig, GPTQConfig, RotationConfig, SmoothQuantConfig
+from quark_brevitas.config.algorithms import AWQConfig, GPTQConfig, SmoothQuantConfig
 from quark_brevitas.config.checks import HIERARCHY_LEVELS, verify_layer_config, verify_partial_layer_config
 from quark_brevitas.config.enums import (
     Backend,
@@ -59,6 +59,7 @@ from quark_brevitas.config.model_config import (
     type_name,
     verify_config,
 )
+from quark_brevitas.config.rotation import RotationConfig
 from quark_brevitas.config.serialization import did_you_mean, key_path
 from quark_brevitas.config.specs import (
     TENSOR_ROLES,
