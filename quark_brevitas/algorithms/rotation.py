@@ -9,6 +9,8 @@ weight is rotated too: ``(x @ Q) @ (W @ Q).T == x @ W.T``. Rows are vectors here
   layers get ``W -> W @ Q``; the head after the final norm too (untied from the embedding first).
 - R2 rotates each attention head's values ``v_h -> v_h @ H``: v_proj's rows of head ``h`` ``-> H.T @ W_h`` (bias
   ``b_h @ H``), o_proj's columns of head ``h`` ``-> W_h @ H``; attention mixes tokens, not channels, so it commutes.
+- Online R1 (``online_r1_rotation``) puts an online Hadamard before each layer reading a norm instead (exact in any
+  family, post-norm BERT included), with its inverse folded into the layer.
 - R4 puts an online Hadamard (:class:`~quark_brevitas.brevitas_adapter.OnlineHadamard`, a module in the model that
   its input quantizer sees rotated and that exports as MatMul nodes) before the down projection, whose weight gets
   ``W -> W @ H``.
@@ -131,16 +133,23 @@ def _apply_r2(model: nn.Module, sites: RotationSites, h: torch.Tensor) -> None:
         _set(o.weight.data, (weight @ h.to(o.weight.device)).reshape(o.weight.shape))
 
 
-def _apply_r4(model: nn.Module, sites: RotationSites, rotation_size: int | None, path: str) -> None:
-    for name in sites.blocks:
-        block = model.get_submodule(name)
-        parent_name, _, attribute = sites.roles.down_proj.rpartition(".")
-        parent = block.get_submodule(parent_name)
-        down = getattr(parent, attribute)
-        width = down.in_features
-        online = OnlineHadamard(width, rotation_block(width, rotation_size, path)).to(down.weight.device)
-        _rotate_input(down, online.matrix())
-        setattr(parent, attribute, RotatedInput(online, down))
+def _put_online(block: nn.Module, name: str, rotation_size: int | None, path: str) -> None:
+    """Put layer ``name`` of ``block`` behind an online Hadamard of its input and fold the inverse into it."""
+    parent_name, _, attribute = name.rpartition(".")
+    parent = block.get_submodule(parent_name) if parent_name else block
+    layer = getattr(parent, attribute)
+    width = layer.in_features
+    online = OnlineHadamard(width, rotation_block(width, rotation_size, path)).to(layer.weight.device)
+    _rotate_input(layer, online.matrix())
+    setattr(parent, attribute, RotatedInput(online, layer))
+
+
+def _apply_online(model: nn.Module, sites: RotationSites, names: tuple[str, ...], rotation_size: int | None,
+                  path: str) -> None:
+    for block_name in sites.blocks:
+        block = model.get_submodule(block_name)
+        for name in names:
+            _put_online(block, name, rotation_size, path)
 
 
 def _require_values(model: nn.Module, path: str) -> None:
@@ -168,13 +177,16 @@ class RotationHandler(AlgorithmHandler):
         for key, why in sites.skipped.items():
             logger.warning("RotationConfig: %s not applied to %s: %s", key.upper(), type(model).__name__, why)
         model.eval()
+        folded_r1 = algo.r1 and "r1" not in sites.skipped and not sites.online_r1
         with torch.no_grad():
-            if algo.r1 and "r1" not in sites.skipped:
+            if folded_r1:
                 _apply_r1(model, sites, _matrix(sites.hidden, algo, "r1", path))
-            if algo.r2 and "r2" not in sites.skipped:
+            if algo.r2 and "r2" not in sites.skipped:  # before the online wrappers: R2 rewrites v_proj in place
                 _apply_r2(model, sites, _matrix(sites.head_dim, algo, "r2", path))
+            if algo.r1 and "r1" not in sites.skipped and sites.online_r1:
+                _apply_online(model, sites, sites.roles.readers, algo.rotation_size, path)
             if algo.r4:
-                _apply_r4(model, sites, algo.rotation_size, path)
+                _apply_online(model, sites, (sites.roles.down_proj,), algo.rotation_size, path)
         return model
 
     def describe(self, algo: Any, model: nn.Module) -> list[str]:
@@ -182,7 +194,10 @@ class RotationHandler(AlgorithmHandler):
         sites = rotation_sites(algo, model, path)
         size = f"blocks of {algo.rotation_size}" if algo.rotation_size else "full width"
         lines = [f"decoder layers: {sites.structure.decoder_layers} ({len(sites.blocks)} blocks)"]
-        if algo.r1 and "r1" not in sites.skipped:
+        if algo.r1 and "r1" not in sites.skipped and sites.online_r1:
+            lines.append(f"R1 (online): Hadamard ({size}) on the inputs of {', '.join(sites.roles.readers)}, its "
+                         "inverse folded into each (each layer moves to <name>.layer behind it)")
+        elif algo.r1 and "r1" not in sites.skipped:
             rotation_block(sites.hidden, algo.rotation_size, path)
             lines.append(f"R1: residual stream ({sites.hidden} channels, {'random ' if algo.random_r1 else ''}"
                          f"Hadamard, {size}) folded into {', '.join(sites.embeddings)}, "

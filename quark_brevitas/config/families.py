@@ -57,14 +57,16 @@ class RotationRoles:
     - ``heads``: the attention module whose ``head_dim`` (or ``attention_head_size``) gives R2's size;
     - ``v_proj`` / ``o_proj``: the value and output projections R2 is folded into, per head;
     - ``down_proj``: the layer R4 puts behind an online Hadamard;
-    - ``writers``: the layers that add into the residual stream (R1 rotates their outputs);
-    - ``no_r1``: why R1 is not exact in this family (``None``: it is, given RMSNorms, checked per model).
+    - ``readers``: the layers that read a norm's output (online R1 puts a Hadamard on their inputs);
+    - ``writers``: the layers that add into the residual stream (folded R1 rotates their outputs);
+    - ``no_r1``: why folded R1 is not exact in this family (``None``: it is, given RMSNorms, checked per model).
     """
 
     heads: str
     v_proj: str
     o_proj: str
     down_proj: str
+    readers: tuple[str, ...] = ()
     writers: tuple[str, ...] = ()
     no_r1: str | None = None
 
@@ -124,9 +126,11 @@ _BERT_SCALING = (
 
 #: Pre-norm RMSNorm decoders: R1 folds through every norm, R2 into v/o, R4 on down_proj.
 _LLAMA_ROTATION = RotationRoles("self_attn", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj",
-                                ("self_attn.o_proj", "mlp.down_proj"))
-#: Post-norm BERT: R2 (v/o per head) and R4 (online, on output.dense) are exact; R1 is not.
+                                (*_QKV, "mlp.gate_proj", "mlp.up_proj"), ("self_attn.o_proj", "mlp.down_proj"))
+#: Post-norm BERT: R2 (v/o per head), R4 (online, on output.dense) and online R1 are exact; folded R1 is not.
 _BERT_ROTATION = RotationRoles("attention.self", "attention.self.value", "attention.output.dense", "output.dense",
+                               ("attention.self.query", "attention.self.key", "attention.self.value",
+                                "intermediate.dense"),
                                no_r1="post-norm LayerNorm: the residual stream goes through each LayerNorm, whose "
                                      "mean subtraction and bias do not commute with a rotation")
 

@@ -20,8 +20,8 @@ __all__ = ["ROTATION_UNSUPPORTED", "RotationConfig"]
 ROTATION_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "r3": (False, "R3 (the online rotation of queries and keys) only helps KV-cache quantization, which this "
                   "library does not do; set r3=False"),
-    "online_r1_rotation": (None, "R1 is folded into the weights (offline) only; set online_r1_rotation=None or False"),
-    "online_config": (None, "online R1 rotations are not supported, so there is nothing to configure; set None"),
+    "online_config": (None, "online rotations here are fixed Hadamard matrices (Quark's OnlineRotationConfig options "
+                            "are not supported); set None"),
     "trainable": (False, "trainable (SpinQuant/OSTQuant-learned) rotations are not supported; set trainable=False"),
     "train_smooth": (None, "trained smoothing scales need trainable rotations, which are not supported; set None"),
     "smooth_positions": (None, "trained smoothing scales need trainable rotations, which are not supported; set None"),
@@ -39,6 +39,9 @@ class RotationConfig(PreQuantOptConfig):
       (the norm's weight merged into them first, then set to 1), the layers that write into it (o/down projections)
       and the head (untied from the embedding if tied). Pre-norm RMSNorm decoders only (Llama, Mistral, Qwen2);
       elsewhere (post-norm BERT, LayerNorm models) it is skipped and ``plan`` says why.
+    - ``online_r1_rotation``: R1 as online Hadamards on the inputs of the layers that read each norm (q/k/v and
+      gate/up; BERT's query/key/value and intermediate), their inverse folded into those layers: exact in any
+      family, BERT included (``None``/``False``: folded).
     - ``r2``: rotate each attention head's values: folded into v_proj's outputs and o_proj's inputs, per head.
     - ``r4``: an online Hadamard on the down projection's input (a module in the model, which its activation
       quantizer sees rotated and ONNX exports as MatMul nodes), its inverse folded into the down projection.
@@ -48,7 +51,7 @@ class RotationConfig(PreQuantOptConfig):
     - ``scaling_layers``: Quark's explicit R1 sites; ``None`` (here the default): inferred from the model.
     - ``backbone`` / ``model_decoder_layers`` / ``v_proj`` / ``o_proj`` / ``self_attn`` / ``mlp``: Quark's paths;
       ``None``: inferred from the model's family. Given, they must exist.
-    - ``r3``, ``online_r1_rotation``, ``online_config``, ``trainable``, ``train_smooth``, ``smooth_positions``:
+    - ``r3``, ``online_config``, ``trainable``, ``train_smooth``, ``smooth_positions``:
       Quark's; only their "off" values are accepted (see :data:`ROTATION_UNSUPPORTED`).
     """
 
@@ -85,8 +88,12 @@ class RotationConfig(PreQuantOptConfig):
                                                             "r1=False; leave it None")
         for field_name, (allowed, why) in ROTATION_UNSUPPORTED.items():
             value = getattr(self, field_name)
-            if value != allowed and not (field_name == "online_r1_rotation" and value is False):
+            if value != allowed:
                 raise ConfigError(f"{path}.{field_name}", f"{value!r} is not supported: {why}")
+        if self.online_r1_rotation and self.random_r1:
+            raise ConfigError(f"{path}.random_r1", "online R1 rotations are Hadamard matrices (rebuilt from their size "
+                                                   "when a checkpoint loads); set random_r1=False or "
+                                                   "online_r1_rotation=False")
         if not (self.r1 or self.r2 or self.r4):
             raise ConfigError(path, "applies no rotation: set at least one of r1, r2, r4")
         if self.rotation_size is not None and self.rotation_size < 2:

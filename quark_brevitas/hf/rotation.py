@@ -9,7 +9,7 @@ model is decided here, with a reason for each rotation that is not:
   is merged into the layers after it, checked numerically on each norm class), a final norm, and an output head
   to fold the inverse into (a model without a head would return rotated hidden states);
 - R2 (per attention head) needs the head size and v/o widths that are multiples of it;
-- R4 (online) is exact on any Linear input.
+- R4 and online R1 (Hadamards on Linear inputs, computed in the model) are exact on any Linear input.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class RotationSites:
     block_norms: tuple[NormReaders, ...] = ()
     final: NormReaders | None = None
     head_dim: int = 0
+    online_r1: bool = False
     skipped: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -65,7 +66,7 @@ def _roles(block: nn.Module, names: dict[str, str | None]) -> RotationRoles | No
         v_proj, o_proj = names["v_proj"] or roles.v_proj, names["o_proj"] or roles.o_proj
         down = f"{names['mlp']}.down_proj" if names["mlp"] else roles.down_proj
         if {heads, v_proj, o_proj, down} <= present:
-            return RotationRoles(heads, v_proj, o_proj, down, roles.writers, roles.no_r1)
+            return RotationRoles(heads, v_proj, o_proj, down, roles.readers, roles.writers, roles.no_r1)
     return None
 
 
@@ -125,9 +126,21 @@ def _final_norm(model: nn.Module, structure: Structure, hidden: int) -> tuple[No
     return NormReaders(norm_name, ("lm_head",)), None
 
 
+def _online_r1(model: nn.Module, sites: RotationSites) -> str | None:
+    """Online R1 needs only the readers of the norms (any Linear input takes an online Hadamard exactly)."""
+    block = model.get_submodule(sites.blocks[0])
+    present = {name for name, _ in block.named_modules()}
+    missing = [name for name in sites.roles.readers if name not in present]
+    if not sites.roles.readers or missing:
+        return f"the layers reading the norms are not all there (missing {missing or 'all'})"
+    return None
+
+
 def _r1(model: nn.Module, sites: RotationSites) -> str | None:
     """Fill the R1 sites; returns why R1 cannot run (``None`` if it can)."""
     roles, structure = sites.roles, sites.structure
+    if sites.online_r1:
+        return _online_r1(model, sites)
     if roles.no_r1:
         return roles.no_r1
     embeddings = [n for n in structure.embedding_layers if isinstance(model.get_submodule(n), nn.Embedding)]
@@ -174,7 +187,7 @@ def rotation_sites(algo: object, model: nn.Module, path: str = "RotationConfig")
         raise ConfigError(path, f"the blocks of {type(model).__name__} ({structure.decoder_layers}) match no family "
                                 "RotationConfig knows (Llama, Mistral, Qwen2; BERT for r2/r4): give v_proj, o_proj, "
                                 "self_attn and mlp as Quark names them")
-    sites = RotationSites(structure, roles)
+    sites = RotationSites(structure, roles, online_r1=bool(algo.online_r1_rotation))
     wanted = {"r1": (algo.r1, _r1), "r2": (algo.r2, _r2), "r4": (algo.r4, lambda m, s: None)}
     for key, (asked, infer) in wanted.items():
         if asked:
