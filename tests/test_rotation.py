@@ -211,3 +211,27 @@ def test_config_round_trips_and_streaming_is_refused() -> None:
         skeleton = tiny_llama()
     with pytest.raises(ConfigError, match="not loaded.*quantize_pretrained"):
         apply_algorithm(RotationConfig(), skeleton)
+
+
+# ===================================================================== other formats
+@pytest.mark.slow
+def test_folded_rotations_export_to_gguf_and_online_ones_are_refused(tmp_path) -> None:
+    import dataclasses
+
+    pytest.importorskip("gguf")
+    from quark_brevitas.config.presets import get_preset
+    from quark_brevitas.export import ExportError, export_gguf, export_safetensors
+
+    preset = get_preset("gguf_q4_0")
+    folded = dataclasses.replace(preset, algo_config=[RotationConfig(r1=True, r2=True)])
+    quant = ModelQuantizer(folded).quantize_model(tiny_llama(kv_heads=2), token_batches(1))
+    export_gguf(quant, tmp_path / "folded")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "folded", gguf_file="model.gguf").eval()
+    tokens = token_batches(1, seed=3)[0]
+    assert torch.allclose(logits(loaded, tokens), logits(quant, tokens), atol=1e-5, rtol=0)
+    online = dataclasses.replace(preset, algo_config=[RotationConfig(r4=True)])
+    quant = ModelQuantizer(online).quantize_model(tiny_llama(), token_batches(1))
+    with pytest.raises(ExportError, match=r"GGUF cannot hold online Hadamard rotations .*model\.layers\.0\.mlp"):
+        export_gguf(quant, tmp_path / "online")
+    with pytest.raises(ExportError, match="compressed-tensors cannot hold online Hadamard rotations"):
+        export_safetensors(quant, tmp_path / "ct")
