@@ -235,3 +235,12 @@ def test_folded_rotations_export_to_gguf_and_online_ones_are_refused(tmp_path) -
         export_gguf(quant, tmp_path / "online")
     with pytest.raises(ExportError, match="compressed-tensors cannot hold online Hadamard rotations"):
         export_safetensors(quant, tmp_path / "ct")
+
+
+def test_block_by_block_and_whole_model_paths_give_the_same_rotated_model(batches) -> None:
+    config = _config([RotationConfig(**ALL)])
+    model = tiny_llama()
+    blockwise = ModelQuantizer(config).quantize_model(model, batches, blocks=True)
+    whole = ModelQuantizer(config).quantize_model(model, batches, blocks=False)
+    assert torch.equal(logits(blockwise, batches[0]), logits(whole, batches[0]))
+    assert isinstance(blockwise.model.layers[1].mlp.down_proj, RotatedInput)
