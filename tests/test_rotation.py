@@ -185,6 +185,39 @@ def test_rotation_in_algo_config_after_smoothquant_in_pre_quant_is_refused() -> 
         Pipeline(config)
 
 
+def _quark_sites(online: bool) -> dict:
+    """Quark's explicit R1 sites for Llama (its ``scaling_layers`` format, ``layer_id`` for the layer index)."""
+    layer, previous = "model.layers.layer_id.", "model.layers.pre_layer_id."
+    qkv = [f"{layer}self_attn.{p}_proj" for p in "qkv"]
+    mlp = [f"{layer}mlp.up_proj", f"{layer}mlp.gate_proj"]
+    if online:
+        return {part: [{"target_modules": qkv}, {"target_modules": mlp}] for part in ("first_layer", "middle_layers")}
+    attention = {"prev_modules": [f"{layer}self_attn.o_proj"], "norm_module": f"{layer}post_attention_layernorm",
+                 "next_modules": mlp}
+    return {"first_layer": [{"prev_modules": ["model.embed_tokens"], "norm_module": f"{layer}input_layernorm",
+                             "next_modules": qkv}, attention],
+            "middle_layers": [{"prev_modules": [f"{previous}mlp.down_proj"], "norm_module": f"{layer}input_layernorm",
+                               "next_modules": qkv}, attention],
+            "last_layer": [{"prev_modules": [f"{layer}mlp.down_proj"], "norm_module": "model.norm",
+                            "next_modules": ["lm_head"]}]}
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["folded", "online"])
+def test_quarks_explicit_scaling_layers_give_the_inferred_rotation(online: bool, batches) -> None:
+    model = tiny_llama()
+    explicit = RotationConfig(**ALL, online_r1_rotation=online or None, scaling_layers=_quark_sites(online),
+                              model_decoder_layers="model.layers", v_proj="self_attn.v_proj",
+                              o_proj="self_attn.o_proj", self_attn="self_attn", mlp="mlp")
+    inferred = RotationConfig(**ALL, online_r1_rotation=online or None)
+    given = apply_algorithm(explicit, copy.deepcopy(model))
+    assert torch.equal(logits(given, batches[0]), logits(apply_algorithm(inferred, copy.deepcopy(model)), batches[0]))
+    assert _max_relative_change(given, model, batches[0]) < 1e-4
+    bad = _quark_sites(online)
+    bad["middle_layers"][0]["target_modules" if online else "next_modules"][0] = "model.layers.layer_id.self_attn.q"
+    with pytest.raises(ConfigError, match=r"scaling_layers.middle_layers\[0\].*'self_attn.q' is not a module"):
+        apply_algorithm(RotationConfig(online_r1_rotation=online or None, scaling_layers=bad), copy.deepcopy(model))
+
+
 # ===================================================================== config
 @pytest.mark.parametrize(("fields", "where"), [
     ({"r3": True}, "r3"), ({"trainable": True}, "trainable"), ({"online_config": {"a": 1}}, "online_config"),
@@ -192,7 +225,8 @@ def test_rotation_in_algo_config_after_smoothquant_in_pre_quant_is_refused() -> 
     ({"r1": False, "online_r1_rotation": False}, "online_r1_rotation"), ({"train_smooth": True}, "train_smooth"),
     ({"rotation_size": 1}, "rotation_size"), ({"rotation_size": 7}, "rotation_size"),
     ({"r1": False}, "algo_config[0]"), ({"name": "spinquant"}, "name"),
-    ({"scaling_layers": {"first_layer": []}}, "scaling_layers"),
+    ({"scaling_layers": {"first_layers": []}}, "scaling_layers.first_layers"),
+    ({"scaling_layers": {"last_layer": [{"norm": "model.norm"}]}}, "scaling_layers.last_layer[0].norm"),
 ])
 def test_config_errors_name_the_field(fields: dict, where: str) -> None:
     with pytest.raises(ConfigError, match=rf"algo_config\[0\](\.{where})?"):

@@ -94,7 +94,7 @@ def _untie_head(model: nn.Module, head: nn.Linear, embedding: nn.Embedding) -> N
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "tie_word_embeddings", False):
         config.tie_word_embeddings = False
-    logger.info("RotationConfig: lm_head untied from the embedding (R1 folds the final norm into it)")
+    logger.info("RotationConfig: the head untied from the embedding (R1 folds the final norm into it)")
 
 
 def _merge_and_rotate(owner: nn.Module, norm_name: str, readers: tuple[str, ...], q: torch.Tensor) -> None:
@@ -107,8 +107,8 @@ def _merge_and_rotate(owner: nn.Module, norm_name: str, readers: tuple[str, ...]
 
 def _apply_r1(model: nn.Module, sites: RotationSites, q: torch.Tensor) -> None:
     embedding = model.get_submodule(sites.embeddings[0])
-    head = model.get_submodule("lm_head")
-    _untie_head(model, head, embedding)
+    for head in sites.final.readers:
+        _untie_head(model, model.get_submodule(head), embedding)
     _set(embedding.weight.data, embedding.weight.double() @ q.to(embedding.weight.device))
     for name in sites.blocks:
         block = model.get_submodule(name)
@@ -201,7 +201,7 @@ class RotationHandler(AlgorithmHandler):
             rotation_block(sites.hidden, algo.rotation_size, path)
             lines.append(f"R1: residual stream ({sites.hidden} channels, {'random ' if algo.random_r1 else ''}"
                          f"Hadamard, {size}) folded into {', '.join(sites.embeddings)}, "
-                         f"{sites.final.norm} -> lm_head (untied if tied) and per block:")
+                         f"{sites.final.norm} -> {', '.join(sites.final.readers)} (untied if tied) and per block:")
             lines += [f"  {g.norm} (weight merged, set to 1) -> {', '.join(g.readers)}" for g in sites.block_norms]
             lines.append(f"  writers: {', '.join(sites.roles.writers)}")
         if algo.r2 and "r2" not in sites.skipped:

@@ -13,7 +13,35 @@ from quark_brevitas.config.algorithms import PreQuantOptConfig
 from quark_brevitas.config.specs import QuantHierarchy
 from quark_brevitas.errors import ConfigError
 
-__all__ = ["ROTATION_UNSUPPORTED", "RotationConfig"]
+__all__ = ["ROTATION_SITE_KEYS", "ROTATION_UNSUPPORTED", "RotationConfig"]
+
+#: Quark's ``RotationConfig.scaling_layers``: its parts and the keys of one entry.
+ROTATION_SITE_KEYS = {"parts": ("first_layer", "middle_layers", "last_layer"),
+                      "entry": ("prev_modules", "norm_module", "next_modules", "target_modules")}
+
+
+def _verify_rotation_sites(sites: dict[str, list[dict[str, Any]]] | None, path: str) -> None:
+    """Quark's R1 sites: ``{"first_layer" | "middle_layers" | "last_layer": [{"prev_modules": [...], "norm_module":
+    ..., "next_modules": [...], "target_modules": [...]}]}``, qualified names with ``layer_id`` / ``pre_layer_id``
+    standing for a decoder layer's index (the names are checked against the model when it runs)."""
+    if sites is None:
+        return
+    for part in sites:
+        if part not in ROTATION_SITE_KEYS["parts"]:
+            raise ConfigError(f"{path}.{part}", f"unknown part; allowed: {list(ROTATION_SITE_KEYS['parts'])}")
+    for part, entries in sites.items():
+        for index, entry in enumerate(entries):
+            where = f"{path}.{part}[{index}]"
+            unknown = sorted(set(entry) - set(ROTATION_SITE_KEYS["entry"]))
+            if unknown:
+                raise ConfigError(f"{where}.{unknown[0]}", f"unknown key; allowed: {list(ROTATION_SITE_KEYS['entry'])}")
+            for key in ("prev_modules", "next_modules", "target_modules"):
+                names = entry.get(key)
+                if names is not None and not (isinstance(names, list) and all(isinstance(n, str) and n for n in names)):
+                    raise ConfigError(f"{where}.{key}", f"must be a list of module names, got {names!r}")
+            norm = entry.get("norm_module")
+            if norm is not None and not (isinstance(norm, str) and norm):
+                raise ConfigError(f"{where}.norm_module", f"must be a module name, got {norm!r}")
 
 
 #: RotationConfig's fields that Quark 0.13 has and this library does not run, with why and what to set instead.
@@ -48,7 +76,9 @@ class RotationConfig(PreQuantOptConfig):
     - ``rotation_size``: block-diagonal rotations of this size instead of the full width (``None``: full width);
       it must divide the widths rotated. Hadamard sizes are ``K * 2**m``, K in 1, 12, 20, 28, ... (Brevitas's).
     - ``random_r1`` / ``random_r2``: randomised Hadamard matrices (random signs, fixed seed) for R1 / R2.
-    - ``scaling_layers``: Quark's explicit R1 sites; ``None`` (here the default): inferred from the model.
+    - ``scaling_layers``: Quark's explicit R1 sites (``first_layer``/``middle_layers``/``last_layer`` entries of
+      ``prev_modules``, ``norm_module``, ``next_modules``, ``target_modules``, names with ``layer_id``); ``None``
+      (here the default): inferred from the model.
     - ``backbone`` / ``model_decoder_layers`` / ``v_proj`` / ``o_proj`` / ``self_attn`` / ``mlp``: Quark's paths;
       ``None``: inferred from the model's family. Given, they must exist.
     - ``r3``, ``online_config``, ``trainable``, ``train_smooth``, ``smooth_positions``:
@@ -100,9 +130,7 @@ class RotationConfig(PreQuantOptConfig):
             raise ConfigError(f"{path}.rotation_size", "must be None (full width) or a Hadamard size >= 2 that "
                                                        f"divides the rotated widths (e.g. 64), got "
                                                        f"{self.rotation_size}")
-        if self.scaling_layers is not None:
-            raise ConfigError(f"{path}.scaling_layers", "explicit R1 sites are not supported yet; leave it None: "
-                                                        "they are inferred for Llama, Mistral and Qwen2 (see plan)")
+        _verify_rotation_sites(self.scaling_layers, f"{path}.scaling_layers")
         for field_name in ("backbone", "model_decoder_layers", "v_proj", "o_proj", "self_attn", "mlp"):
             value = getattr(self, field_name)
             if value is not None and not (isinstance(value, str) and value):

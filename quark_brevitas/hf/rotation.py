@@ -15,7 +15,9 @@ model is decided here, with a reason for each rotation that is not:
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -174,6 +176,71 @@ def _r2(model: nn.Module, sites: RotationSites) -> str | None:
     return None
 
 
+def _local(name: str, decoder: str) -> str | None:
+    """A name of Quark's ``scaling_layers`` relative to a decoder layer (``None``: a name outside the blocks)."""
+    for marker in ("layer_id", "pre_layer_id"):
+        if name.startswith(f"{decoder}.{marker}."):
+            return name[len(decoder) + len(marker) + 2:]
+    return None
+
+
+def _checked(owner: nn.Module, names: list[str], where: str) -> tuple[str, ...]:
+    present = {name for name, _ in owner.named_modules()}
+    for name in names:
+        if name not in present:
+            raise ConfigError(where, f"{name!r} is not a module of {type(owner).__name__}")
+    return tuple(names)
+
+
+def _explicit_r1(model: nn.Module, sites: RotationSites, given: dict[str, list[dict[str, Any]]], path: str) -> None:
+    """Quark's explicit R1 sites (``scaling_layers``) in place of the family's; names checked against the model."""
+    decoder = sites.structure.decoder_layers
+    block = model.get_submodule(sites.blocks[0])
+    where = f"{path}.scaling_layers"
+    part = "middle_layers" if given.get("middle_layers") else "first_layer"
+    norms, readers, writers = [], [], []
+    for index, entry in enumerate(given.get(part) or []):
+        at = f"{where}.{part}[{index}]"
+        local = [_local(n, decoder) for n in entry.get("target_modules") or entry.get("next_modules") or []]
+        if None in local:
+            raise ConfigError(at, f"layer names must start with {decoder}.layer_id.")
+        readers += _checked(block, local, at)
+        writers += [w for w in (_local(n, decoder) for n in entry.get("prev_modules") or []) if w]
+        if entry.get("norm_module") and not sites.online_r1:
+            norm = _local(entry["norm_module"], decoder) or entry["norm_module"]
+            next_local = tuple(_local(n, decoder) for n in entry.get("next_modules") or [])
+            norms.append(NormReaders(_checked(block, [norm], f"{at}.norm_module")[0], next_local))
+    for entry in given.get("last_layer") or []:
+        writers += [w for w in (_local(n, decoder) for n in entry.get("prev_modules") or []) if w]
+        if entry.get("norm_module") and not sites.online_r1:
+            heads = _checked(model, list(entry.get("next_modules") or []), f"{where}.last_layer")
+            sites.final = NormReaders(_checked(model, [entry["norm_module"]], f"{where}.last_layer")[0], heads)
+    embeddings = [n for e in given.get("first_layer") or [] for n in e.get("prev_modules") or []
+                  if _local(n, decoder) is None]
+    sites.embeddings = _checked(model, embeddings, f"{where}.first_layer") if embeddings else sites.embeddings
+    writers = list(dict.fromkeys(writers))
+    _checked(block, writers, where)
+    sites.roles = dataclasses.replace(sites.roles, readers=tuple(dict.fromkeys(readers)), writers=tuple(writers),
+                                      no_r1=None)
+    sites.block_norms = tuple(norms)
+
+
+def _explicit_problem(model: nn.Module, sites: RotationSites) -> str | None:
+    """Why explicit folded R1 sites cannot run (``None``: they can): a norm that is not an RMSNorm, no head."""
+    if sites.online_r1:
+        return None
+    embedding = model.get_submodule(sites.embeddings[0]) if sites.embeddings else None
+    if not isinstance(embedding, nn.Embedding) or sites.final is None or not sites.block_norms:
+        return "scaling_layers must give the embedding (first_layer prev_modules), the norms and the last_layer norm"
+    sites.hidden = embedding.embedding_dim
+    block = model.get_submodule(sites.blocks[0])
+    for group in sites.block_norms:
+        problem = _rms_like(block.get_submodule(group.norm), sites.hidden)
+        if problem is not None:
+            return f"{group.norm}: {problem}"
+    return _rms_like(model.get_submodule(sites.final.norm), sites.hidden)
+
+
 def rotation_sites(algo: object, model: nn.Module, path: str = "RotationConfig") -> RotationSites:
     """Where ``algo`` (a RotationConfig) rotates ``model``; raises ConfigError when nothing it asks for can run."""
     structure = model_structure(model, decoder_layers=algo.model_decoder_layers, path=path, want_scaling=False)
@@ -188,7 +255,11 @@ def rotation_sites(algo: object, model: nn.Module, path: str = "RotationConfig")
                                 "RotationConfig knows (Llama, Mistral, Qwen2; BERT for r2/r4): give v_proj, o_proj, "
                                 "self_attn and mlp as Quark names them")
     sites = RotationSites(structure, roles, online_r1=bool(algo.online_r1_rotation))
-    wanted = {"r1": (algo.r1, _r1), "r2": (algo.r2, _r2), "r4": (algo.r4, lambda m, s: None)}
+    r1 = _r1
+    if algo.scaling_layers is not None and algo.r1:
+        _explicit_r1(model, sites, algo.scaling_layers, path)
+        r1 = _explicit_problem
+    wanted = {"r1": (algo.r1, r1), "r2": (algo.r2, _r2), "r4": (algo.r4, lambda m, s: None)}
     for key, (asked, infer) in wanted.items():
         if asked:
             problem = infer(model, sites)
