@@ -84,8 +84,9 @@ def _rms_like(norm: nn.Module, hidden: int) -> str | None:
     with torch.no_grad():
         unit.weight.fill_(1.0)
         generator = torch.Generator().manual_seed(0)
-        x = torch.randn(4, hidden, generator=generator)
-        rotation, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=generator))
+        x = torch.randn(4, hidden, generator=generator).to(weight.device)
+        rotation, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=generator, dtype=torch.float64))
+        rotation = rotation.float().to(weight.device)
         scaled = copy.deepcopy(norm).float()(x)
         same_scale = torch.allclose(scaled, unit(x) * weight.float(), atol=1e-4, rtol=1e-4)
         commutes = torch.allclose(unit(x @ rotation), unit(x) @ rotation, atol=1e-4, rtol=1e-4)
