@@ -247,6 +247,15 @@ def test_config_round_trips_and_streaming_is_refused() -> None:
         apply_algorithm(RotationConfig(), skeleton)
 
 
+def test_streaming_from_a_folder_is_refused_before_anything_is_written(tmp_path, batches) -> None:
+    from quark_brevitas.hf.streaming import quantize_pretrained
+
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    with pytest.raises(ConfigError, match="RotationConfig.*not loaded.*ModelQuantizer.quantize_model"):
+        quantize_pretrained(tmp_path / "llama", _config([RotationConfig()]), batches, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))
+
+
 # ===================================================================== other formats
 @pytest.mark.slow
 def test_folded_rotations_export_to_gguf_and_online_ones_are_refused(tmp_path) -> None:
