@@ -206,12 +206,14 @@ def _quark_sites(online: bool) -> dict:
 def test_quarks_explicit_scaling_layers_give_the_inferred_rotation(online: bool, batches) -> None:
     model = tiny_llama()
     explicit = RotationConfig(**ALL, online_r1_rotation=online or None, scaling_layers=_quark_sites(online),
-                              model_decoder_layers="model.layers", v_proj="self_attn.v_proj",
+                              backbone="model", model_decoder_layers="model.layers", v_proj="self_attn.v_proj",
                               o_proj="self_attn.o_proj", self_attn="self_attn", mlp="mlp")
     inferred = RotationConfig(**ALL, online_r1_rotation=online or None)
     given = apply_algorithm(explicit, copy.deepcopy(model))
     assert torch.equal(logits(given, batches[0]), logits(apply_algorithm(inferred, copy.deepcopy(model)), batches[0]))
     assert _max_relative_change(given, model, batches[0]) < 1e-4
+    with pytest.raises(ConfigError, match=r"RotationConfig.backbone: 'transformer' is not a module"):
+        apply_algorithm(RotationConfig(backbone="transformer"), copy.deepcopy(model))
     bad = _quark_sites(online)
     bad["middle_layers"][0]["target_modules" if online else "next_modules"][0] = "model.layers.layer_id.self_attn.q"
     with pytest.raises(ConfigError, match=r"scaling_layers.middle_layers\[0\].*'self_attn.q' is not a module"):

@@ -244,6 +244,9 @@ def _explicit_problem(model: nn.Module, sites: RotationSites) -> str | None:
 
 def rotation_sites(algo: object, model: nn.Module, path: str = "RotationConfig") -> RotationSites:
     """Where ``algo`` (a RotationConfig) rotates ``model``; raises ConfigError when nothing it asks for can run."""
+    if algo.backbone is not None and algo.backbone not in dict(model.named_modules()):
+        raise ConfigError(f"{path}.backbone", f"{algo.backbone!r} is not a module of {type(model).__name__} (Quark's "
+                                              "path to the model's backbone, e.g. 'model'); leave it None")
     structure = model_structure(model, decoder_layers=algo.model_decoder_layers, path=path, want_scaling=False)
     if structure.decoder_layers is None:
         raise ConfigError(path, f"{type(model).__name__} has no decoder layers; rotations need a transformer stack "
