@@ -24,6 +24,7 @@ from quark_brevitas.config.algorithms import (
     SmoothQuantConfig,
     registered,
 )
+from quark_brevitas.config.rotation import RotationConfig
 
 __all__ = [
     "SCALING_LAYER_KEYS",
@@ -39,6 +40,7 @@ __all__ = [
     "GPTQConfig",
     "PreQuantOptConfig",
     "Preprocess",
+    "RotationConfig",
     "SmoothQuantConfig",
     "registered",
 ]

@@ -1,8 +1,8 @@
 """The package's modules import each other without cycles.
 
 Layering keeps configs plain data: inside the ``config`` package, ``enums``/``errors`` <- ``formats`` <-
-``serialization`` <- ``specs`` <- ``algorithms`` <- ``checks`` <- ``model_config`` <- ``families`` <- ``template``
-<- ``config`` (its ``__init__``),
+``serialization`` <- ``specs`` <- ``algorithms`` <- ``rotation`` <- ``checks`` <- ``model_config`` <- ``families``
+<- ``template`` <- ``config`` (its ``__init__``),
 then ``quantizers``, ``resolve``, ``backend``, ``api``, ... above it. A cycle means two modules can only
 be understood (and imported) together, so this test parses every module of ``quark_brevitas`` with ``ast``
 (without importing it), collects *every* import of a ``quark_brevitas`` module (module level, inside
@@ -129,7 +129,8 @@ def test_package_has_no_import_cycle() -> None:
 
 
 #: The config package from the bottom up: each module may import only those before it (and ``errors``).
-CONFIG_LAYERS = ["enums", "formats", "serialization", "specs", "algorithms", "checks", "quark_fields", "model_config",
+CONFIG_LAYERS = ["enums", "formats", "serialization", "specs", "algorithms", "rotation", "checks", "quark_fields",
+                 "model_config",
                  "families", "template"]
 
 

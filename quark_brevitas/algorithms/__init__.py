@@ -6,7 +6,7 @@ config, :func:`register` adds one for a new algorithm (see :mod:`quark_brevitas.
 says what each algorithm of a config will work on in a model (the inferred decoder and scaling layers).
 """
 
-from quark_brevitas.algorithms import awq, correction, equalization, gptq, gpxq, preprocess, smoothquant
+from quark_brevitas.algorithms import awq, correction, equalization, gptq, gpxq, preprocess, rotation, smoothquant
 from quark_brevitas.algorithms.base import (
     AlgorithmHandler,
     SavedStructure,
@@ -20,4 +20,4 @@ from quark_brevitas.algorithms.blocks import BlockwiseHandler
 
 __all__ = ["AlgorithmHandler", "BlockwiseHandler", "SavedStructure", "apply_algorithm", "awq", "correction",
            "describe_algorithms", "equalization", "gptq", "gpxq", "handler_for", "preprocess", "register",
-           "registered_handlers", "smoothquant"]
+           "registered_handlers", "rotation", "smoothquant"]

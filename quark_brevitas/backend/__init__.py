@@ -33,6 +33,7 @@ from quark_brevitas.backend.layers import QuantConv1D, QuantMultiheadAttention
 from quark_brevitas.brevitas_adapter import (
     HALF_DTYPES,
     EqualizedModule,
+    RotatedInput,
     adopt_parameters,
     float32_quantizer_kwargs,
     ignore_missing_keys,
@@ -221,8 +222,9 @@ DEFAULT_LAYER_MAP: MutableMapping[type[nn.Module], LayerMapping] = _LayerMap({
 
 # Wrappers that pre-quantization steps put around a layer, and the attribute holding the layer:
 # the wrapped layer keeps the wrapper's name for config resolution (activation equalization turns
-# ``fc1`` into an EqualizedModule whose ``fc1.layer`` is the Linear).
-_WRAPPED_LAYER: dict[type[nn.Module], str] = {EqualizedModule: "layer"}
+# ``fc1`` into an EqualizedModule whose ``fc1.layer`` is the Linear; RotationConfig's R4 puts ``down_proj`` behind
+# an online Hadamard as ``down_proj.layer``).
+_WRAPPED_LAYER: dict[type[nn.Module], str] = {EqualizedModule: "layer", RotatedInput: "layer"}
 
 _ROLE_COLUMNS = {"weight": "weight", "input_tensors": "input", "output_tensors": "output", "bias": "bias"}
 

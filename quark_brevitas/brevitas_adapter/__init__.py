@@ -18,7 +18,8 @@ Submodules, one concept each:
 - :mod:`.structure`: equalized wrappers and parameter identity of replaced layers;
 - :mod:`.distributed`: sharded calibration data and combining statistics across processes;
 - :mod:`.precision`: float32 quantizers for half-precision models;
-- :mod:`.mse`: sampled MSE calibration of activation quantizers.
+- :mod:`.mse`: sampled MSE calibration of activation quantizers;
+- :mod:`.rotation`: Hadamard rotations from Brevitas's blocks and the online rotation module.
 """
 
 import warnings
@@ -114,6 +115,12 @@ from quark_brevitas.brevitas_adapter.precision import (  # noqa: E402
     float32_quantizer_kwargs,
     keep_quantizers_float32,
 )
+from quark_brevitas.brevitas_adapter.rotation import (  # noqa: E402
+    OnlineHadamard,
+    RotatedInput,
+    hadamard_supported,
+    rotation_matrix,
+)
 from quark_brevitas.brevitas_adapter.structure import (  # noqa: E402
     adopt_parameters,
     equalized_scale_shape,
@@ -129,6 +136,8 @@ __all__ = [
     "MSE_SAMPLE_ELEMENTS",
     "SUPPORTED_BREVITAS",
     "EqualizedModule",
+    "OnlineHadamard",
+    "RotatedInput",
     "IntWeightFormat",
     "QuantLayer",
     "QuantizerSite",
@@ -158,6 +167,7 @@ __all__ = [
     "gptq_mode",
     "gpxq_optimizers",
     "groupwise_parts",
+    "hadamard_supported",
     "has_static_activation_quantizers",
     "ignore_missing_keys",
     "init_weight_scales",
@@ -182,6 +192,7 @@ __all__ = [
     "require_onnxoptimizer",
     "reset_export_mode",
     "restart_activation_statistics",
+    "rotation_matrix",
     "runtime_stats_modules",
     "sampled_activation_mse",
     "scale_impl",

@@ -36,6 +36,8 @@ from brevitas.utils.torch_utils import StopFwdException
 from brevitas_examples.common.generative import quantizers as generative_quantizers
 from torch import nn
 
+from quark_brevitas.brevitas_adapter.rotation import RotatedInput
+
 __all__ = [
     "FLOAT8_DTYPES",
     "EqualizedModule",
@@ -219,7 +221,7 @@ def quantized_units(model: nn.Module, quant_classes: Iterable[type]) -> dict[str
             continue
         parent_name, _, attribute = name.rpartition(".")
         parent = modules.get(parent_name) if name else None
-        if isinstance(parent, EqualizedModule) and attribute == "layer":
+        if isinstance(parent, EqualizedModule | RotatedInput) and attribute == "layer":
             name, module = parent_name, parent
         units[name] = module
     return units

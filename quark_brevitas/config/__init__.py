@@ -59,6 +59,7 @@ from quark_brevitas.config.model_config import (
     type_name,
     verify_config,
 )
+from quark_brevitas.config.rotation import RotationConfig
 from quark_brevitas.config.serialization import did_you_mean, key_path
 from quark_brevitas.config.specs import (
     TENSOR_ROLES,
@@ -104,6 +105,7 @@ __all__ = [
     "QuantizationSpec",
     "RoundType",
     "ScaleType",
+    "RotationConfig",
     "SmoothQuantConfig",
     "ZeroPointType",
     "describe",

@@ -55,11 +55,13 @@ class AlgoConfig(AlgorithmConfig):
     """An algorithm applied to the quantized, calibrated model."""
 
 
-#: What an algorithm does to the weights, in the only order in which none undoes an earlier one: weight transforms
+#: What an algorithm does to the weights, in the only order in which none undoes an earlier one: rotations of the
+#: float model (RotationConfig: the scales a later transform folds would otherwise be rotated away), weight transforms
 #: of the float model (SmoothQuant, equalization, pre-processing), then scale-and-clip searches on the quantized
 #: weights (AWQ), then rounding with error compensation (GPTQ, GPFQ), then corrections of the final weights' error
 #: (bias correction, BatchNorm statistics). Each value says why a later position is needed.
 EFFECTS: dict[str, str] = {
+    "rotation": "rotates the float weights by an orthogonal change of basis (run first, before quantization)",
     "transform": "transforms the float weights (run before quantization)",
     "scaling": "rescales and clips the weights the quantizer will round",
     "rounding": "rounds the weights onto the grid, compensating the error",

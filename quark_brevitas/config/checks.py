@@ -338,6 +338,7 @@ def _verify_algorithm_combinations(pre_quant: Sequence[algorithms.AlgorithmConfi
     earlier one (:data:`~quark_brevitas.config.algorithms.EFFECTS`), at most one weight-rounding algorithm."""
     _verify_no_duplicates(pre_quant, post_quant)
     _verify_order(post_quant)
+    _verify_rotation_first(pre_quant, post_quant)
     post = [a for a in post_quant if isinstance(a, algorithms.GPTQ | algorithms.GPFQ | algorithms.GPFA2Q
                                                  | algorithms.GPTQConfig)]
     if len({type(a) for a in post}) > 1:
@@ -361,6 +362,28 @@ def _verify_no_duplicates(pre_quant: Sequence[algorithms.AlgorithmConfig],
                                     "the second run undoing or compounding the first; keep one entry with the "
                                     "parameters you want")
         seen[kind] = path
+
+
+def _verify_rotation_first(pre_quant: Sequence[algorithms.AlgorithmConfig],
+                           post_quant: Sequence[algorithms.AlgorithmConfig]) -> None:
+    """A rotation runs before every other weight transform of the float model, wherever the two are listed (the
+    run order is ``pre_quant_opt_config`` then the transforms of ``algo_config``): rotating after SmoothQuant or
+    equalization would mix the channels their per-channel scales were measured on. ``Preprocess`` (graph steps,
+    the default entry) may come first."""
+    order = [(f"pre_quant_opt_config[{i}]", a) for i, a in enumerate(pre_quant)]
+    order += [(f"algo_config[{i}]", a) for i, a in enumerate(post_quant)
+              if isinstance(a, algorithms.PreQuantOptConfig)]
+    for position, (path, algo) in enumerate(order):
+        if algo.effect != "rotation":
+            continue
+        before = [(p, a) for p, a in order[:position] if a.effect != "rotation"
+                  and not isinstance(a, algorithms.Preprocess)]
+        if before:
+            where, first = before[0]
+            raise ConfigError(path, f"{type(algo).__name__} runs after {type(first).__name__} ({where}), which "
+                                    f"{algorithms.EFFECTS.get(first.effect, first.effect)}: the rotation would mix "
+                                    f"the channels it worked on. List {type(algo).__name__} first (Quark's order: "
+                                    "rotation, then SmoothQuant/AWQ, then GPTQ)")
 
 
 def _verify_order(post_quant: Sequence[algorithms.AlgorithmConfig]) -> None:

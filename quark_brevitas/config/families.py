@@ -27,6 +27,7 @@ __all__ = [
     "CONDITIONS",
     "FAMILIES",
     "Family",
+    "RotationRoles",
     "ScalingCandidate",
     "scaling_candidates",
 ]
@@ -50,6 +51,27 @@ class ScalingCandidate:
 
 
 @dataclass(frozen=True)
+class RotationRoles:
+    """Where a family's blocks take Hadamard rotations (RotationConfig; names relative to a block).
+
+    - ``heads``: the attention module whose ``head_dim`` (or ``attention_head_size``) gives R2's size;
+    - ``v_proj`` / ``o_proj``: the value and output projections R2 is folded into, per head;
+    - ``down_proj``: the layer R4 puts behind an online Hadamard;
+    - ``readers``: the layers that read a norm's output (online R1 puts a Hadamard on their inputs);
+    - ``writers``: the layers that add into the residual stream (folded R1 rotates their outputs);
+    - ``no_r1``: why folded R1 is not exact in this family (``None``: it is, given RMSNorms, checked per model).
+    """
+
+    heads: str
+    v_proj: str
+    o_proj: str
+    down_proj: str
+    readers: tuple[str, ...] = ()
+    writers: tuple[str, ...] = ()
+    no_r1: str | None = None
+
+
+@dataclass(frozen=True)
 class Family:
     """What the project knows of one model family.
 
@@ -60,6 +82,7 @@ class Family:
       fields ``kv_layers_name`` and ``q_layer_name``).
     - ``gate_up_layers``: the gate and up projections of a gated MLP (``gate_up_layers_name``).
     - ``scaling``: the natural scaling groups of a block.
+    - ``rotation``: where the blocks take Hadamard rotations (``None``: RotationConfig does not know the family).
     """
 
     name: str
@@ -69,6 +92,7 @@ class Family:
     q_layers: tuple[str, ...]
     gate_up_layers: tuple[str, ...]
     scaling: tuple[ScalingCandidate, ...]
+    rotation: RotationRoles | None = None
 
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -100,19 +124,29 @@ _BERT_SCALING = (
     ScalingCandidate("intermediate.dense", ("output.dense",), None, "not_homogeneous"),
 )
 
+#: Pre-norm RMSNorm decoders: R1 folds through every norm, R2 into v/o, R4 on down_proj.
+_LLAMA_ROTATION = RotationRoles("self_attn", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj",
+                                (*_QKV, "mlp.gate_proj", "mlp.up_proj"), ("self_attn.o_proj", "mlp.down_proj"))
+#: Post-norm BERT: R2 (v/o per head), R4 (online, on output.dense) and online R1 are exact; folded R1 is not.
+_BERT_ROTATION = RotationRoles("attention.self", "attention.self.value", "attention.output.dense", "output.dense",
+                               ("attention.self.query", "attention.self.key", "attention.self.value",
+                                "intermediate.dense"),
+                               no_r1="post-norm LayerNorm: the residual stream goes through each LayerNorm, whose "
+                                     "mean subtraction and bias do not commute with a rotation")
+
 _HEAD = ("lm_head",)
 _KV = ("*k_proj", "*v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
 
 #: The families, by Hugging Face ``model_type`` (what ``LLMTemplate.get`` takes), in inference order.
 FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING),
-    "mistral": Family("mistral", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING),
-    "qwen2": Family("qwen2", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING),
+    "llama": Family("llama", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING, _LLAMA_ROTATION),
+    "mistral": Family("mistral", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING, _LLAMA_ROTATION),
+    "qwen2": Family("qwen2", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING, _LLAMA_ROTATION),
     "opt": Family("opt", "model.decoder.layers", _HEAD, _KV, ("*q_proj",), (), _OPT_SCALING),
     "gpt2": Family("gpt2", "transformer.h", _HEAD, ("*c_attn",), ("*c_attn",), (), _GPT2_SCALING),
     "bert": Family("bert", "encoder.layer", (), ("*attention.self.key", "*attention.self.value"),
-                   ("*attention.self.query",), (), _BERT_SCALING),
+                   ("*attention.self.query",), (), _BERT_SCALING, _BERT_ROTATION),
 }
 
 #: Where model families keep their blocks, then generic spellings of a stack (``decoder.layers``, ``layers``,

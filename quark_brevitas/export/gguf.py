@@ -35,6 +35,7 @@ from torch import nn
 from quark_brevitas.brevitas_adapter import iter_quantizers
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.export.hf import refuse_online_rotations
 from quark_brevitas.export.intweights import IntegerWeight, integer_weights
 from quark_brevitas.extras import require
 from quark_brevitas.outputs import output_dir as atomic_output_dir
@@ -306,6 +307,7 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
                           f"{', '.join(GGUF_FAMILIES)} (Hugging Face models with a config)")
     gguf = require("gguf", "GGUF export")
     family = GGUF_FAMILIES[family_name]
+    refuse_online_rotations(quant_model, "GGUF")
     _refuse_activation_quantizers(quant_model)
     tokenizer_dir = _tokenizer_dir(quant_model, tokenizer_path)
     arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == family.arch)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark_brevitas.brevitas_adapter import RotatedInput
 from quark_brevitas.export.errors import ExportError
 from quark_brevitas.extras import require
 
@@ -53,3 +54,16 @@ def token_example(model: nn.Module, shape: tuple[int, ...]) -> dict[str, torch.T
         return None
     ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def refuse_online_rotations(model: nn.Module, format_name: str) -> None:
+    """Formats whose loader rebuilds the model from its architecture (GGUF, compressed-tensors) cannot hold the
+    online Hadamards RotationConfig puts in front of layers (R4, online R1): the loaded model would skip them and
+    compute something else. Folded rotations (R1, R2) change only weights and are fine."""
+    online = [name for name, module in model.named_modules() if isinstance(module, RotatedInput)]
+    if online:
+        shown = ", ".join(online[:3]) + (f" and {len(online) - 3} more" if len(online) > 3 else "")
+        raise ExportError(f"{format_name} cannot hold online Hadamard rotations (RotationConfig r4 / "
+                          f"online_r1_rotation) at {shown}: its loader runs the model's own architecture without "
+                          "them. Export to ONNX (export_onnx_qcdq), or quantize with folded rotations only "
+                          "(RotationConfig(r1=True, r2=True, r4=False))")

@@ -68,6 +68,7 @@ from quark_brevitas.brevitas_adapter import (
 )
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError
+from quark_brevitas.export.hf import refuse_online_rotations
 from quark_brevitas.extras import require
 from quark_brevitas.outputs import output_dir as _output_folder
 
@@ -453,6 +454,7 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
     if hf_config is None or not hasattr(hf_config, "to_dict"):
         raise ExportArgumentError(f"quant_model must be a quantized Hugging Face model (with .config), got "
                                   f"{type(quant_model).__name__}")
+    refuse_online_rotations(quant_model, format)
     tensors: dict[str, torch.Tensor] = {}
     entries: list[LayerCodes] = []
     float_linears: list[str] = []
