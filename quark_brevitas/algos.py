@@ -24,10 +24,12 @@ from quark_brevitas.config.algorithms import (
     SmoothQuantConfig,
     registered,
 )
+from quark_brevitas.config.rounding import AutoRoundConfig, QronosConfig
 
 __all__ = [
     "SCALING_LAYER_KEYS",
     "AWQConfig",
+    "AutoRoundConfig",
     "ActivationEqualization",
     "AlgoConfig",
     "AlgorithmConfig",
@@ -38,6 +40,7 @@ __all__ = [
     "GPTQ",
     "GPTQConfig",
     "PreQuantOptConfig",
+    "QronosConfig",
     "Preprocess",
     "SmoothQuantConfig",
     "registered",
