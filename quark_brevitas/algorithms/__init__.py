@@ -6,7 +6,17 @@ config, :func:`register` adds one for a new algorithm (see :mod:`quark_brevitas.
 says what each algorithm of a config will work on in a model (the inferred decoder and scaling layers).
 """
 
-from quark_brevitas.algorithms import awq, correction, equalization, gptq, gpxq, preprocess, qronos, smoothquant
+from quark_brevitas.algorithms import (
+    autoround,
+    awq,
+    correction,
+    equalization,
+    gptq,
+    gpxq,
+    preprocess,
+    qronos,
+    smoothquant,
+)
 from quark_brevitas.algorithms.base import (
     AlgorithmHandler,
     SavedStructure,
@@ -18,6 +28,6 @@ from quark_brevitas.algorithms.base import (
 )
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 
-__all__ = ["AlgorithmHandler", "BlockwiseHandler", "SavedStructure", "apply_algorithm", "awq", "correction",
-           "describe_algorithms", "equalization", "gptq", "gpxq", "handler_for", "preprocess", "qronos", "register",
-           "registered_handlers", "smoothquant"]
+__all__ = ["AlgorithmHandler", "BlockwiseHandler", "SavedStructure", "apply_algorithm", "autoround", "awq",
+           "correction", "describe_algorithms", "equalization", "gptq", "gpxq", "handler_for", "preprocess", "qronos",
+           "register", "registered_handlers", "smoothquant"]
