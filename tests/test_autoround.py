@@ -6,6 +6,8 @@ model's output, the block-output error computed here.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -13,11 +15,19 @@ pytest.importorskip("transformers")
 
 from llm_models import relative_error, tiny_bert, tiny_llama, token_batches  # noqa: E402
 
-from quark_brevitas.algorithms import describe_algorithms  # noqa: E402
+from quark_brevitas.algorithms import describe_algorithms, handler_for  # noqa: E402
 from quark_brevitas.algorithms.autoround import LearnedRounding  # noqa: E402
 from quark_brevitas.api import ModelQuantizer  # noqa: E402
+from quark_brevitas.blocks.capture import capture_block_inputs  # noqa: E402
 from quark_brevitas.brevitas_adapter import QuantLayer  # noqa: E402
-from quark_brevitas.config import AutoRoundConfig, Config, QuantizationConfig, QuantizationSpec  # noqa: E402
+from quark_brevitas.calibration.data import BlockInputs, CalibrationData  # noqa: E402
+from quark_brevitas.config import (  # noqa: E402
+    AutoRoundConfig,
+    Config,
+    QronosConfig,
+    QuantizationConfig,
+    QuantizationSpec,
+)
 from quark_brevitas.errors import ConfigError  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
@@ -145,3 +155,35 @@ def test_plan_describes_autoround() -> None:
     lines = describe_algorithms(_config(INT4_G32, AutoRoundConfig(iters=7)), tiny_llama())
     assert "algo_config[0] AutoRoundConfig:" in lines
     assert any("min/max clipping" in line and "7 steps" in line and "mlp.down_proj" in line for line in lines)
+
+
+class _DoublingData(BlockInputs):
+    """Block inputs reduced as if a second process held the same data (sums doubled): results must not change."""
+
+    def __init__(self, inputs: BlockInputs) -> None:
+        calls = list(inputs.loader)
+        super().__init__(calls.__getitem__, len(calls), inputs.parent, inputs.label)
+        self.reductions = 0
+
+    def all_reduce(self, tensor, op="sum"):
+        self.reductions += 1
+        return tensor.mul_(2) if op == "sum" else tensor
+
+
+@pytest.mark.parametrize("algo", [QronosConfig(), AutoRoundConfig(iters=6, batch_size=2)], ids=["qronos", "autoround"])
+def test_statistics_are_reduced_over_processes_without_changing_the_result(algo, batches) -> None:
+    model = ModelQuantizer(_config(INT4_G32)).quantize_model(tiny_llama(layers=1), batches)
+    plain = copy.deepcopy(model)
+    handler = handler_for(algo)
+    block = model.get_submodule("model.layers.0")
+    with handler.inputs_context(model):
+        inputs = capture_block_inputs(model, block, CalibrationData(batches), "inputs")
+    doubling = _DoublingData(inputs)
+    handler.apply_block(algo, block, doubling, "model.layers.0")
+    assert doubling.reductions > 0
+    handler.apply_block(algo, plain.get_submodule("model.layers.0"), inputs, "model.layers.0")
+    pairs = [(a, b) for a, b in zip(block.modules(), plain.get_submodule("model.layers.0").modules(), strict=True)
+             if isinstance(a, QuantLayer)]
+    assert len(pairs) == 7
+    for a, b in pairs:
+        assert torch.allclose(a.weight, b.weight, atol=1e-6), "reducing over (simulated) processes changed the result"
