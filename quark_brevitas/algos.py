@@ -25,10 +25,12 @@ from quark_brevitas.config.algorithms import (
     registered,
 )
 from quark_brevitas.config.rotation import RotationConfig
+from quark_brevitas.config.rounding import AutoRoundConfig, QronosConfig
 
 __all__ = [
     "SCALING_LAYER_KEYS",
     "AWQConfig",
+    "AutoRoundConfig",
     "ActivationEqualization",
     "AlgoConfig",
     "AlgorithmConfig",
@@ -39,6 +41,7 @@ __all__ = [
     "GPTQ",
     "GPTQConfig",
     "PreQuantOptConfig",
+    "QronosConfig",
     "Preprocess",
     "RotationConfig",
     "SmoothQuantConfig",

@@ -511,25 +511,25 @@ def test_gptq_passes_stop_after_their_group_without_changing_the_result(batches,
 
     def run() -> tuple[nn.Module, int]:
         calls = []
-        add = gptq_module._Pass.add
+        add = gptq_module.HessianPass.add
 
         def counting_add(self, name, rows, raw):  # every hooked layer call of every pass
             calls.append(name)
             return add(self, name, rows, raw)
 
         with monkeypatch.context() as patch:
-            patch.setattr(gptq_module._Pass, "add", counting_add)
+            patch.setattr(gptq_module.HessianPass, "add", counting_add)
             quantized = ModelQuantizer(config).quantize_model(tiny_llama(), batches)
         return quantized, len(calls)
 
     stopping, stopped_calls = run()
-    original = gptq_module._Pass.batch_done
+    original = gptq_module.HessianPass.batch_done
 
     def never_stop(self, index, output):
         original(self, index, output)
         self.calls_per_batch = {name: 10**9 for name in self.calls_per_batch}
 
-    monkeypatch.setattr(gptq_module._Pass, "batch_done", never_stop)
+    monkeypatch.setattr(gptq_module.HessianPass, "batch_done", never_stop)
     full, full_calls = run()
     layers = [(n, m) for n, m in stopping.named_modules() if isinstance(m, QuantLayer)]
     assert layers

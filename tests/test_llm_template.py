@@ -106,8 +106,9 @@ def test_a_scheme_that_cannot_run_is_refused_listing_the_supported_ones(scheme: 
 
 
 def test_unknown_algorithms_and_templates_name_what_exists() -> None:
-    with pytest.raises(ConfigError, match=r"algorithm\[1\]: .*'qronos' .*Quark's.*supported: awq, gptq, smoothquant"):
-        LLMTemplate.get("llama").get_config(scheme="int4_wo_128", algorithm=["awq", "qronos"])
+    with pytest.raises(ConfigError, match=r"algorithm\[1\]: .*'gptaq' .*Quark's.*supported: awq, gptq, smoothquant, "
+                                          r"qronos, autoround"):
+        LLMTemplate.get("llama").get_config(scheme="int4_wo_128", algorithm=["awq", "gptaq"])
     with pytest.raises(ConfigError, match=r"no LLMTemplate for 'falcon'; available: llama, mistral, qwen2, opt, gpt2, "
                                           r"bert"):
         LLMTemplate.get("falcon")

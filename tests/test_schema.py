@@ -89,4 +89,5 @@ def test_schema_documents_fields() -> None:
     # algo_config takes every algorithm (Quark 0.13), pre_quant_opt_config the weight transforms
     names = {ref["$ref"].rsplit("/", 1)[1] for ref in schema["$defs"]["AlgorithmConfig"]["oneOf"]}
     assert names == {"AWQConfig", "BiasCorrection", "CalibrateBatchNorm", "GPFA2Q", "GPFQ", "GPTQ", "GPTQConfig",
-                     "ActivationEqualization", "Preprocess", "RotationConfig", "SmoothQuantConfig"}
+                     "ActivationEqualization", "Preprocess", "RotationConfig", "SmoothQuantConfig", "QronosConfig",
+                     "AutoRoundConfig"}

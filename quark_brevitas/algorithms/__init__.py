@@ -6,7 +6,18 @@ config, :func:`register` adds one for a new algorithm (see :mod:`quark_brevitas.
 says what each algorithm of a config will work on in a model (the inferred decoder and scaling layers).
 """
 
-from quark_brevitas.algorithms import awq, correction, equalization, gptq, gpxq, preprocess, rotation, smoothquant
+from quark_brevitas.algorithms import (
+    autoround,
+    awq,
+    correction,
+    equalization,
+    gptq,
+    gpxq,
+    preprocess,
+    qronos,
+    rotation,
+    smoothquant,
+)
 from quark_brevitas.algorithms.base import (
     AlgorithmHandler,
     SavedStructure,
@@ -18,6 +29,6 @@ from quark_brevitas.algorithms.base import (
 )
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 
-__all__ = ["AlgorithmHandler", "BlockwiseHandler", "SavedStructure", "apply_algorithm", "awq", "correction",
-           "describe_algorithms", "equalization", "gptq", "gpxq", "handler_for", "preprocess", "register",
-           "registered_handlers", "rotation", "smoothquant"]
+__all__ = ["AlgorithmHandler", "BlockwiseHandler", "SavedStructure", "apply_algorithm", "autoround", "awq",
+           "correction", "describe_algorithms", "equalization", "gptq", "gpxq", "handler_for", "preprocess", "qronos",
+           "register", "registered_handlers", "rotation", "smoothquant"]

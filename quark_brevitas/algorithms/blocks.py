@@ -59,7 +59,7 @@ class BlockwiseHandler(AlgorithmHandler):
         fields, the rest inferred from ``model`` (raises :class:`ConfigError` naming the field)."""
         return model_structure(model, decoder_layers=algo.model_decoder_layers,
                                scaling_layers=getattr(algo, "scaling_layers", None),
-                               embedding_layers=algo.embedding_layers, path=type(algo).__name__,
+                               embedding_layers=getattr(algo, "embedding_layers", None), path=type(algo).__name__,
                                want_scaling=self.needs_scaling_layers)
 
     def blocks(self, algo: Any, model: nn.Module) -> list[str]:
@@ -93,12 +93,13 @@ class BlockwiseHandler(AlgorithmHandler):
                         "not a Linear-like layer with an integer weight quantizer (excluded, or left in float)"
                     raise ConfigError(f"{what}.{field}[{index}]", f"{name!r} is {problem} of {where}")
                 layers[name] = layer
+        restated_bit, restated_group = getattr(algo, "bit", None), getattr(algo, "group_size", None)
         for name, layer in layers.items():
             bit_width, group_size, _ = int_weight_format(layer)
-            if algo.bit is not None and bit_width != algo.bit:
+            if restated_bit is not None and bit_width != algo.bit:
                 raise ConfigError(f"{what}.bit", f"{algo.bit}, but in {where} {name} quantizes its weight to "
                                                  f"{bit_width} bits (set bit={bit_width}, or exclude the layer)")
-            if algo.group_size is not None and group_size != algo.group_size:
+            if restated_group is not None and group_size != algo.group_size:
                 raise ConfigError(f"{what}.group_size", f"{algo.group_size}, but in {where} {name}'s weight "
                                                         f"quantizer has group size {group_size} (-1: no groups)")
         return layers

@@ -50,7 +50,8 @@ from quark_brevitas.hf.structure import is_linear
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GPTQConfigHandler", "GPTQResult", "gptq_columns", "warn_few_samples"]
+__all__ = ["ColumnRounding", "GPTQConfigHandler", "GPTQResult", "HessianPass", "gptq_columns",
+           "inverse_hessian_factor", "warn_few_samples"]
 
 #: Columns per lazy-update block (AutoGPTQ's default).
 BLOCK_SIZE = 128
@@ -68,80 +69,132 @@ class GPTQResult(NamedTuple):
     on_grid: bool = True
 
 
-def _inverse_hessian_factor(hessian: torch.Tensor, damp_percent: float) -> torch.Tensor:
-    """The upper Cholesky factor of ``(H + damp I)^-1``, with ``damp = damp_percent * mean(diag H)`` raised
-    tenfold (up to three times) if ``H`` is still not positive definite."""
-    damp = damp_percent * torch.mean(torch.diag(hessian))
+def inverse_hessian_factor(hessian: torch.Tensor, damp: float | torch.Tensor, *, stabilise: float = 1.0,
+                           what: str = "GPTQ") -> torch.Tensor:
+    """The upper Cholesky factor ``U`` of ``(H + damp I)^-1 = U^T U``, with ``damp`` raised tenfold (up to three
+    times) if ``H + damp I`` is still not positive definite. ``stabilise`` multiplies the inverse before its
+    factorisation and divides the factor by its square root (Qronos's ``beta``: the same factor, computed on
+    larger numbers). Rows ``k:`` of ``U`` restricted to columns ``k:`` are the factor of the inverse of
+    ``(H + damp I)[k:, k:]``, which is what lets an update start at any column."""
     eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
     for attempt in range(4):
         factor, info = torch.linalg.cholesky_ex(hessian + damp * eye)
         if int(info) == 0:
             inverse = torch.cholesky_inverse(factor)
-            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            upper, info = torch.linalg.cholesky_ex(inverse * stabilise, upper=True)
             if int(info) == 0:
-                return upper
-        logger.warning("GPTQ: the dampened Hessian is not positive definite (damp %.3g); retrying with %.3g",
+                return upper / stabilise ** 0.5
+        logger.warning("%s: the dampened Hessian is not positive definite (damp %.3g); retrying with %.3g", what,
                        float(damp), float(damp * 10))
         damp = damp * 10 if attempt < 3 else damp
-    raise ModelError("GPTQ: the layer's Hessian is not positive definite even with 1000x the dampening; its inputs "
-                     "are degenerate (give more, and more varied, calibration data)")
+    raise ModelError(f"{what}: the layer's Hessian is not positive definite even with 1000x the dampening; its "
+                     "inputs are degenerate (give more, and more varied, calibration data)")
+
+
+@dataclass
+class ColumnRounding:
+    """The state of a column-by-column rounding (GPTQ, and Qronos after its first column), in processing order.
+
+    ``work``: the weight being rounded, columns permuted (``perm``: processing order -> input channel); ``grid``:
+    the layer's grid, permuted alike; ``quantized``: the rounded columns so far; ``scale_source``: what the
+    quantizer's grid was last initialised from (original order); ``dynamic`` groups take their scale from ``work``
+    when the first of their columns is reached (``grid_for(tensor) -> WeightGrid`` re-initialises the grid).
+    """
+
+    work: torch.Tensor
+    grid: WeightGrid
+    perm: torch.Tensor
+    inverse_perm: torch.Tensor
+    scale_source: torch.Tensor
+    grid_for: Any
+    group_size: int
+    dynamic: bool
+    quantized: torch.Tensor
+    losses: torch.Tensor
+    groups_started: set[int] = field(default_factory=set)
+
+    @classmethod
+    def start(cls, weight: torch.Tensor, hessian: torch.Tensor, grid_for: Any, *, act_order: bool, group_size: int,
+              static_groups: bool) -> tuple[ColumnRounding, torch.Tensor]:
+        """The state for ``weight`` (``[out, in]``) and the Hessian of its inputs (returned permuted, with dead
+        inputs' diagonal set to 1 and their weight columns to 0)."""
+        work = weight.detach().float().clone()
+        hessian = hessian.detach().float().clone()
+        dead = torch.diag(hessian) == 0
+        hessian[dead, dead] = 1
+        work[:, dead] = 0
+        first: WeightGrid = grid_for(work)
+        scale_source = work.clone()
+        columns = work.shape[1]
+        perm = torch.argsort(torch.diag(hessian), descending=True) if act_order else torch.arange(columns)
+        grid = first._replace(scale=first.scale[:, perm].clone(), zero_point=first.zero_point[:, perm].clone())
+        state = cls(work[:, perm], grid, perm, torch.argsort(perm), scale_source, grid_for, group_size,
+                    group_size > 0 and not static_groups, torch.zeros_like(work),
+                    torch.zeros(work.shape[0], dtype=work.dtype, device=work.device))
+        return state, hessian[perm][:, perm]
+
+    def _start_group(self, column: int, block: torch.Tensor, offset: int, stop: int) -> None:
+        """Dynamic groups: the grid of ``column``'s group from the weight as updated so far."""
+        group = int(self.perm[column]) // self.group_size
+        if group in self.groups_started:
+            return
+        self.groups_started.add(group)
+        current = self.work.clone()
+        current[:, column:stop] = block[:, offset:]
+        current = current[:, self.inverse_perm]
+        fresh = self.grid_for(current)
+        members = torch.arange(group * self.group_size, min((group + 1) * self.group_size, current.shape[1]))
+        self.grid.scale[:, self.inverse_perm[members]] = fresh.scale[:, members]
+        self.grid.zero_point[:, self.inverse_perm[members]] = fresh.zero_point[:, members]
+        self.scale_source[:, members] = current[:, members]
+
+    def round_from(self, first_column: int, factor: torch.Tensor, block_size: int) -> None:
+        """Round columns ``first_column:`` (in processing order), compensating each column's error on the
+        columns not yet rounded with ``factor`` (:func:`inverse_hessian_factor`): rank-1 updates inside blocks of
+        ``block_size`` columns, one matrix product between blocks (AutoGPTQ's lazy batch)."""
+        columns = self.work.shape[1]
+        for start in range(first_column, columns, block_size):
+            stop = min(start + block_size, columns)
+            block = self.work[:, start:stop].clone()
+            block_error = torch.zeros_like(block)
+            block_factor = factor[start:stop, start:stop]
+            for offset in range(stop - start):
+                column = start + offset
+                if self.dynamic:
+                    self._start_group(column, block, offset, stop)
+                values = block[:, offset]
+                rounded = self.grid.quantize(values[:, None], slice(column, column + 1))[:, 0]
+                self.quantized[:, column] = rounded
+                diagonal = block_factor[offset, offset]
+                self.losses += (values - rounded) ** 2 / diagonal ** 2 / 2
+                error = (values - rounded) / diagonal
+                block[:, offset:] -= error[:, None] * block_factor[offset, offset:][None, :]
+                block_error[:, offset] = error
+            self.work[:, stop:] -= block_error @ factor[start:stop, stop:]
+
+    def result(self) -> GPTQResult:
+        """The rounded weight in the original column order; with dynamic groups, whether the quantizer keeps the
+        grid the groups were rounded on (it does if groups' scales are independent of each other)."""
+        on_grid = True
+        if self.dynamic:
+            final = self.grid_for(self.scale_source)
+            on_grid = torch.equal(final.scale[:, self.perm], self.grid.scale) and \
+                torch.equal(final.zero_point[:, self.perm], self.grid.zero_point)
+        return GPTQResult(self.quantized[:, self.inverse_perm], self.scale_source, float(self.losses.sum()), on_grid)
 
 
 def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, grid_for: Any, *, damp_percent: float,
-                 act_order: bool, group_size: int, static_groups: bool, block_size: int = BLOCK_SIZE) -> GPTQResult:
+                 act_order: bool, group_size: int, static_groups: bool, block_size: int = BLOCK_SIZE,
+                 damp: float | None = None) -> GPTQResult:
     """GPTQ on one ``[out, in]`` weight with the Hessian of its inputs; ``grid_for(tensor) -> WeightGrid``
-    initialises the layer's quantizer from ``tensor`` and returns its grid (see the module docstring)."""
-    work = weight.detach().float().clone()
-    hessian = hessian.detach().float().clone()
-    columns = work.shape[1]
-    dead = torch.diag(hessian) == 0
-    hessian[dead, dead] = 1
-    work[:, dead] = 0
-    dynamic = group_size > 0 and not static_groups
-    first: WeightGrid = grid_for(work)
-    scale_source = work.clone()
-    perm = torch.argsort(torch.diag(hessian), descending=True) if act_order else torch.arange(columns)
-    inverse_perm = torch.argsort(perm)
-    work, hessian = work[:, perm], hessian[perm][:, perm]
-    grid = first._replace(scale=first.scale[:, perm].clone(), zero_point=first.zero_point[:, perm].clone())
-    factor = _inverse_hessian_factor(hessian, damp_percent)
-    quantized = torch.zeros_like(work)
-    losses = torch.zeros(work.shape[0], dtype=work.dtype, device=work.device)
-    groups_started: set[int] = set()
-    for start in range(0, columns, block_size):
-        stop = min(start + block_size, columns)
-        block = work[:, start:stop].clone()
-        block_error = torch.zeros_like(block)
-        block_factor = factor[start:stop, start:stop]
-        for offset in range(stop - start):
-            column = start + offset
-            if dynamic:
-                group = int(perm[column]) // group_size
-                if group not in groups_started:
-                    groups_started.add(group)
-                    current = work.clone()
-                    current[:, column:stop] = block[:, offset:]
-                    current = current[:, inverse_perm]
-                    fresh = grid_for(current)
-                    members = torch.arange(group * group_size, min((group + 1) * group_size, columns))
-                    grid.scale[:, inverse_perm[members]] = fresh.scale[:, members]
-                    grid.zero_point[:, inverse_perm[members]] = fresh.zero_point[:, members]
-                    scale_source[:, members] = current[:, members]
-            values = block[:, offset]
-            rounded = grid.quantize(values[:, None], slice(column, column + 1))[:, 0]
-            quantized[:, column] = rounded
-            diagonal = block_factor[offset, offset]
-            losses += (values - rounded) ** 2 / diagonal ** 2 / 2
-            error = (values - rounded) / diagonal
-            block[:, offset:] -= error[:, None] * block_factor[offset, offset:][None, :]
-            block_error[:, offset] = error
-        work[:, stop:] -= block_error @ factor[start:stop, stop:]
-    on_grid = True
-    if dynamic:  # the quantizer keeps the grid the groups were rounded on, if groups' scales are independent
-        final = grid_for(scale_source)
-        on_grid = torch.equal(final.scale[:, perm], grid.scale) and torch.equal(final.zero_point[:, perm],
-                                                                                 grid.zero_point)
-    return GPTQResult(quantized[:, inverse_perm], scale_source, float(losses.sum()), on_grid)
+    initialises the layer's quantizer from ``tensor`` and returns its grid (see the module docstring). The
+    dampening is ``damp_percent * mean(diag H)``, or ``damp`` when given (an absolute value)."""
+    state, hessian = ColumnRounding.start(weight, hessian, grid_for, act_order=act_order, group_size=group_size,
+                                          static_groups=static_groups)
+    if damp is None:
+        damp = damp_percent * torch.mean(torch.diag(hessian))
+    state.round_from(0, inverse_hessian_factor(hessian, damp), block_size)
+    return state.result()
 
 
 def warn_few_samples(algorithm: str, where: str, samples: dict[str, int], features: dict[str, int]) -> None:
@@ -161,7 +214,7 @@ def warn_few_samples(algorithm: str, where: str, samples: dict[str, int], featur
 
 
 @dataclass
-class _Pass:
+class HessianPass:
     """What one pass over a block's inputs collects: per-layer Hessian sums and sample counts. On the first batch
     it records the order in which layers are first called and the object each is called with, which decides the
     group of layers this pass is for (``sequential``: the layers sharing the first layer's input; otherwise all);
@@ -250,7 +303,7 @@ class GPTQConfigHandler(BlockwiseHandler):
         samples: dict[str, int] = {}
         with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False):
             while remaining:
-                collected = _Pass(algo.true_sequential)
+                collected = HessianPass(algo.true_sequential)
                 with layer_inputs(remaining, collected.add):
                     data.forward(UntilStopped(block), f"{algo.name}: Hessians of {name or where}",
                                  on_output=collected.batch_done)

@@ -141,7 +141,8 @@ def _build_parser() -> argparse.ArgumentParser:
                           help="the template's model type (llama, mistral, qwen2, opt, gpt2, bert)")
     template.add_argument("--scheme", default=None, help="the template's scheme (e.g. int4_wo_128, int8, fp8, mxfp4)")
     template.add_argument("--algorithm", metavar="NAME", action="append", default=None,
-                          help="an algorithm (awq, gptq, smoothquant); repeat it for several, applied in that order")
+                          help="an algorithm (awq, gptq, smoothquant, qronos, autoround); repeat it for several, "
+                               "applied in that order")
     plan.set_defaults(func=cmd_plan)
 
     presets = sub.add_parser("presets", parents=[verbosity], help="list the presets")

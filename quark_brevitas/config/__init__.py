@@ -17,6 +17,7 @@ second (``Config.from_file(path)`` verifies it). Its modules, from the bottom up
 - :mod:`.serialization`: dicts, JSON and YAML from the dataclass annotations (generic);
 - :mod:`.specs`: ``QuantizationSpec`` / ``QuantizationConfig`` and the ``dtype`` short form spelled out;
 - :mod:`.algorithms`: the algorithm configs; ``quark_brevitas.algos``;
+- :mod:`.rounding`: Quark 0.13's ``QronosConfig`` and ``AutoRoundConfig``;
 - :mod:`.checks`: every check that needs neither the model nor Brevitas, naming the field at fault;
 - :mod:`.model_config`: ``Config``, its files and :func:`verify_config`;
 - :mod:`.schema`: the JSON Schema of config files (``python -m quark_brevitas.config.schema``);
@@ -60,6 +61,7 @@ from quark_brevitas.config.model_config import (
     verify_config,
 )
 from quark_brevitas.config.rotation import RotationConfig
+from quark_brevitas.config.rounding import AutoRoundConfig, QronosConfig
 from quark_brevitas.config.serialization import did_you_mean, key_path
 from quark_brevitas.config.specs import (
     TENSOR_ROLES,
@@ -84,12 +86,14 @@ __all__ = [
     "REJECTED_DTYPES",
     "TENSOR_ROLES",
     "AWQConfig",
+    "AutoRoundConfig",
     "Backend",
     "Config",
     "ConfigError",
     "DeviceType",
     "Dtype",
     "GPTQConfig",
+    "QronosConfig",
     "LLMTemplate",
     "LayerName",
     "LayerTypeName",

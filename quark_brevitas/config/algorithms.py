@@ -82,7 +82,7 @@ def _uses_inputs(config: QuantHierarchy, path: str, what: str) -> None:
         raise ConfigError(path, f"{what} needs input_tensors quantization (at the global, layer-type or layer level)")
 
 
-def _uses_weights(config: QuantHierarchy, path: str, what: str) -> None:
+def uses_weights(config: QuantHierarchy, path: str, what: str) -> None:
     if not _any_level_sets(config, "weight"):
         raise ConfigError(path, f"{what} needs weight quantization (at the global, layer-type or layer level)")
 
@@ -141,7 +141,7 @@ class GPTQ(AlgoConfig):
 
     def verify(self, config: QuantHierarchy, path: str) -> None:
         super().verify(config, path)
-        _uses_weights(config, path, "GPTQ")
+        uses_weights(config, path, "GPTQ")
 
 
 @dataclass
@@ -155,7 +155,7 @@ class GPFQ(AlgoConfig):
 
     def verify(self, config: QuantHierarchy, path: str) -> None:
         super().verify(config, path)
-        _uses_weights(config, path, self.name)
+        uses_weights(config, path, self.name)
         _uses_inputs(config, path, self.name)
         if self.percentage_of_processed_inputs != 1.0:
             raise ConfigError(
@@ -202,7 +202,7 @@ class CalibrateBatchNorm(AlgoConfig):
 SCALING_LAYER_KEYS = ("prev_op", "layers", "inp", "module2inspect")
 
 
-def _verify_quark_name(algo: AlgorithmConfig, path: str) -> None:
+def verify_quark_name(algo: AlgorithmConfig, path: str) -> None:
     """Quark identifies these algorithms by ``name`` (its config files dispatch on it); another name would
     make the written file unreadable, by Quark and by this library."""
     default = next(f.default for f in fields(algo) if f.name == "name")
@@ -252,7 +252,7 @@ def _verify_restated_weight_spec(algo: AWQConfig | GPTQConfig, config: QuantHier
     ``group_size=-1`` means no groups (AutoGPTQ's convention): per-channel or per-tensor weights.
     """
     what = type(algo).__name__
-    _uses_weights(config, path, what)
+    uses_weights(config, path, what)
     for where, spec in _weight_specs(config):
         if spec.quant_type is not QuantType.int_quant:
             raise ConfigError(path, f"{what} quantizes weights to integers; {where} is {spec.quant_type.name}. "
@@ -281,12 +281,12 @@ def _verify_restated_weight_spec(algo: AWQConfig | GPTQConfig, config: QuantHier
 
 def _verify_quark_weight_algorithm(algo: AWQConfig | GPTQConfig, config: QuantHierarchy, path: str) -> None:
     """What AWQConfig and GPTQConfig share: Quark's name, the restated weight spec, the embedding layer names."""
-    _verify_quark_name(algo, path)
+    verify_quark_name(algo, path)
     _verify_restated_weight_spec(algo, config, path)
-    _verify_names(algo.embedding_layers, f"{path}.embedding_layers")
+    verify_names(algo.embedding_layers, f"{path}.embedding_layers")
 
 
-def _verify_names(names: list[str] | None, path: str) -> None:
+def verify_names(names: list[str] | None, path: str) -> None:
     if names is not None and not all(isinstance(n, str) and n for n in names):
         raise ConfigError(path, f"must be a list of module names, got {names!r}")
 
@@ -324,13 +324,13 @@ class SmoothQuantConfig(PreQuantOptConfig):
 
     def verify(self, config: QuantHierarchy, path: str) -> None:
         super().verify(config, path)
-        _verify_quark_name(self, path)
+        verify_quark_name(self, path)
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"{path}.alpha", f"must be in [0, 1], got {self.alpha}")
         if not self.scale_clamp_min > 0:
             raise ConfigError(f"{path}.scale_clamp_min", f"must be > 0, got {self.scale_clamp_min}")
         _verify_scaling_layers(self.scaling_layers, path)
-        _verify_names(self.embedding_layers, f"{path}.embedding_layers")
+        verify_names(self.embedding_layers, f"{path}.embedding_layers")
 
 
 @dataclass
@@ -416,7 +416,7 @@ class GPTQConfig(AlgoConfig):
                                                     f"got {self.block_size}")
         if not 0.0 < self.damp_percent < 1.0:
             raise ConfigError(f"{path}.damp_percent", f"must be in (0, 1), got {self.damp_percent}")
-        _verify_names(self.inside_layer_modules, f"{path}.inside_layer_modules")
+        verify_names(self.inside_layer_modules, f"{path}.inside_layer_modules")
 
 
 def registered(base: type) -> list[type]:

@@ -339,12 +339,13 @@ def _verify_algorithm_combinations(pre_quant: Sequence[algorithms.AlgorithmConfi
     _verify_no_duplicates(pre_quant, post_quant)
     _verify_order(post_quant)
     _verify_rotation_first(pre_quant, post_quant)
-    post = [a for a in post_quant if isinstance(a, algorithms.GPTQ | algorithms.GPFQ | algorithms.GPFA2Q
-                                                 | algorithms.GPTQConfig)]
+    post = [a for a in post_quant if a.effect == "rounding"]
     if len({type(a) for a in post}) > 1:
         names = sorted({type(a).__name__ for a in post})
-        raise ConfigError("algo_config", f"use at most one of GPTQ, GPFQ, GPFA2Q, GPTQConfig (got {names}): each "
-                                         "rounds the weights again, undoing the one before")
+        allowed = sorted(cls.__name__ for cls in algorithms.registered(algorithms.AlgorithmConfig)
+                         if getattr(cls, "effect", "") == "rounding")
+        raise ConfigError("algo_config", f"use at most one of the rounding algorithms {', '.join(allowed)} (got "
+                                         f"{names}): each rounds the weights again, undoing the one before")
 
 
 def _verify_no_duplicates(pre_quant: Sequence[algorithms.AlgorithmConfig],

@@ -192,7 +192,7 @@ def _smoothquant(family: Family | None, weight: QuantizationSpec | None) -> Algo
 TEMPLATE_ALGORITHMS: dict[str, AlgorithmFactory] = {"awq": _awq, "gptq": _gptq, "smoothquant": _smoothquant}
 
 #: Quark 0.13's algorithm names that quark_brevitas does not (yet) run.
-_QUARK_ONLY_ALGORITHMS = ("gptaq", "qronos", "autosmoothquant", "rotation", "autoround", "twobitscalar")
+_QUARK_ONLY_ALGORITHMS = ("gptaq", "autosmoothquant", "rotation", "twobitscalar")
 
 
 def register_template_algorithm(name: str, factory: AlgorithmFactory) -> None:
