@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 
 from quark_brevitas.blocks.store import map_tensors
 from quark_brevitas.brevitas_adapter import StopFwdException, all_reduce_statistics
+from quark_brevitas.brevitas_adapter_cache import weights_quantized_once
 from quark_brevitas.errors import CalibrationDataError, ModelError
 
 logger = logging.getLogger(__name__)
@@ -328,7 +329,7 @@ class CalibrationData:
         """
         device, dtype = model_device_dtype(model)
         count = 0
-        with torch.no_grad():
+        with torch.no_grad(), weights_quantized_once(model):
             for index, batch in self._progress(self.indexed(), desc):
                 args, kwargs = prepare_batch(batch, index, device, dtype, self.batch_to_inputs)
                 output = call_model(model, args, kwargs, index)
@@ -420,7 +421,7 @@ class BlockInputs(CalibrationData):
         device = next((t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta),
                       torch.device("cpu"))
         count = 0
-        with torch.no_grad():
+        with torch.no_grad(), weights_quantized_once(model):
             for index, (args, kwargs) in self._progress(self.indexed(), desc):
                 output = call_model(model, map_tensors(args, lambda t: t.to(device)),
                                     map_tensors(kwargs, lambda t: t.to(device)), index,
