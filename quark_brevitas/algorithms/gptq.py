@@ -105,7 +105,11 @@ def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, grid_for: Any, *, 
         stop = min(start + block_size, columns)
         block = work[:, start:stop].clone()
         block_error = torch.zeros_like(block)
+        block_delta = torch.empty_like(block)
         block_factor = factor[start:stop, start:stop]
+        diagonal = block_factor.diagonal()
+        # Views into the grid: a dynamic group's fresh scale written into ``grid`` below shows through them.
+        scale, zero_point = grid.scale[:, start:stop], grid.zero_point[:, start:stop]
         for offset in range(stop - start):
             column = start + offset
             if dynamic:
@@ -121,13 +125,12 @@ def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, grid_for: Any, *, 
                     grid.zero_point[:, inverse_perm[members]] = fresh.zero_point[:, members]
                     scale_source[:, members] = current[:, members]
             values = block[:, offset]
-            rounded = grid.quantize(values[:, None], slice(column, column + 1))[:, 0]
+            rounded = grid.quantize_values(values, scale[:, offset], zero_point[:, offset])
             quantized[:, column] = rounded
-            diagonal = block_factor[offset, offset]
-            losses += (values - rounded) ** 2 / diagonal ** 2 / 2
-            error = (values - rounded) / diagonal
+            delta = torch.sub(values, rounded, out=block_delta[:, offset])
+            error = torch.div(delta, diagonal[offset], out=block_error[:, offset])
             block[:, offset:] -= error[:, None] * block_factor[offset, offset:][None, :]
-            block_error[:, offset] = error
+        losses += (block_delta ** 2 / diagonal[None, :] ** 2 / 2).sum(dim=1)
         work[:, stop:] -= block_error @ factor[start:stop, stop:]
     on_grid = True
     if dynamic:  # the quantizer keeps the grid the groups were rounded on, if groups' scales are independent
