@@ -34,6 +34,7 @@ Two more kinds of calibration data serve the block-by-block data phase and distr
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -418,8 +419,8 @@ class BlockInputs(CalibrationData):
     def forward(self, model: nn.Module, desc: str, *, on_output: Callable[[int, Any], None] | None = None) -> int:
         """Run every cached batch through ``model`` (the part, or a module that calls it) without gradients;
         same contract as :meth:`CalibrationData.forward`."""
-        device = next((t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta),
-                      torch.device("cpu"))
+        device = next((t.device for t in itertools.chain(model.parameters(), model.buffers()) if not t.is_meta),
+                      torch.device("cpu"))  # the first tensor decides: no list of every tensor per pass
         count = 0
         with torch.no_grad(), weights_quantized_once(model):
             for index, (args, kwargs) in self._progress(self.indexed(), desc):
