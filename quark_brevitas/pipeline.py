@@ -43,6 +43,7 @@ from quark_brevitas.container import Container
 from quark_brevitas.data import BatchToInputs, CalibrationData, Shard, model_device_dtype
 from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.resolve import Resolver
+from quark_brevitas.threads import threads_per_process
 from quark_brevitas.ties import run_untied
 
 logger = logging.getLogger(__name__)
@@ -242,26 +243,27 @@ class Pipeline:
         data, activations, needs_data = plan.data, plan.activations, plan.needs_data
         stack = self.block_stack(model, blocks, needs_data)
         start = time.perf_counter()
-        try:
-            if stack is not None:
-                work = self._quantize_blockwise(model, stack, data, inplace=inplace, offload=offload)
-            else:
-                work = model if inplace else copy.deepcopy(model)
-                work = self._run_algorithms("pre_quant_opt_config", work, data)
-                work = self.replace_layers(work)
-                if activations:
-                    logger.info("Applying calibration")
-                    work = self.container.calibrator()(work, data)
-                work = self._run_algorithms("algo_config", work, data)
-        except CalibrationDataError as exc:
-            if exc.batch_index is not None and not inplace and data.accepted_by(model, exc.batch_index):
-                raise ModelError(
-                    f"the model being quantized failed on calibration batch {exc.batch_index}, which the float "
-                    f"model accepts: a limitation of quantizing this model, not a problem with the data "
-                    f"({exc.__cause__.__class__.__name__}: {exc.__cause__}). Keep the layer involved in float "
-                    "(Config.exclude) or report it"
-                ) from exc.__cause__
-            raise
+        with threads_per_process(data.shard if data is not None else None):
+            try:
+                if stack is not None:
+                    work = self._quantize_blockwise(model, stack, data, inplace=inplace, offload=offload)
+                else:
+                    work = model if inplace else copy.deepcopy(model)
+                    work = self._run_algorithms("pre_quant_opt_config", work, data)
+                    work = self.replace_layers(work)
+                    if activations:
+                        logger.info("Applying calibration")
+                        work = self.container.calibrator()(work, data)
+                    work = self._run_algorithms("algo_config", work, data)
+            except CalibrationDataError as exc:
+                if exc.batch_index is not None and not inplace and data.accepted_by(model, exc.batch_index):
+                    raise ModelError(
+                        f"the model being quantized failed on calibration batch {exc.batch_index}, which the float "
+                        f"model accepts: a limitation of quantizing this model, not a problem with the data "
+                        f"({exc.__cause__.__class__.__name__}: {exc.__cause__}). Keep the layer involved in float "
+                        "(Config.exclude) or report it"
+                    ) from exc.__cause__
+                raise
         logger.info("Quantization done in %.1f s", time.perf_counter() - start)
         return self.finish(work)
 
