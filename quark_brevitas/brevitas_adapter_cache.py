@@ -41,25 +41,40 @@ class _CachedQuantWeight:
     def __init__(self, layer: QuantWeightBiasInputOutputLayer) -> None:
         self.layer = layer
         self.state = [*layer.weight_quant.parameters(), *layer.weight_quant.buffers()]
-        self.key: tuple[Any, ...] | None = None
+        self.weight: torch.Tensor | None = None
+        self.versions: list[int] = []
+        self.training = False
         self.value: Any = None
 
-    def _key(self) -> tuple[Any, ...]:
-        layer = self.layer
-        weight = layer.weight
-        return (weight, weight._version, layer.training, layer.weight_quant.is_quant_enabled,
-                *(tensor._version for tensor in self.state))
+    def _valid(self, weight: torch.Tensor) -> bool:
+        return (weight is self.weight and self.training == self.layer.training
+                and self.versions == [weight._version, *(tensor._version for tensor in self.state)])
 
     def __call__(self, quant_input: Any = None, subtensor_slice_list: Any = None) -> Any:
         layer = self.layer
         original = QuantWeightBiasInputOutputLayer.quant_weight
-        if subtensor_slice_list is not None or torch.is_grad_enabled() or layer.weight_quant.requires_quant_input:
+        proxy = layer.weight_quant
+        if (subtensor_slice_list is not None or not proxy.is_quant_enabled or torch.is_grad_enabled()
+                or proxy.requires_quant_input):  # nothing to save (float weight), or not cacheable
             return original(layer, quant_input, subtensor_slice_list)
-        key = self._key()
-        if self.key is None or len(key) != len(self.key) or key[0] is not self.key[0] or key[1:] != self.key[1:]:
+        weight = layer.weight
+        if not self._valid(weight):
             self.value = original(layer, quant_input)
-            self.key = key
+            self.weight, self.training = weight, layer.training
+            self.versions = [weight._version, *(tensor._version for tensor in self.state)]
         return self.value
+
+
+def _quant_layers(model: nn.Module) -> Iterator[QuantWeightBiasInputOutputLayer]:
+    """The quantized layers of ``model``, without walking into them (a Brevitas layer's quantizers are deep
+    module trees, and the walk happens once per pass)."""
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if isinstance(module, QuantWeightBiasInputOutputLayer):
+            yield module
+        else:
+            stack.extend(child for child in module._modules.values() if child is not None)
 
 
 @contextlib.contextmanager
@@ -67,8 +82,8 @@ def weights_quantized_once(model: nn.Module) -> Iterator[None]:
     """While the context lasts (one calibration pass), each quantized layer of ``model`` quantizes its weight
     once and reuses it until the weight or its quantizer changes. Nested contexts share the outer cache."""
     installed = []
-    for module in model.modules():
-        if isinstance(module, QuantWeightBiasInputOutputLayer) and _ATTRIBUTE not in module.__dict__:
+    for module in _quant_layers(model):
+        if _ATTRIBUTE not in module.__dict__:
             object.__setattr__(module, _ATTRIBUTE, _CachedQuantWeight(module))
             installed.append(module)
     try:
