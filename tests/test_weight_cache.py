@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import brevitas.nn as qnn
+import pytest
 import torch
 from torch import nn
 
@@ -63,3 +66,43 @@ def test_no_cache_with_gradients() -> None:
             model(torch.randn(4, 32)).sum().backward()
     assert calls[0] == 6
     assert model[0].weight.grad is not None
+
+
+def _brevitas_gptq(model: nn.Module, batches: list[torch.Tensor], gptq_class: type | None,
+                   monkeypatch: pytest.MonkeyPatch) -> int:
+    """Brevitas's GPTQ on ``model`` (with ``gptq_class``, or Brevitas's own); returns how often a weight
+    quantizer's submodules were walked."""
+    from brevitas.graph.gptq import gptq_mode
+
+    walks = [0]
+    proxy_class = type(model[0].weight_quant)
+    original = proxy_class.modules
+
+    def counted(self: nn.Module) -> Any:
+        walks[0] += 1
+        return original(self)
+
+    kwargs = {"gptq_class": gptq_class} if gptq_class is not None else {}
+    with torch.no_grad():
+        model(batches[0])  # initialise the quantizers' scales
+        with monkeypatch.context() as patch, gptq_mode(model, use_quant_activations=False, create_weight_orig=False,
+                                                       **kwargs) as mode:
+            patch.setattr(proxy_class, "modules", counted)
+            for _ in range(mode.num_layers):
+                for batch in batches:
+                    mode.model(batch)
+                mode.update()
+    return walks[0]
+
+
+def test_brevitas_gptq_checks_the_quantizer_once_per_layer_with_the_same_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from quark_brevitas.brevitas_adapter_cache import gptq_class_checking_once
+
+    batches = [torch.randn(16, 32) for _ in range(4)]
+    reference, ours = _model(), _model()
+    walks_before = _brevitas_gptq(reference, batches, None, monkeypatch)
+    walks_after = _brevitas_gptq(ours, batches, gptq_class_checking_once(), monkeypatch)
+    assert torch.equal(reference[0].weight, ours[0].weight) and torch.equal(reference[2].weight, ours[2].weight)
+    assert walks_before >= 64  # one walk per column (32 + 32 columns)
+    assert walks_after <= walks_before - 60  # once per layer
