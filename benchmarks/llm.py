@@ -49,6 +49,12 @@ from typing import Any
 
 import torch
 
+#: This checkout's package, not an installed one (the children inherit it through PYTHONPATH).
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
+
 CACHE = Path(__file__).resolve().parent / ".cache" / "llm"
 WIDTH, INTERMEDIATE, HEADS, VOCAB, SEQ = 256, 688, 4, 4096, 128
 
@@ -60,6 +66,17 @@ ANCHOR_RECIPES = {"awq_w4_g128": "Quark 80 s / 1.49 GB, Brevitas 89 s / 1.23 GB"
                   "smoothquant_w8a8": "Quark 16.5 s, Brevitas 9.5 s",
                   "gptq_w4_g128": "Quark 15.4-16.7 s, Brevitas 19.4-22.4 s (time)",
                   "float": "perplexity within 0.1 % of float for every tool"}
+#: ANCHORS.md (measured 2026-11-25, this machine, 1 thread, fastest of two runs): GPTQ W4 per group 128 on the random
+#: 256-wide 4-block Llama (intermediate 768, 4 heads, vocab 8192), 64 rows of 128 tokens, batch 1. Quark's
+#: ``GPTQConfig`` CPU seconds, and ours on that day (before issue 20).
+ANCHOR_SPEED_DATE = "2026-11-25"
+ANCHOR_SPEED_QUARK_4_BLOCKS = 6.5
+ANCHOR_SPEED_OURS_BEFORE_4_BLOCKS = 5.8
+#: ANCHORS.md, trained 4-block Llama: Quark's AWQ W4 g128 (wall, 1 thread), ours before issue 20 (AWQ, CPU s).
+ANCHOR_SPEED_RECIPES = {"gptqconfig": "Quark 6.5 s CPU (4 blocks); ours before 5.8 s",
+                        "awq": "Quark 80 s wall / 1.49 GB (trained model); ours before 45.1 s CPU",
+                        "smoothquant": "Quark 16.5 s, Brevitas 9.5 s (trained model, W8A8)",
+                        "gptq_whole": "Quark GPTQConfig 6.5 s CPU; Brevitas LLM entry point 19.4-22.4 s (other data)"}
 #: ANCHORS.md, "Real BERT": quark_brevitas (= Quark's Brevitas extension) in PyTorch.
 ANCHOR_MINILM = {"w8a8_per_channel": "0.988", "w8a8_smoothquant": "0.990", "gptq_w4_per_channel_whole": "0.950",
                  "gptq_w4_per_channel": "0.950 (about 40 s in the issue's run)"}
@@ -344,7 +361,91 @@ def task_minilm(args: dict[str, Any]) -> dict[str, Any]:
             "peak_rss_mb": _peak_rss_mb()}
 
 
-TASKS = {"llm": task_llm, "depth": task_depth, "memory": task_memory, "minilm": task_minilm}
+class Breakdown:
+    """Exclusive CPU time per category: ``forward`` (calibration passes: the model's own compute and Brevitas's
+    per-call work), ``arithmetic`` (what the algorithm computes: statistics and Hessians in hooks, GPTQ's column
+    update, AWQ's searches, Brevitas's GPTQ update) and, by difference with the whole call, ``overhead`` (layer
+    replacement, capture, copies, Python). Nested timed calls are charged to the innermost category only."""
+
+    def __init__(self) -> None:
+        self.seconds = {"forward": 0.0, "arithmetic": 0.0}
+        self.stack: list[list[float]] = []  # per active call: [start, time spent in nested timed calls]
+
+    def wrap(self, fn: Any, category: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.stack.append([time.process_time(), 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                start, nested = self.stack.pop()
+                spent = time.process_time() - start
+                self.seconds[category] += spent - nested
+                if self.stack:
+                    self.stack[-1][1] += spent
+
+        return timed
+
+    def install(self) -> None:
+        """Wrap the library's calibration loops and algorithm kernels (this process only)."""
+        from brevitas.graph import gptq as brevitas_gptq
+
+        from quark_brevitas.algorithms import awq, gptq, scaling, smoothquant
+        from quark_brevitas.calibration import data
+
+        for owner, name, category in [
+            (data.CalibrationData, "forward", "forward"), (data.BlockInputs, "forward", "forward"),
+            (gptq, "gptq_columns", "arithmetic"), (gptq._Pass, "add", "arithmetic"),
+            (scaling.ChannelStats, "add", "arithmetic"), (awq._TokenSample, "add", "arithmetic"),
+            (awq, "clip_search", "arithmetic"), (awq, "_fake_quantized", "arithmetic"),
+            (smoothquant, "smoothing_scales", "arithmetic"),
+            (brevitas_gptq.GPTQ, "update_batch", "arithmetic"),
+            (brevitas_gptq.GPTQ, "single_layer_update", "arithmetic")]:
+            setattr(owner, name, self.wrap(getattr(owner, name), category))
+
+
+def speed_config(recipe: str) -> Any:
+    """Issue 20's recipes, written as a Quark user writes them (lm_head kept in float, as Quark's templates do)."""
+    from quark_brevitas import Config, QLayerConfig, QTensorConfig, algos
+    from quark_brevitas.types import QSchemeType
+
+    w4 = QTensorConfig(qscheme=QSchemeType.per_group, group_size=128, bit_width=4)
+    w8 = QTensorConfig(qscheme=QSchemeType.per_channel)
+    algo = {"gptqconfig": [algos.GPTQConfig(bit=4, sym=True, group_size=128)],
+            "awq": [algos.AWQConfig(bit=4, sym=True, group_size=128)], "gptq_whole": [algos.GPTQ()],
+            "smoothquant": []}[recipe]
+    if recipe == "smoothquant":
+        return Config(QLayerConfig(weight=w8, input_tensors=QTensorConfig()), exclude=["lm_head"],
+                      pre_quant_opt_config=[algos.SmoothQuantConfig(alpha=0.5)])
+    return Config(QLayerConfig(weight=w4), pre_quant_opt_config=[], algo_config=algo, exclude=["lm_head"])
+
+
+def task_speed(args: dict[str, Any]) -> dict[str, Any]:
+    """One recipe on the random Llama of issue 20 (256 wide, intermediate 768, 4 heads, vocab 8192), 64 rows of
+    128 random tokens fed one row per batch, or on the trained model when ``model`` is given; one thread."""
+    import transformers
+
+    breakdown = Breakdown()
+    breakdown.install()
+    if args.get("model"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(args["model"]).eval()
+        vocab = model.config.vocab_size
+    else:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=8192, hidden_size=WIDTH, intermediate_size=768,
+                                          num_hidden_layers=args["blocks"], num_attention_heads=HEADS,
+                                          num_key_value_heads=HEADS, max_position_embeddings=SEQ)
+        model = transformers.LlamaForCausalLM(config).eval()
+        vocab = 8192
+    generator = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, vocab, (1, SEQ), generator=generator) for _ in range(args["rows"])]
+    _, seconds = _quantize(model, speed_config(args["recipe"]), rows)
+    total = _CPU["seconds"]
+    parts = dict(breakdown.seconds)
+    parts["overhead"] = total - sum(parts.values())
+    return {"seconds": seconds, "cpu_seconds": total, "peak_rss_mb": _peak_rss_mb(), "breakdown": parts}
+
+
+TASKS = {"llm": task_llm, "depth": task_depth, "memory": task_memory, "minilm": task_minilm, "speed": task_speed}
 
 
 # ===================================================================== driver
@@ -415,6 +516,42 @@ def section_depth(quick: bool) -> tuple[str, dict[int, float]]:
     return _table(header, rows), block_times
 
 
+def _parts(result: dict[str, Any]) -> str:
+    parts = result.get("breakdown")
+    if not parts:
+        return "-"
+    return " / ".join(f"{parts[k]:.1f}" for k in ("forward", "arithmetic", "overhead"))
+
+
+def section_speed(quick: bool) -> str:
+    """Issue 20: CPU time of the LLM algorithms at one thread beside Quark's anchor, with the breakdown."""
+    rows_count = 16 if quick else 64
+    depths = [2, 4] if quick else [2, 4, 8]
+    table = []
+    for blocks in depths:
+        result = run_child("speed", recipe="gptqconfig", blocks=blocks, rows=rows_count)
+        quark = ANCHOR_SPEED_QUARK_4_BLOCKS * blocks / 4  # Quark grows linearly with depth (ANCHORS.md)
+        ratio = f"{result['cpu_seconds'] / quark:.2f}x" if "cpu_seconds" in result and not quick else "-"
+        table.append([f"GPTQConfig W4 g128, {blocks} blocks", _time(result),
+                      _fmt(result.get("peak_rss_mb"), ".0f", " MB"), _parts(result),
+                      f"{quark:.1f} s{' (measured)' if blocks == 4 else ' (4-block anchor x depth)'}", ratio])
+    for recipe, label in (("awq", "AWQConfig W4 g128"), ("smoothquant", "SmoothQuant W8A8"),
+                          ("gptq_whole", "GPTQ (Brevitas's), W4 g128")):
+        result = run_child("speed", recipe=recipe, blocks=4, rows=rows_count)
+        table.append([f"{label}, 4 blocks", _time(result), _fmt(result.get("peak_rss_mb"), ".0f", " MB"),
+                      _parts(result), ANCHOR_SPEED_RECIPES[recipe], "-"])
+    trained = sorted(CACHE.glob(f"llama-4x{WIDTH}-*steps"))
+    if trained and not quick:
+        result = run_child("speed", recipe="awq", model=str(trained[-1]), rows=rows_count)
+        table.append(["AWQConfig W4 g128, trained 4 blocks", _time(result),
+                      _fmt(result.get("peak_rss_mb"), ".0f", " MB"), _parts(result), ANCHOR_SPEED_RECIPES["awq"],
+                      f"target <= 40 s CPU: {'met' if result.get('cpu_seconds', 1e9) <= 40 else 'NOT met'}"])
+    header = ["issue 20: 1 thread, random Llama 256 wide (768), vocab 8192, "
+              f"{rows_count} x 128 tokens, batch 1", "time (CPU)", "peak RSS",
+              "CPU s: forward / arithmetic / overhead", f"Quark 0.13 ({ANCHOR_SPEED_DATE})", "ours / Quark (CPU)"]
+    return _table(header, table)
+
+
 def section_memory() -> str:
     import transformers
 
@@ -463,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run (numbers not comparable)")
     parser.add_argument("--steps", type=int, default=200, help="training steps of the Llama (default 200)")
-    parser.add_argument("--only", choices=("llama", "depth", "memory", "minilm"), action="append",
+    parser.add_argument("--only", choices=("speed", "llama", "depth", "memory", "minilm"), action="append",
                         help="run only these sections (repeatable)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -474,8 +611,10 @@ def main(argv: list[str] | None = None) -> int:
         request = json.loads(args.child)
         print(json.dumps(TASKS[request.pop("task")](request)))
         return 0
-    sections = args.only or ["llama", "depth", "memory", "minilm"]
+    sections = args.only or ["speed", "llama", "depth", "memory", "minilm"]
     out = []
+    if "speed" in sections:
+        out.append(section_speed(args.quick))
     if "llama" in sections:
         torch.set_num_threads(os.cpu_count() or 1)  # training only; every measurement runs on one thread
         model = trained_llama(40 if args.quick else args.steps)

@@ -41,6 +41,7 @@ from quark_brevitas.backend import PlannedLayer
 from quark_brevitas.blocks.run import blockwise_obstacle, choose_block_stack, named_decoder_layers, quantize_blocks
 from quark_brevitas.brevitas_adapter import current_shard, require_equal_shares
 from quark_brevitas.calibration.data import BatchToInputs, CalibrationData, model_device_dtype
+from quark_brevitas.calibration.threads import threads_per_process
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import CalibrationDataError, ModelError
@@ -280,26 +281,27 @@ class Pipeline:
         data, activations, needs_data = plan.data, plan.activations, plan.needs_data
         stack = self.block_stack(model, blocks, needs_data)
         start = time.perf_counter()
-        try:
-            if stack is not None:
-                work = self._quantize_blockwise(model, stack, data, inplace=inplace, offload=offload)
-            else:
-                work = model if inplace else copy.deepcopy(model)
-                work = self._run_algorithms("pre_quant_opt_config", work, data)
-                work = self.replace_layers(work)
-                if activations:
-                    logger.info("Applying calibration")
-                    work = self.container.calibrator()(work, data)
-                work = self._run_algorithms("algo_config", work, data)
-        except CalibrationDataError as exc:
-            if exc.batch_index is not None and not inplace and data.accepted_by(model, exc.batch_index):
-                raise ModelError(
-                    f"the model being quantized failed on calibration batch {exc.batch_index}, which the float "
-                    f"model accepts{_failing_layer(exc.module)}: a limitation of quantizing this model, not "
-                    f"a problem with the data ({exc.__cause__.__class__.__name__}: {exc.__cause__}). Keep "
-                    f"{_exclude_hint(exc.module, self.plan(model))} in float or report it"
-                ) from exc.__cause__
-            raise
+        with threads_per_process(data.shard if data is not None else None):
+            try:
+                if stack is not None:
+                    work = self._quantize_blockwise(model, stack, data, inplace=inplace, offload=offload)
+                else:
+                    work = model if inplace else copy.deepcopy(model)
+                    work = self._run_algorithms("pre_quant_opt_config", work, data)
+                    work = self.replace_layers(work)
+                    if activations:
+                        logger.info("Applying calibration")
+                        work = self.container.calibrator()(work, data)
+                    work = self._run_algorithms("algo_config", work, data)
+            except CalibrationDataError as exc:
+                if exc.batch_index is not None and not inplace and data.accepted_by(model, exc.batch_index):
+                    raise ModelError(
+                        f"the model being quantized failed on calibration batch {exc.batch_index}, which the float "
+                        f"model accepts{_failing_layer(exc.module)}: a limitation of quantizing this model, not "
+                        f"a problem with the data ({exc.__cause__.__class__.__name__}: {exc.__cause__}). Keep "
+                        f"{_exclude_hint(exc.module, self.plan(model))} in float or report it"
+                    ) from exc.__cause__
+                raise
         logger.info("Quantization done in %.1f s", time.perf_counter() - start)
         return self.finish(work)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from quark_brevitas.cli.digits import DigitsData, load_digits_data, train_digits_cnn
 
 

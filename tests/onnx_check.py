@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from quark_brevitas.cli.digits import evaluate, evaluate_predictions
 from torch import nn
 
+from quark_brevitas.cli.digits import evaluate, evaluate_predictions
 from quark_brevitas.export import run_onnx
 
 

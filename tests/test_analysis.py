@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import reference as ref
 import torch
-from quark_brevitas.cli.digits import DigitsCNN
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
@@ -33,6 +32,7 @@ from quark_brevitas.analysis import (
     write_rows,
 )
 from quark_brevitas.analysis.sizes import tensor_bits
+from quark_brevitas.cli.digits import DigitsCNN
 from quark_brevitas.errors import ModelError
 from quark_brevitas.types import Dtype, QSchemeType, ScaleType, ZeroPointType
 

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from quark_brevitas.cli.digits import DigitsCNN
 
 from quark_brevitas import Config, ModelQuantizer
 from quark_brevitas.analysis import model_size
 from quark_brevitas.cli import main
+from quark_brevitas.cli.digits import DigitsCNN
 
 FAST = ["--epochs", "3"]
 

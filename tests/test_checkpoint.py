@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from quark_brevitas.cli.digits import DigitsCNN, example_input
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -37,6 +36,7 @@ from quark_brevitas import (
 from quark_brevitas.algorithms import apply_algorithm
 from quark_brevitas.checkpoint import CONFIG_ATTRIBUTE, read_checkpoint
 from quark_brevitas.cli import main
+from quark_brevitas.cli.digits import DigitsCNN, example_input
 from quark_brevitas.outputs import MARKER_FILE
 from quark_brevitas.types import Dtype, QSchemeType, RoundType, ZeroPointType
 

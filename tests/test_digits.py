@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from sklearn.datasets import load_digits
+from torch.utils.data import DataLoader, TensorDataset
+
 from quark_brevitas.cli.digits import (
     NUM_CLASSES,
     PIXEL_MAX,
@@ -16,8 +19,6 @@ from quark_brevitas.cli.digits import (
     load_digits_data,
     train_digits_cnn,
 )
-from sklearn.datasets import load_digits
-from torch.utils.data import DataLoader, TensorDataset
 
 N_IMAGES = 1797
 N_TEST = 450  # ceil(0.25 * 1797)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import onnx
 import pytest
 from onnx_check import assert_onnx_predictions_match
-from quark_brevitas.cli.digits import example_input
 
 from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig, QuantType
+from quark_brevitas.cli.digits import example_input
 from quark_brevitas.types import QSchemeType
 
 FP8 = QTensorConfig(quant_type=QuantType.float_quant, exponent_bit_width=4, mantissa_bit_width=3)

@@ -19,10 +19,10 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
-from quark_brevitas.cli.digits import example_input
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
+from quark_brevitas.cli.digits import example_input
 from quark_brevitas.export import ExportReport, export_onnx_qcdq, run_onnx
 from quark_brevitas.export.passes.kernels import rewrite_for_integer_kernels
 from quark_brevitas.types import QSchemeType

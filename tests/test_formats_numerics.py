@@ -14,10 +14,10 @@ import reference as ref
 import torch
 from brevitas.quant import mx_quant_ocp as bq_mx
 from brevitas.quant_tensor import GroupwiseFloatQuantTensor, GroupwiseIntQuantTensor
-from quark_brevitas.cli.digits import evaluate
 from torch import nn
 
 from quark_brevitas.api import ModelQuantizer
+from quark_brevitas.cli.digits import evaluate
 from quark_brevitas.config import Config, ParamType, QLayerConfig, QTensorConfig
 from quark_brevitas.types import Dtype, QSchemeType, RoundType, ScaleType, ZeroPointType
 

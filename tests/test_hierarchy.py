@@ -10,13 +10,13 @@ import pytest
 import torch
 import yaml
 from brevitas import nn as qnn
-from quark_brevitas.cli.digits import evaluate
 from torch import nn
 
 from quark_brevitas import DEFAULT_LAYER_MAP, Container, LayerMapping, algos
 from quark_brevitas.api import ModelQuantizer
 from quark_brevitas.backend import plan_table
 from quark_brevitas.cli import main
+from quark_brevitas.cli.digits import evaluate
 from quark_brevitas.config import Config, QLayerConfig, QTensorConfig, type_name
 from quark_brevitas.errors import CalibrationDataError, ConfigError, ModelError
 from quark_brevitas.resolve import literal_length

@@ -203,7 +203,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.mark.slow
 def test_tiny_bert_with_the_bert_w4_g32_preset(tmp_path: pathlib.Path) -> None:
-    from quark_brevitas.presets import get_preset
+    from quark_brevitas.config.presets import get_preset
 
     config = transformers.BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=128, max_position_embeddings=32)

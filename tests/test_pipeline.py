@@ -6,11 +6,11 @@ import copy
 
 import pytest
 import torch
-from quark_brevitas.cli.digits import evaluate
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, ParamType, QLayerConfig, QTensorConfig, QuantType, algos
 from quark_brevitas.algorithms import handler_for
+from quark_brevitas.cli.digits import evaluate
 from quark_brevitas.types import QSchemeType, ScaleType
 
 A8 = QTensorConfig()

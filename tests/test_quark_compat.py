@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quark_brevitas.cli.digits import evaluate
 
 import quark_brevitas.algos as brevitas_algos  # was: quark.torch.extensions.brevitas.algos
 import quark_brevitas.api as brevitas_api  # was: quark.torch.extensions.brevitas.api
 import quark_brevitas.config as brevitas_config  # was: quark.torch.extensions.brevitas.config
 import quark_brevitas.types as quark_config_type  # was: quark.torch.quantization.config.type
+from quark_brevitas.cli.digits import evaluate
 
 
 @pytest.mark.slow

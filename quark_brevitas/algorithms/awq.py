@@ -78,10 +78,13 @@ def _awq_scales(mean_abs: torch.Tensor, ratio: float) -> torch.Tensor:
     return scales / (scales.max() * scales.min()).sqrt()
 
 
-def _fake_quantized(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+def _fake_quantized(layer: nn.Module, weight: torch.Tensor, has_grid: bool | None = None) -> torch.Tensor:
     """``weight`` as ``layer``'s Brevitas quantizer rounds it, with the grid initialised from ``weight``; a layer
-    without an integer weight quantizer (excluded) keeps it as is."""
-    if int_weight_format(layer) is None:
+    without an integer weight quantizer (excluded) keeps it as is. ``has_grid``: whether it has one, if the caller
+    knows (asking Brevitas runs the quantizer, which the search loops would otherwise do once per step)."""
+    if has_grid is None:
+        has_grid = int_weight_format(layer) is not None
+    if not has_grid:
         return weight
     return weight_grid(layer, weight).quantize(weight)
 
@@ -119,7 +122,7 @@ def clip_search(layer: nn.Module, rows: torch.Tensor, group_size: int, data: Cal
     for step in range(CLIP_STEPS):
         limit = peak * (1 - step / GRID)
         clipped = torch.clamp(grouped, -limit, limit).view(out_features, -1)[:, :in_features]
-        quantized = torch.nn.functional.pad(_fake_quantized(layer, clipped), (0, pad))
+        quantized = torch.nn.functional.pad(_fake_quantized(layer, clipped, True), (0, pad))
         difference = grouped - quantized.view(out_features, groups, size)
         for first in range(0, out_features, chunk):
             products = torch.einsum("ngk,ogk->nog", inputs, difference[first:first + chunk])
@@ -159,12 +162,13 @@ class AWQConfigHandler(BlockwiseHandler):
         layers = [block.get_submodule(name) for name in group.layers]
         inspected = _inspected(group)
         originals = [linear_weight(layer).detach().float().clone() for layer in layers]
+        has_grid = [int_weight_format(layer) is not None for layer in layers]
         losses = []
         for step in range(GRID):
             scales = _awq_scales(mean_abs, step / GRID)
-            for layer, weight in zip(layers, originals):
+            for layer, weight, grid in zip(layers, originals, has_grid):
                 scaled = weight * scales[None, :]
-                set_linear_weight(layer, _fake_quantized(layer, scaled) / scales[None, :])
+                set_linear_weight(layer, _fake_quantized(layer, scaled, grid) / scales[None, :])
             total = sum(self._inspected_error(block.get_submodule(name), recorded, name, data,
                                               f"{algo.name}: {where} {group} ratio {step / GRID:.2f}")
                         for name in inspected)

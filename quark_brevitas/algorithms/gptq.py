@@ -157,19 +157,23 @@ class ColumnRounding:
             stop = min(start + block_size, columns)
             block = self.work[:, start:stop].clone()
             block_error = torch.zeros_like(block)
+            block_delta = torch.empty_like(block)
             block_factor = factor[start:stop, start:stop]
+            diagonal = block_factor.diagonal()
+            # Views into the grid, sliced once per block: a dynamic group's fresh scale written into the grid by
+            # _start_group shows through them.
+            scale, zero_point = self.grid.scale[:, start:stop], self.grid.zero_point[:, start:stop]
             for offset in range(stop - start):
                 column = start + offset
                 if self.dynamic:
                     self._start_group(column, block, offset, stop)
                 values = block[:, offset]
-                rounded = self.grid.quantize(values[:, None], slice(column, column + 1))[:, 0]
+                rounded = self.grid.quantize_values(values, scale[:, offset], zero_point[:, offset])
                 self.quantized[:, column] = rounded
-                diagonal = block_factor[offset, offset]
-                self.losses += (values - rounded) ** 2 / diagonal ** 2 / 2
-                error = (values - rounded) / diagonal
+                delta = torch.sub(values, rounded, out=block_delta[:, offset])
+                error = torch.div(delta, diagonal[offset], out=block_error[:, offset])
                 block[:, offset:] -= error[:, None] * block_factor[offset, offset:][None, :]
-                block_error[:, offset] = error
+            self.losses += (block_delta ** 2 / diagonal[None, :] ** 2 / 2).sum(dim=1)
             self.work[:, stop:] -= block_error @ factor[start:stop, stop:]
 
     def result(self) -> GPTQResult:

@@ -46,6 +46,7 @@ from quark_brevitas.brevitas_adapter.version import (  # noqa: E402 - after the 
 # not with an ImportError of some internal.
 check_supported_version()
 
+from quark_brevitas.brevitas_adapter.cache import gptq_class_checking_once, weights_quantized_once  # noqa: E402
 from quark_brevitas.brevitas_adapter.distributed import (  # noqa: E402
     Reducer,
     Shard,
@@ -131,6 +132,8 @@ from quark_brevitas.brevitas_adapter.structure import (  # noqa: E402
 register_pickling()  # torch.save(model) says what to use instead of a PicklingError
 
 __all__ = [
+    "gptq_class_checking_once",
+    "weights_quantized_once",
     "FLOAT8_DTYPES",
     "HALF_DTYPES",
     "MSE_SAMPLE_ELEMENTS",

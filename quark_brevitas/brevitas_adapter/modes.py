@@ -155,7 +155,10 @@ def gptq_mode(model: nn.Module, *, act_order: bool) -> Any:
     weight that Brevitas's GPxQ base class keeps by default, so none is made."""
     from brevitas.graph.gptq import gptq_mode as mode
 
-    return mode(model, act_order=act_order, use_quant_activations=False, create_weight_orig=False)
+    from quark_brevitas.brevitas_adapter.cache import gptq_class_checking_once
+
+    return mode(model, act_order=act_order, use_quant_activations=False, create_weight_orig=False,
+                gptq_class=gptq_class_checking_once())
 
 
 def gpfq_mode(model: nn.Module, *, act_order: bool) -> Any:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -46,7 +47,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quark_brevitas.blocks.store import map_tensors
-from quark_brevitas.brevitas_adapter import Shard, StopFwdException, all_reduce_statistics
+from quark_brevitas.brevitas_adapter import Shard, StopFwdException, all_reduce_statistics, weights_quantized_once
 from quark_brevitas.errors import CalibrationDataError, ModelError
 
 logger = logging.getLogger(__name__)
@@ -319,7 +320,7 @@ class CalibrationData:
         """
         device, dtype = model_device_dtype(model)
         count = 0
-        with torch.no_grad():
+        with torch.no_grad(), weights_quantized_once(model):
             for index, batch in self._progress(self.indexed(), desc):
                 args, kwargs = prepare_batch(batch, index, device, dtype, self.batch_to_inputs)
                 output = call_model(model, args, kwargs, index)
@@ -449,10 +450,10 @@ class BlockInputs(CalibrationData):
     def forward(self, model: nn.Module, desc: str, *, on_output: Callable[[int, Any], None] | None = None) -> int:
         """Run every cached batch through ``model`` (the part, or a module that calls it) without gradients;
         same contract as :meth:`CalibrationData.forward`."""
-        device = next((t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta),
-                      torch.device("cpu"))
+        device = next((t.device for t in itertools.chain(model.parameters(), model.buffers()) if not t.is_meta),
+                      torch.device("cpu"))  # the first tensor decides: no list of every tensor per pass
         count = 0
-        with torch.no_grad():
+        with torch.no_grad(), weights_quantized_once(model):
             for index, (args, kwargs) in self._progress(self.indexed(), desc):
                 output = call_model(model, map_tensors(args, lambda t: t.to(device)),
                                     map_tensors(kwargs, lambda t: t.to(device)), index,

@@ -1,0 +1,126 @@
+"""Brevitas door (issue 20): each layer's quantized weight computed once per calibration pass, not once per call.
+
+Brevitas quantizes a layer's weight on every forward call (statistics, scale, rounding, clamping): in a
+calibration pass over 64 batches a weight that does not change is quantized 64 times, which was the largest
+single cost of block-by-block GPTQ. :func:`weights_quantized_once` memoises
+``QuantWeightBiasInputOutputLayer.quant_weight`` for the duration of one pass, and recomputes it whenever
+anything it depends on may have changed:
+
+- the weight tensor (a different object, or its in-place version counter moved: ``copy_``, ``div_``, ...),
+- any parameter or buffer of the weight quantizer (learned scales, initialised statistics),
+- whether weight quantization is on, and the layer's ``training`` flag.
+
+It does not cache when gradients are on (QAT needs the graph), for a weight quantizer that reads the quantized
+input (``requires_quant_input``), or for sub-tensor calls. Writes through ``weight.data`` bypass the version
+counter, which is why the cache lives only as long as one pass (the caller's context): algorithms change
+weights between passes, never inside one.
+
+Part of the one door to Brevitas internals; re-exported by :mod:`quark_brevitas.brevitas_adapter`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer
+from torch import nn
+
+__all__ = ["gptq_class_checking_once", "weights_quantized_once"]
+
+#: The instance attribute that shadows the class's ``quant_weight`` while a cache is active.
+_ATTRIBUTE = "quant_weight"
+
+
+class _CachedQuantWeight:
+    """A layer's ``quant_weight``, remembered until its inputs change (see the module docstring)."""
+
+    def __init__(self, layer: QuantWeightBiasInputOutputLayer) -> None:
+        self.layer = layer
+        self.state = [*layer.weight_quant.parameters(), *layer.weight_quant.buffers()]
+        self.weight: torch.Tensor | None = None
+        self.versions: list[int] = []
+        self.training = False
+        self.value: Any = None
+
+    def _valid(self, weight: torch.Tensor) -> bool:
+        return (weight is self.weight and self.training == self.layer.training
+                and self.versions == [weight._version, *(tensor._version for tensor in self.state)])
+
+    def __call__(self, quant_input: Any = None, subtensor_slice_list: Any = None) -> Any:
+        layer = self.layer
+        original = QuantWeightBiasInputOutputLayer.quant_weight
+        proxy = layer.weight_quant
+        if (subtensor_slice_list is not None or not proxy.is_quant_enabled or torch.is_grad_enabled()
+                or proxy.requires_quant_input):  # nothing to save (float weight), or not cacheable
+            return original(layer, quant_input, subtensor_slice_list)
+        weight = layer.weight
+        if not self._valid(weight):
+            self.value = original(layer, quant_input)
+            self.weight, self.training = weight, layer.training
+            self.versions = [weight._version, *(tensor._version for tensor in self.state)]
+        return self.value
+
+
+def _quant_layers(model: nn.Module) -> Iterator[QuantWeightBiasInputOutputLayer]:
+    """The quantized layers of ``model``, without walking into them (a Brevitas layer's quantizers are deep
+    module trees, and the walk happens once per pass)."""
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if isinstance(module, QuantWeightBiasInputOutputLayer):
+            yield module
+        else:
+            stack.extend(child for child in module._modules.values() if child is not None)
+
+
+@contextlib.contextmanager
+def weights_quantized_once(model: nn.Module) -> Iterator[None]:
+    """While the context lasts (one calibration pass), each quantized layer of ``model`` quantizes its weight
+    once and reuses it until the weight or its quantizer changes. Nested contexts share the outer cache."""
+    installed = []
+    for module in _quant_layers(model):
+        if _ATTRIBUTE not in module.__dict__:
+            object.__setattr__(module, _ATTRIBUTE, _CachedQuantWeight(module))
+            installed.append(module)
+    try:
+        yield
+    finally:
+        for module in installed:
+            module.__dict__.pop(_ATTRIBUTE, None)
+
+
+# ===================================================================== Brevitas's GPTQ: the initialisation check once
+def gptq_class_checking_once() -> type:
+    """Brevitas's ``GPTQ`` whose per-column ``get_quant_weights`` checks that the weight quantizer is initialised
+    once per layer instead of once per column.
+
+    Brevitas walks every submodule of the weight quantizer for ``init_done`` before quantizing each column (a
+    sixth of GPTQ's time on MiniLM); the flags cannot change while one layer is being updated, because the
+    columns are quantized with quantization on and the scales already initialised. The check runs on the first
+    column exactly as Brevitas runs it (same error), then the walk is skipped for the layer's other columns;
+    everything else, and so every value, is Brevitas's own.
+    """
+    from brevitas.graph.gptq import GPTQ
+
+    class CheckedOnceGPTQ(GPTQ):
+        def get_quant_weights(self, i: int, i1: int, permutation_list: Any, with_quant_history: bool = False
+                              ) -> Any:
+            proxy = self.layer.weight_quant
+            if not getattr(self, "_quant_init_checked", False):
+                result = super().get_quant_weights(i, i1, permutation_list, with_quant_history)
+                self._quant_init_checked = True
+                return result
+            object.__setattr__(proxy, "modules", _no_modules)  # the walk Brevitas repeats per column
+            try:
+                return super().get_quant_weights(i, i1, permutation_list, with_quant_history)
+            finally:
+                proxy.__dict__.pop("modules", None)
+
+    return CheckedOnceGPTQ
+
+
+def _no_modules() -> Iterator[nn.Module]:
+    return iter(())
