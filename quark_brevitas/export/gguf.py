@@ -293,7 +293,7 @@ def check_gguf_blocks(gguf: Any, tensors: list[GGUFTensor]) -> None:
 
 # ===================================================================== entry point
 def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], model_type: str | None = None,
-                tokenizer_path: str | os.PathLike[str] | None = None) -> Path:
+                tokenizer_path: str | os.PathLike[str] | None = None, *, overwrite: bool = False) -> Path:
     """Write ``output_dir/model.gguf`` for llama.cpp (and transformers' ``gguf_file=`` loader); returns its path.
 
     Args:
@@ -306,6 +306,7 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
             ``model_type``.
         tokenizer_path: A folder with the model's ``tokenizer.json`` (byte-level BPE); ``None``: the model's own
             folder if it has one, else the file has no tokenizer (a warning says so).
+        overwrite: Write into a folder holding files quark_brevitas did not write (only ours are replaced).
     """
     if not isinstance(quant_model, nn.Module):
         raise ExportArgumentError(f"quant_model must be a torch.nn.Module, got {type(quant_model).__name__}")
@@ -315,7 +316,7 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
     with torch.no_grad():
         tensors = collect_checked(lambda: collect_gguf_tensors(quant_model, plan.family, plan.name_map, config))
     check_gguf_blocks(plan.gguf, tensors)
-    path = write_gguf(plan, config, tensors, output_dir)
+    path = write_gguf(plan, config, tensors, output_dir, overwrite=overwrite)
     logger.info("Wrote %s (%d tensors, %d quantized)", path, len(tensors), sum(t.expected is not None for t in tensors))
     return path
 
