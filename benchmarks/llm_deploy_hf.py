@@ -5,7 +5,8 @@ computes when it loads each file, on the trained Llama.
   ours GPTQ (the same preset with GPTQ), and the ``gguf`` package's own round-to-nearest Q4_0 of the same float
   model (``gguf.quants.quantize``: what llama.cpp's ``quantize`` tool computes for Q4_0) written to the same
   tensors. The trained Llama's MLP is 688 wide, not a multiple of 32, so ``down_proj`` stays float in every GGUF
-  row (llama.cpp too falls back to a float type for rows that are not whole blocks). Perplexity: transformers
+  row (llama.cpp too falls back to a float type for rows that are not whole blocks); in the compressed-tensors
+  rows too (it reads whole groups of 128 only; the ONNX rows quantize it with a last partial group). Perplexity: transformers
   loading the file (``from_pretrained(dir, gguf_file=...)``, which dequantizes to float).
 * **compressed-tensors** W4 per group of 128, symmetric (GPTQ, RTN) and asymmetric (RTN): transformers loading
   our folder (the ``compressed-tensors`` package decompresses it).
@@ -25,7 +26,9 @@ import llm
 import torch
 
 AddRow = Callable[..., Any]
-GGUF_EXCLUDE = ["*down_proj"]  # 688 input channels: not whole GGUF blocks of 32
+#: The trained Llama's down_proj has 688 input channels: not whole GGUF blocks of 32 nor groups of 128, which
+#: neither llama.cpp nor compressed-tensors reads, so it stays float in these rows.
+PARTIAL_GROUPS = ["*down_proj"]
 
 
 def hf_perplexity(model: torch.nn.Module, windows: list[dict[str, torch.Tensor]]) -> float:
@@ -39,14 +42,22 @@ def hf_perplexity(model: torch.nn.Module, windows: list[dict[str, torch.Tensor]]
     return math.exp(total / tokens)
 
 
-def _gguf_config(gptq: bool) -> Any:
-    from quark_brevitas import algos
+def _gguf_config(gptq: bool, mse: bool = False) -> Any:
+    """Preset ``gguf_q4_0`` (RTN), with GPTQ, and with MSE-searched weight scales instead of max/7."""
+    import dataclasses
+
+    from quark_brevitas import QLayerConfig, algos
     from quark_brevitas.config.presets import get_preset
+    from quark_brevitas.types import ParamType
 
     config = get_preset("gguf_q4_0")
-    config.exclude = list(GGUF_EXCLUDE)
+    config.exclude = list(PARTIAL_GROUPS)
     config.pre_quant_opt_config = []
     config.algo_config = [algos.GPTQ()] if gptq else []
+    if mse:
+        (key, layer), = config.layer_type_quant_config.items()
+        config.layer_type_quant_config[key] = QLayerConfig(
+            weight=dataclasses.replace(layer.weight, param_type=ParamType.mse))
     return config
 
 
@@ -55,9 +66,12 @@ def _ct_config(recipe: str) -> Any:
     from quark_brevitas.types import Dtype, QSchemeType
 
     if recipe != "rtn_w4_g128_asym":
-        return llm.recipe_config(recipe)
-    weight = QTensorConfig(dtype=Dtype.uint4, qscheme=QSchemeType.per_group, group_size=128)
-    return Config(QLayerConfig(weight=weight), pre_quant_opt_config=[])
+        config = llm.recipe_config(recipe)
+    else:
+        weight = QTensorConfig(dtype=Dtype.uint4, qscheme=QSchemeType.per_group, group_size=128)
+        config = Config(QLayerConfig(weight=weight), pre_quant_opt_config=[])
+    config.exclude = list(PARTIAL_GROUPS)
+    return config
 
 
 def gguf_package_q4_0(ours: Path, float_model: torch.nn.Module, out: Path) -> Path:
@@ -109,12 +123,13 @@ def section_formats(work: Path, eval_sequences: int, calib_sequences: int, gptq:
         exact = "" if ours is None else f" (our PyTorch model: {hf_perplexity(ours, evaluation):.4f})"
         logging.info("%s: perplexity %.4f%s, %.2f MB", name, ppl, exact, _size_mb(path))
 
-    gguf_recipes = {"GGUF Q4_0, ours RTN": False}
+    row("float (transformers)", folder / "model.safetensors", fresh())
+    gguf_recipes = {"GGUF Q4_0, ours RTN": (False, False), "GGUF Q4_0, ours RTN, MSE scales": (False, True)}
     if gptq:
-        gguf_recipes["GGUF Q4_0, ours GPTQ"] = True
+        gguf_recipes.update({"GGUF Q4_0, ours GPTQ": (True, False), "GGUF Q4_0, ours GPTQ, MSE scales": (True, True)})
     ours_file = None
-    for name, use_gptq in gguf_recipes.items():
-        quant = ModelQuantizer(_gguf_config(use_gptq)).quantize_model(fresh(), calib if use_gptq else None)
+    for name, (use_gptq, mse) in gguf_recipes.items():
+        quant = ModelQuantizer(_gguf_config(use_gptq, mse)).quantize_model(fresh(), calib if use_gptq else None)
         path = export_gguf(quant, work / name.replace(" ", "_").replace(",", ""))
         ours_file = ours_file or path
         row(name, path, _gguf_loaded(path), quant)
