@@ -6,8 +6,8 @@ computes when it loads each file, on the trained Llama.
   model (``gguf.quants.quantize``: what llama.cpp's ``quantize`` tool computes for Q4_0) written to the same
   tensors. The trained Llama's MLP is 688 wide, not a multiple of 32, so ``down_proj`` stays float in every GGUF
   row (llama.cpp too falls back to a float type for rows that are not whole blocks); in the compressed-tensors
-  rows too (it reads whole groups of 128 only; the ONNX rows quantize it with a last partial group). Perplexity: transformers
-  loading the file (``from_pretrained(dir, gguf_file=...)``, which dequantizes to float).
+  rows too (it reads whole groups of 128 only; the ONNX rows quantize it with a last partial group). Perplexity:
+  transformers loading the file (``from_pretrained(dir, gguf_file=...)``, which dequantizes to float).
 * **compressed-tensors** W4 per group of 128, symmetric (GPTQ, RTN) and asymmetric (RTN): transformers loading
   our folder (the ``compressed-tensors`` package decompresses it).
 * llama.cpp tokens/s only where ``llama-cpp-python`` is installed.
