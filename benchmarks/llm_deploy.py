@@ -23,8 +23,8 @@ of those 128 steps (the prompt step excluded), onnxruntime's default session wit
 files are timed interleaved (each repetition runs every file once, in a rotated order) and the median is printed:
 the CPU is shared, so single runs are noisy.
 
-Other formats (GGUF through the ``gguf`` package / llama.cpp, compressed-tensors through transformers) add their
-rows to :data:`ROWS` via :func:`add_row`: same columns, "-" where a column does not apply.
+GGUF (ours RTN and GPTQ Q4_0, the ``gguf`` package's own RTN Q4_0) and compressed-tensors rows: perplexity of
+what transformers computes loading each file (``benchmarks/llm_deploy_hf.py``; ``--skip formats`` leaves them out).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llm  # noqa: E402  (the trained Llama, its tokens and its recipes)
+from llm_deploy_hf import section_formats  # noqa: E402
 from tables import format_table  # noqa: E402
 
 SPEED_WIDTH, SPEED_INTERMEDIATE, SPEED_BLOCKS, SPEED_HEADS = 1024, 2816, 8, 16
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval", type=int, default=64, help="held-out sequences of 128 tokens for perplexity")
     parser.add_argument("--calib", type=int, default=128, help="calibration sequences of 128 tokens (GPTQ)")
     parser.add_argument("--no-gptq", action="store_true", help="skip the GPTQ row of the trained Llama")
-    parser.add_argument("--skip", choices=["perplexity", "speed"], action="append", default=[])
+    parser.add_argument("--skip", choices=["perplexity", "speed", "formats"], action="append", default=[])
     parser.add_argument("--keep", type=Path, help="write the ONNX files here (kept) instead of a temporary folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -297,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         if "perplexity" not in args.skip:
             section_perplexity(work, 8 if args.quick else args.eval, 8 if args.quick else args.calib,
                                gptq=not args.no_gptq)
+        if "formats" not in args.skip:
+            section_formats(work, 8 if args.quick else args.eval, 8 if args.quick else args.calib,
+                            not args.no_gptq, add_row)
         if "speed" not in args.skip:
             section_speed(work, args.threads, repeats, new_tokens)
     print(render(args.threads))

@@ -189,3 +189,29 @@ def test_tokenizer_is_written_and_read_back(tmp_path: Path) -> None:
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out", gguf_file="model.gguf")
     text = "the lazy fox jumps"
     assert loaded(text)["input_ids"][-len(fast(text)["input_ids"]):] == fast(text)["input_ids"]
+
+
+# ===================================================================== from a streamed checkpoint
+def test_streamed_checkpoint_gives_the_in_memory_files_tensors(tmp_path: Path) -> None:
+    """Written block by block without the float model (its folder is deleted first), the file holds exactly the
+    tensors export_gguf writes for the loaded quantized model (names, GGUF types, bytes)."""
+    import shutil
+
+    from quark_brevitas.hf.export_streamed import export_gguf_streamed
+    from quark_brevitas.hf.streaming import load_pretrained_quantized, quantize_pretrained
+
+    float_dir = tmp_path / "float"
+    tiny_llama(kv_heads=2).save_pretrained(float_dir)
+    checkpoint = quantize_pretrained(float_dir, get_preset("gguf_q4_1"), [{"input_ids": t} for t in token_batches(1)],
+                                     tmp_path / "ckpt")
+    shutil.rmtree(float_dir)
+    streamed = export_gguf_streamed(checkpoint, tmp_path / "streamed")
+    whole = export_gguf(load_pretrained_quantized(checkpoint), tmp_path / "whole")
+    written = {t.name: t for t in gguf.GGUFReader(str(streamed)).tensors}
+    expected = {t.name: t for t in gguf.GGUFReader(str(whole)).tensors}
+    assert written.keys() == expected.keys() and len(written) == 2 * 9 + 3  # 9 per block; embeddings, norm, output
+    for name, tensor in expected.items():
+        assert written[name].tensor_type == tensor.tensor_type
+        assert np.array_equal(np.asarray(written[name].data), np.asarray(tensor.data)), name
+    assert sum(t.tensor_type.name == "Q4_1" for t in written.values()) == 15
+    assert not list(tmp_path.glob(".streamed.blocks-*"))  # the spilled blocks are gone

@@ -8,9 +8,11 @@ Subcommands:
   ``--save-checkpoint DIR`` also saves the quantized model (see :mod:`quark_brevitas.checkpoint`).
   With ``--model DIR --calib-text FILE``: quantize a Hugging Face folder (a causal LM or an encoder)
   into the checkpoint ``OUTPUT`` instead, block by block when it is made of blocks, and report
-  perplexity (or embedding cosine) before and after on held-out text (:mod:`quark_brevitas.hf.lm`).
+  perplexity (or embedding cosine) before and after on held-out text (:mod:`quark_brevitas.hf.lm`);
+  ``--export onnx|gguf|compressed-tensors`` also writes that format into ``OUTPUT/<format>/``.
 - ``export``: rebuild a saved checkpoint and export it to ONNX QCDQ or QONNX, verified against the
-  rebuilt PyTorch model.
+  rebuilt PyTorch model; or write it as GGUF or compressed-tensors (:mod:`quark_brevitas.cli.deploy`), block by
+  block for a checkpoint written block by block.
 - ``plan``: which layers of the digits CNN a config quantizes, and how.
 - ``presets``: the named configs ``--preset`` accepts.
 - ``analyze``: where accuracy goes: the layer-by-layer comparison and the sensitivity ranking of a config,
@@ -42,6 +44,7 @@ from quark_brevitas.cli.options import (
     DEFAULT_OUTPUT,
     DEFAULT_TOKEN_SHAPE,
     EXPORT_FORMATS,
+    QUANTIZE_EXPORTS,
     positive_int,
     shape_option,
 )
@@ -107,20 +110,30 @@ def _build_parser() -> argparse.ArgumentParser:
     llm.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
     llm.add_argument("--offload", choices=("disk",), default=None,
                      help="keep cached activations on disk instead of in memory")
+    llm.add_argument("--export", choices=QUANTIZE_EXPORTS, default=None,
+                     help="also write the quantized model as ONNX QCDQ (verified in onnxruntime), GGUF (llama.cpp; "
+                          "needs a gguf_q4_0/q4_1/q8_0 preset) or compressed-tensors (transformers, vLLM) into "
+                          "--output/<format>/")
     llm.add_argument("--no-resume", action="store_true",
                      help="start over even if --output holds an interrupted run of the same job")
     quantize.set_defaults(func=cmd_quantize)
 
     export = sub.add_parser(
         "export", parents=[verbosity],
-        help="export a saved checkpoint to ONNX QCDQ or QONNX",
+        help="export a saved checkpoint to ONNX QCDQ, QONNX, GGUF or compressed-tensors",
         description="Rebuild a checkpoint written by 'quantize --save-checkpoint', 'quantize --model' (a Hugging "
                     "Face model) or save_quantized and export it; the file is checked against the rebuilt PyTorch "
-                    "model (onnxruntime for QCDQ, qonnx for QONNX).",
+                    "model (onnxruntime for QCDQ, qonnx for QONNX); GGUF blocks are proven to dequantize to the "
+                    "quantized weights exactly.",
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a checkpoint directory")
-    export.add_argument("--format", choices=EXPORT_FORMATS, default="qcdq", help="qcdq (default) or qonnx")
-    export.add_argument("--output", metavar="FILE", required=True, help="the .onnx file to write")
+    export.add_argument("--format", choices=EXPORT_FORMATS, default="qcdq",
+                        help="qcdq (default), qonnx, gguf or compressed-tensors")
+    export.add_argument("--output", metavar="PATH", required=True,
+                        help="the .onnx file to write; for gguf and compressed-tensors the folder to write")
+    export.add_argument("--overwrite", action="store_true",
+                        help="gguf / compressed-tensors: write into --output even if it holds files quark_brevitas "
+                             "did not write (only the entries this run writes are replaced)")
     export.add_argument("--input-shape", metavar="SHAPE", type=shape_option, default=None,
                         help="example input shape such as 1,1,8,8 (random values; for a Hugging Face model "
                              "BATCH,SEQUENCE of random token ids; default: the checkpoint's stored example input, "

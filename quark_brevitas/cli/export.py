@@ -1,5 +1,6 @@
 """``quark-brevitas export``: a saved checkpoint rebuilt (digits CNN, a Hugging Face model from its manifest,
-or a streamed checkpoint) and exported to a verified ONNX QCDQ or QONNX file.
+or a streamed checkpoint) and exported to a verified ONNX QCDQ or QONNX file, or written as GGUF or
+compressed-tensors (:mod:`quark_brevitas.cli.deploy`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ import torch
 from torch import nn
 
 from quark_brevitas.api import ModelExporter
-from quark_brevitas.cli.options import DEFAULT_MODEL, DEFAULT_TOKEN_SHAPE, EXAMPLE_TEXT, CLIError, first_line
+from quark_brevitas.cli.options import (
+    DEFAULT_MODEL,
+    DEFAULT_TOKEN_SHAPE,
+    DEPLOY_FORMATS,
+    EXAMPLE_TEXT,
+    CLIError,
+    first_line,
+)
 from quark_brevitas.cli.quantize import kib
 
 logger = logging.getLogger("quark_brevitas.cli")
@@ -125,6 +133,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from quark_brevitas.checkpoint import read_checkpoint
 
     info = read_checkpoint(args.checkpoint)
+    if args.format in DEPLOY_FORMATS:
+        return _export_deploy(args, info)
     model, model_source = _checkpoint_model(args, info)
     example, example_source = _export_example(args, info, model)
     where = "--input-shape" if args.input_shape is not None else f"checkpoint {args.checkpoint!r}"
@@ -148,6 +158,25 @@ def cmd_export(args: argparse.Namespace) -> int:
                                            "; rounding flips, every quantizer verified pinned") + ")"),
         ("time", f"{time.perf_counter() - start:.1f} s"),
     ]
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+    return 0
+
+
+def _export_deploy(args: argparse.Namespace, info: Any) -> int:
+    """``export --format gguf|compressed-tensors``: block by block from a streamed checkpoint, else from the
+    rebuilt model."""
+    from quark_brevitas.cli.deploy import is_streamed, write_deploy_format
+
+    if args.input_shape is not None:
+        raise CLIError(f"--input-shape does not apply to --format {args.format} (nothing is traced)")
+    streamed = is_streamed(info) and args.model is None
+    model, model_source = (None, "rebuilt block by block") if streamed else _checkpoint_model(args, info)
+    start = time.perf_counter()
+    written = write_deploy_format(args.format, info.directory, model, Path(args.output), overwrite=args.overwrite)
+    size = sum(p.stat().st_size for p in ([written] if written.is_file() else written.rglob("*")) if p.is_file())
+    rows = [("checkpoint", str(args.checkpoint)), ("model", model_source), ("format", args.format),
+            ("written", f"{written}, {kib(size)}"), ("time", f"{time.perf_counter() - start:.1f} s")]
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
     return 0

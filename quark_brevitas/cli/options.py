@@ -31,7 +31,15 @@ DEFAULT_TOKEN_SHAPE = (1, 16)
 EXAMPLE_TEXT = "The quick brown fox jumps over the lazy dog while seven small cats sleep near the warm red house."
 
 
-EXPORT_FORMATS = ("qcdq", "qonnx")
+#: Formats of files other programs run or load (``export --format``, ``quantize --model --export``).
+DEPLOY_FORMATS = ("gguf", "compressed-tensors")
+
+
+EXPORT_FORMATS = ("qcdq", "qonnx", *DEPLOY_FORMATS)
+
+
+#: ``quantize --model --export``: ONNX (QCDQ, verified in onnxruntime) or a deployment format.
+QUANTIZE_EXPORTS = ("onnx", *DEPLOY_FORMATS)
 
 
 ONNX_NAME = "digits_quant.onnx"

@@ -81,6 +81,17 @@ def _cmd_quantize_llm(args: argparse.Namespace) -> int:
         resume=not args.no_resume, offload=args.offload, overwrite=args.overwrite,
         tokenizer_dir=args.tokenizer)
     rows = report.rows()
+    if args.export is not None:
+        from quark_brevitas.cli.deploy import write_next_to_checkpoint
+        from quark_brevitas.export import ExportError
+
+        start = time.perf_counter()
+        try:
+            written = write_next_to_checkpoint(args.export, output)
+        except ExportError as exc:
+            raise CLIError(f"--export {args.export}: {exc} (the checkpoint {str(output)!r} is written; after "
+                           f"quantizing it differently, or for another format: quark-brevitas export)") from exc
+        rows = [*rows, (f"export ({args.export})", f"{written} ({time.perf_counter() - start:.1f} s)")]
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
     return 0
@@ -93,6 +104,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise CLIError("--calib-text needs --model DIR (the digits CNN calibrates on its own data)")
     if args.tokenizer is not None:
         raise CLIError("--tokenizer needs --model DIR (the digits CNN takes images, not text)")
+    if args.export is not None:
+        raise CLIError("--export needs --model DIR (the digits CNN is always exported to ONNX QCDQ)")
     from quark_brevitas.cli.digits import evaluate, example_input, load_digits_data, train_digits_cnn
 
     config, source = resolve_config(args)  # before any work, so a bad config fails fast

@@ -40,7 +40,9 @@ from quark_brevitas.export.intweights import IntegerWeight, integer_weights
 from quark_brevitas.extras import require
 from quark_brevitas.outputs import output_dir as atomic_output_dir
 
-__all__ = ["GGUF_FAMILIES", "GGUF_FILE_NAME", "GGUF_WEIGHT_TYPES", "export_gguf"]
+__all__ = ["GGUF_FAMILIES", "GGUF_FILE_NAME", "GGUF_WEIGHT_TYPES", "GGUFFamily", "GGUFPlan", "GGUFTensor",
+           "check_gguf_blocks", "collect_checked", "collect_gguf_tensors", "export_gguf", "plan_gguf",
+           "refuse_activation_quantizers", "tokenizer_dir_of", "write_gguf"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ _FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 (int4 symmetric, groups of 3
 
 
 @dataclass(frozen=True)
-class _Family:
+class GGUFFamily:
     """How one Hugging Face model type is written: the llama.cpp architecture and whether Q/K rows are permuted
     (llama.cpp's rotary layout for Llama-style attention, which transformers' loader undoes)."""
 
@@ -66,10 +68,10 @@ class _Family:
 
 
 #: model_type -> how it is written (the families transformers' GGUF loader reads back).
-GGUF_FAMILIES: dict[str, _Family] = {
-    "llama": _Family("llama", True),
-    "mistral": _Family("llama", True),  # llama.cpp writes Mistral as llama; transformers reads the name
-    "qwen2": _Family("qwen2", False),
+GGUF_FAMILIES: dict[str, GGUFFamily] = {
+    "llama": GGUFFamily("llama", True),
+    "mistral": GGUFFamily("llama", True),  # llama.cpp writes Mistral as llama; transformers reads the name
+    "qwen2": GGUFFamily("qwen2", False),
 }
 
 
@@ -127,7 +129,7 @@ def _permute_rows(array: np.ndarray, heads: int) -> np.ndarray:
 
 
 # ===================================================================== model checks and metadata
-def _refuse_activation_quantizers(model: nn.Module) -> None:
+def refuse_activation_quantizers(model: nn.Module) -> None:
     for site in iter_quantizers(model):
         if site.kind != "weight":
             raise ExportError(f"layer '{site.layer_name or '(model)'}' quantizes its {site.attribute} "
@@ -164,7 +166,7 @@ def _add_architecture(writer: Any, config: Any, family_name: str) -> None:
 
 
 # ===================================================================== tokenizer
-def _tokenizer_dir(model: nn.Module, tokenizer_path: str | os.PathLike[str] | None) -> Path | None:
+def tokenizer_dir_of(model: nn.Module, tokenizer_path: str | os.PathLike[str] | None) -> Path | None:
     if tokenizer_path is not None:
         path = Path(tokenizer_path)
         if not (path / "tokenizer.json").is_file():
@@ -226,7 +228,9 @@ def _add_tokenizer(writer: Any, gguf: Any, path: Path) -> None:
 
 # ===================================================================== tensors
 @dataclass(frozen=True)
-class _Tensor:
+class GGUFTensor:
+    """One tensor of the file, packed, with what its blocks must dequantize to."""
+
     name: str  # GGUF name
     data: np.ndarray
     qtype: str  # "F32" or a GGUF block type
@@ -239,17 +243,23 @@ def _gguf_name(name_map: Any, hf_name: str) -> str | None:
     return None if mapped is None else f"{mapped}.{leaf}"
 
 
-def _collect(model: nn.Module, family: _Family, name_map: Any) -> list[_Tensor]:
+def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, config: Any, prefix: str = "",
+                         skip: str | None = None) -> list[GGUFTensor]:
+    """The GGUF tensors of ``model`` (the whole model, or one block of it whose parameter names start with
+    ``prefix`` in the whole model), packed from its integer codes; parameters under ``skip`` are left out (the
+    block stack, when the rest of a model is written without it)."""
     weights = integer_weights(model)
-    config = model.config
     heads, kv_heads = int(config.num_attention_heads), int(_config_value(config, "num_key_value_heads",
                                                                          default=config.num_attention_heads))
     tensors = []
-    for hf_name, param in model.named_parameters():
-        layer, _, leaf = hf_name.rpartition(".")
-        inside = [q for q in weights if hf_name.startswith(f"{q}.") and hf_name != f"{q}.weight"]
+    for local_name, param in model.named_parameters():
+        if skip is not None and local_name.startswith(f"{skip}."):
+            continue
+        layer, _, leaf = local_name.rpartition(".")
+        inside = [q for q in weights if local_name.startswith(f"{q}.") and local_name != f"{q}.weight"]
         if inside and not (layer in weights and leaf == "bias"):
             continue  # quantizer internals (scales, zero points) of a quantized layer
+        hf_name = prefix + local_name
         name = _gguf_name(name_map, hf_name)
         if name is None:
             what = "quantized layer" if layer in weights else "tensor"
@@ -258,18 +268,18 @@ def _collect(model: nn.Module, family: _Family, name_map: Any) -> list[_Tensor]:
         rows_heads = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else None
         if layer in weights and leaf == "weight":
             entry = weights[layer]
-            qtype = _gguf_type(layer, entry)
-            data, expected = _pack(layer, entry, qtype), entry.dequantize().detach().float().numpy()
+            qtype = _gguf_type(prefix + layer, entry)
+            data, expected = _pack(prefix + layer, entry, qtype), entry.dequantize().detach().float().numpy()
         else:
             qtype, data, expected = "F32", param.detach().float().cpu().numpy(), None
         if family.permute_qk and rows_heads is not None:
             data = _permute_rows(data, rows_heads)
             expected = None if expected is None else _permute_rows(expected, rows_heads)
-        tensors.append(_Tensor(name, np.ascontiguousarray(data), qtype, expected))
+        tensors.append(GGUFTensor(name, np.ascontiguousarray(data), qtype, expected))
     return tensors
 
 
-def _check_blocks(gguf: Any, tensors: list[_Tensor]) -> None:
+def check_gguf_blocks(gguf: Any, tensors: list[GGUFTensor]) -> None:
     """Prove every packed weight: the ``gguf`` package's own dequantization gives the quantized weight exactly."""
     for tensor in tensors:
         if tensor.expected is None:
@@ -284,7 +294,7 @@ def _check_blocks(gguf: Any, tensors: list[_Tensor]) -> None:
 
 # ===================================================================== entry point
 def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], model_type: str | None = None,
-                tokenizer_path: str | os.PathLike[str] | None = None) -> Path:
+                tokenizer_path: str | os.PathLike[str] | None = None, *, overwrite: bool = False) -> Path:
     """Write ``output_dir/model.gguf`` for llama.cpp (and transformers' ``gguf_file=`` loader); returns its path.
 
     Args:
@@ -297,34 +307,66 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
             ``model_type``.
         tokenizer_path: A folder with the model's ``tokenizer.json`` (byte-level BPE); ``None``: the model's own
             folder if it has one, else the file has no tokenizer (a warning says so).
+        overwrite: Write into a folder holding files quark_brevitas did not write (only ours are replaced).
     """
     if not isinstance(quant_model, nn.Module):
         raise ExportArgumentError(f"quant_model must be a torch.nn.Module, got {type(quant_model).__name__}")
     config = getattr(quant_model, "config", None)
+    plan = plan_gguf(config, model_type, tokenizer_dir_of(quant_model, tokenizer_path))
+    refuse_online_rotations(quant_model, "GGUF")
+    refuse_activation_quantizers(quant_model)
+    with torch.no_grad():
+        tensors = collect_checked(lambda: collect_gguf_tensors(quant_model, plan.family, plan.name_map, config))
+    check_gguf_blocks(plan.gguf, tensors)
+    path = write_gguf(plan, config, tensors, output_dir, overwrite=overwrite)
+    logger.info("Wrote %s (%d tensors, %d quantized)", path, len(tensors), sum(t.expected is not None for t in tensors))
+    return path
+
+
+@dataclass(frozen=True)
+class GGUFPlan:
+    """What writing one model needs: the ``gguf`` package, the family, llama.cpp's tensor names and the
+    tokenizer folder (``None``: no tokenizer)."""
+
+    gguf: Any
+    family_name: str
+    family: GGUFFamily
+    name_map: Any
+    tokenizer_dir: Path | None
+
+
+def plan_gguf(config: Any, model_type: str | None, tokenizer_dir: Path | None) -> GGUFPlan:
+    """Check the family (``model_type``, else the config's) and prepare its tensor name map."""
     family_name = model_type if model_type is not None else getattr(config, "model_type", None)
     if config is None or family_name not in GGUF_FAMILIES:
         raise ExportError(f"model_type {family_name!r} cannot be written as GGUF; supported: "
                           f"{', '.join(GGUF_FAMILIES)} (Hugging Face models with a config)")
     gguf = require("gguf", "GGUF export")
     family = GGUF_FAMILIES[family_name]
-    refuse_online_rotations(quant_model, "GGUF")
-    _refuse_activation_quantizers(quant_model)
-    tokenizer_dir = _tokenizer_dir(quant_model, tokenizer_path)
     arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == family.arch)
     name_map = gguf.get_tensor_name_map(arch, int(config.num_hidden_layers))
+    return GGUFPlan(gguf, family_name, family, name_map, tokenizer_dir)
+
+
+def collect_checked(collect: Any) -> list[GGUFTensor]:
+    """``collect()``, with a project error from the integer weights reported as the ExportError it is here."""
     try:
-        with torch.no_grad():
-            tensors = _collect(quant_model, family, name_map)
+        return collect()
     except ExportError:
         raise
     except QuarkBrevitasError as exc:
         raise ExportError(f"GGUF export: {exc}") from exc
-    _check_blocks(gguf, tensors)
-    with atomic_output_dir(output_dir) as work:
-        writer = gguf.GGUFWriter(str(work / GGUF_FILE_NAME), family.arch)
-        _add_architecture(writer, config, family_name)
-        if tokenizer_dir is not None:
-            _add_tokenizer(writer, gguf, tokenizer_dir)
+
+
+def write_gguf(plan: GGUFPlan, config: Any, tensors: list[GGUFTensor], output_dir: str | os.PathLike[str], *,
+               overwrite: bool = False, sources: tuple[str | os.PathLike[str], ...] = ()) -> Path:
+    """Write ``output_dir/model.gguf`` (atomically) from checked tensors; their data may be memory-mapped."""
+    gguf = plan.gguf
+    with atomic_output_dir(output_dir, overwrite=overwrite, sources=sources) as work:
+        writer = gguf.GGUFWriter(str(work / GGUF_FILE_NAME), plan.family.arch)
+        _add_architecture(writer, config, plan.family_name)
+        if plan.tokenizer_dir is not None:
+            _add_tokenizer(writer, gguf, plan.tokenizer_dir)
         for tensor in tensors:
             raw = None if tensor.qtype == "F32" else gguf.GGMLQuantizationType[tensor.qtype]
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=raw)
@@ -332,6 +374,4 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-    logger.info("Wrote %s (%d tensors, %d quantized)", Path(output_dir) / GGUF_FILE_NAME, len(tensors),
-                sum(t.expected is not None for t in tensors))
     return Path(output_dir) / GGUF_FILE_NAME

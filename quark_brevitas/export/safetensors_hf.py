@@ -182,6 +182,11 @@ def _group_weight(name: str, layer: nn.Module) -> tuple[TensorFormat, torch.Tens
         raise _refuse(name, str(exc)) from exc
     if plan.axis != 1 or plan.codes.ndim != 2:
         raise _refuse(name, "groups along the output channels have no compressed-tensors form")
+    if plan.codes.shape[1] % int(plan.block_size):
+        # compressed-tensors (0.20) dequantizes whole groups only: transformers fails to load a last partial group
+        raise _refuse(name, f"{plan.codes.shape[1]} input channels are not whole groups of {int(plan.block_size)} "
+                            "(compressed-tensors reads whole groups only; exclude the layer or pick a group size "
+                            "that divides its input channels)")
     bits, signed = int(proxy.bit_width()), bool(proxy.is_signed)
     zero = torch.from_numpy(plan.zero_point) if plan.zero_point is not None else torch.zeros(plan.scale.shape)
     codes, zero_point = _signed_codes(name, torch.from_numpy(plan.codes), zero, bits, signed)

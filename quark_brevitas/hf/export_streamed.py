@@ -1,9 +1,12 @@
-"""compressed-tensors checkpoints written from a block-by-block (streamed) checkpoint, one block at a time.
+"""compressed-tensors checkpoints and GGUF files written from a block-by-block (streamed) checkpoint, one block
+at a time.
 
 Lives on the Hugging Face side (it rebuilds quantized blocks through :mod:`quark_brevitas.hf.streaming`), so that
 :mod:`quark_brevitas.export` does not depend on the streaming machinery (no import cycle). The tensors and the
 ``quantization_config`` are those of :func:`quark_brevitas.export.export_safetensors`; see
-:mod:`quark_brevitas.export.safetensors_hf`.
+:mod:`quark_brevitas.export.safetensors_hf`. The GGUF tensors are those of :func:`quark_brevitas.export.export_gguf`
+(:mod:`quark_brevitas.export.gguf`): each block is packed, proven and spilled to a temporary file, and the file is
+written from those memory-mapped arrays (GGUF's header names every tensor before any data).
 """
 
 from __future__ import annotations
@@ -11,14 +14,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from quark_brevitas.export.errors import ExportError
+from quark_brevitas.export.gguf import (
+    GGUFTensor,
+    check_gguf_blocks,
+    collect_checked,
+    collect_gguf_tensors,
+    plan_gguf,
+    refuse_activation_quantizers,
+    write_gguf,
+)
 from quark_brevitas.export.safetensors_hf import (
     LayerCodes,
     check_export_args,
@@ -30,7 +44,7 @@ from quark_brevitas.export.safetensors_hf import (
 )
 from quark_brevitas.outputs import output_dir as _output_folder
 
-__all__ = ["export_safetensors_streamed"]
+__all__ = ["export_gguf_streamed", "export_safetensors_streamed"]
 
 logger = logging.getLogger(__name__)
 _INDEX_FILE = "model.safetensors.index.json"
@@ -85,3 +99,47 @@ def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: 
     logger.info("Wrote %s (%s from the streamed checkpoint %s, %d quantized layers)", directory, format, checkpoint,
                 len(entries))
     return directory
+
+
+def _spill(tensor: GGUFTensor, folder: Path, index: int) -> GGUFTensor:
+    """The tensor with its data moved to ``folder`` and memory-mapped back (its proof is done, so the expected
+    weight is dropped)."""
+    path = folder / f"{index:06d}.npy"
+    np.save(path, tensor.data)
+    return GGUFTensor(tensor.name, np.load(path, mmap_mode="r"), tensor.qtype, None)
+
+
+def export_gguf_streamed(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str],
+                         model_type: str | None = None, tokenizer_path: str | os.PathLike[str] | None = None, *,
+                         overwrite: bool = False) -> Path:
+    """:func:`~quark_brevitas.export.export_gguf` for a checkpoint written block by block
+    (:func:`~quark_brevitas.hf.streaming.quantize_pretrained`), without the float model: each quantized block is
+    rebuilt, packed into GGUF blocks, proven against its quantized weights (``gguf``'s own dequantization, max
+    difference 0), spilled to a temporary file next to ``output_dir`` and dropped. ``tokenizer_path``: default
+    the checkpoint's ``float_model/`` when it holds a ``tokenizer.json``. Returns the ``.gguf`` path; the tensors
+    equal those :func:`export_gguf` writes for the loaded model."""
+    from quark_brevitas.hf.streaming import FLOAT_MODEL_DIR
+
+    checkpoint = Path(checkpoint)
+    if tokenizer_path is None and (checkpoint / FLOAT_MODEL_DIR / "tokenizer.json").is_file():
+        tokenizer_path = checkpoint / FLOAT_MODEL_DIR
+    elif tokenizer_path is None:
+        logger.warning("export_gguf_streamed: %s holds no tokenizer.json; the file has no tokenizer, which "
+                       "llama.cpp needs to run it", checkpoint / FLOAT_MODEL_DIR)
+    Path(output_dir).parent.mkdir(parents=True, exist_ok=True)
+    plan, config, tensors = None, None, []
+    with tempfile.TemporaryDirectory(dir=Path(output_dir).parent, prefix=f".{Path(output_dir).name}.blocks-") as tmp:
+        for prefix, module, skip, unit_config in _streamed_units(checkpoint):
+            if plan is None:
+                plan = plan_gguf(unit_config, model_type, None if tokenizer_path is None else Path(tokenizer_path))
+            config = unit_config
+            refuse_activation_quantizers(module)
+            with torch.no_grad():
+                unit = collect_checked(lambda m=module, p=prefix, k=skip, g=plan, c=config: collect_gguf_tensors(
+                    m, g.family, g.name_map, c, prefix=p, skip=k))
+            check_gguf_blocks(plan.gguf, unit)
+            tensors.extend(_spill(tensor, Path(tmp), len(tensors) + i) for i, tensor in enumerate(unit))
+        path = write_gguf(plan, config, tensors, output_dir, overwrite=overwrite, sources=(checkpoint,))
+        del tensors  # release the memory maps before the folder goes
+    logger.info("Wrote %s from the streamed checkpoint %s", path, checkpoint)
+    return path
