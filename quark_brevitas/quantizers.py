@@ -383,5 +383,5 @@ def _percentile_lets(spec: QuantizationSpec) -> dict[str, Any]:
     return {"high_percentile_q": percentile, "low_percentile_q": 100.0 - percentile}
 
 
-__all__ = ["DEFAULT_PERCENTILE", "HalfStepIntScaling", "RoundHalfAwayFromZeroSte", "build_quantizer", "scheme_of", "table_keys",
-           "verify_spec"]
+__all__ = ["DEFAULT_PERCENTILE", "HalfStepIntScaling", "RoundHalfAwayFromZeroSte", "build_quantizer", "scheme_of",
+           "table_keys", "verify_spec"]
