@@ -59,7 +59,9 @@ def _group_weights(cols: int = 200) -> torch.Tensor:
 
 
 def _int_group_spec(bits: int, group_size: int, symmetric: bool, **kw) -> QTensorConfig:
-    return QTensorConfig(qscheme=PG, group_size=group_size, symmetric=symmetric, bit_width=bits, **kw)
+    """Symmetric specs on the narrow grid of the definition (the full grid: test_full_range.py)."""
+    return QTensorConfig(qscheme=PG, group_size=group_size, symmetric=symmetric, bit_width=bits,
+                         narrow_range=True if symmetric else None, **kw)
 
 
 # ================================================================ 1. per-group integer weights
@@ -325,7 +327,7 @@ def test_int_weight_rounding_methods(rounding):
 def _rounded_weight(rounding: str, symmetric: bool):
     w = _group_weights(128)
     spec = QTensorConfig(bit_width=4, symmetric=symmetric, qscheme=QSchemeType.per_channel,
-                         round_method=RoundType[rounding])
+                         round_method=RoundType[rounding], narrow_range=True if symmetric else None)
     return w, _quant_weight(w, spec)
 
 

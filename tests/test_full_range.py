@@ -24,6 +24,7 @@ from quark_brevitas.export.qonnx import export_qonnx
 from quark_brevitas.types import QSchemeType, ScaleType
 
 sys.path.insert(0, str(Path(__file__).parent))
+import reference as ref  # noqa: E402
 from llm_models import tiny_llama  # noqa: E402
 
 PC, PG = QSchemeType.per_channel, QSchemeType.per_group
@@ -109,6 +110,47 @@ def test_narrow_range_outside_symmetric_int_weights_is_refused(spec: QTensorConf
     layer = QLayerConfig(**{where: spec})
     with pytest.raises(ConfigError, match=rf"{where}\.narrow_range.*symmetric int_quant weights"):
         ModelQuantizer(Config(layer)).quantize_model(nn.Sequential(nn.Linear(4, 2)))
+
+
+# ===================================================================== the grid on random weights, by definition
+def _full_range_qdq(w: torch.Tensor, absmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """Quark's full-range definition: ``scale = max|w| / (2^(b-1) - 1/2)``, codes ``-2^(b-1)..2^(b-1)-1``."""
+    scale = absmax / (2 ** (bits - 1) - 0.5)
+    return ref.int_qdq(w, scale, 0.0, bits, True, False)
+
+
+def _random_weight(shape: tuple[int, int] = (12, 64), seed: int = 3) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("scheme", ["per_tensor", "per_channel", "per_group"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_random_weights_match_the_full_range_definition(bits: int, scheme: str) -> None:
+    w = _random_weight()
+    grouping = {"per_tensor": {}, "per_channel": {"qscheme": PC}, "per_group": {"qscheme": PG, "group_size": 16}}
+    quant = _quantize(_one_linear(w), QTensorConfig(bit_width=bits, **grouping[scheme]))
+    absmax = {"per_tensor": w.abs().max(), "per_channel": w.abs().amax(1, keepdim=True),
+              "per_group": ref.group_absmax(w, 16)}[scheme]
+    weight = _layers(quant)[0].quant_weight()
+    ref.assert_close(weight.value.reshape(w.shape), _full_range_qdq(w, absmax, bits), "values")
+    codes = weight.int().reshape(w.shape)
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    assert low <= int(codes.min()) and int(codes.max()) == high
+    if scheme != "per_tensor":  # some row's or group's negative extreme lands on the extra code
+        assert int(codes.min()) == low
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_mse_scales_search_on_the_full_grid(bits: int) -> None:
+    """MSE scales keep the full range's codes (values on their own full grid) and do not lose to min-max."""
+    from quark_brevitas.config import ParamType
+
+    w = _random_weight()
+    mse = _layers(_quantize(_one_linear(w), QTensorConfig(bit_width=bits, qscheme=PC,
+                                                          param_type=ParamType.mse)))[0].quant_weight()
+    stats = _layers(_quantize(_one_linear(w), QTensorConfig(bit_width=bits, qscheme=PC)))[0].quant_weight()
+    ref.assert_close(mse.value, ref.int_qdq(w, mse.scale.detach(), 0.0, bits, True, False), "values on own grid")
+    assert ((mse.value - w) ** 2).mean() <= ((stats.value - w) ** 2).mean() * (1 + 1e-6)
 
 
 # ===================================================================== integer weights, exports, files

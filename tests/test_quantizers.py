@@ -65,8 +65,10 @@ def _quant_weight(weight: torch.Tensor, spec: QTensorConfig):
 
 def _int_spec(bits: int, per_channel: bool, symmetric: bool, scale_type=ScaleType.float,
               param_type=ParamType.stats) -> QTensorConfig:
+    """Symmetric specs on the narrow grid, which the definition in reference.py states (the full grid, the default
+    up to 4 bits, is checked against its own definition in test_full_range.py)."""
     return QTensorConfig(qscheme=PC if per_channel else PT, symmetric=symmetric, scale_type=scale_type,
-                         param_type=param_type, bit_width=bits)
+                         param_type=param_type, bit_width=bits, narrow_range=True if symmetric else None)
 
 
 def _float_spec(e: int, m: int, per_channel: bool = False, scale_type=ScaleType.float,
