@@ -135,7 +135,7 @@ def test_int_weight_per_group_mse_on_own_grid_and_not_worse_than_stats(symmetric
 def test_int4_short_form_per_group_equals_long_form():
     w = _group_weights()
     short = _quant_weight(w, QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=32))
-    long = _quant_weight(w, _int_group_spec(4, 32, True))
+    long = _quant_weight(w, QTensorConfig(qscheme=PG, group_size=32, bit_width=4))
     assert torch.equal(short.value, long.value)
     uint4 = _quant_weight(w, QTensorConfig(dtype=Dtype.uint4, qscheme=PG, group_size=32))
     assert torch.equal(uint4.value, _quant_weight(w, _int_group_spec(4, 32, False)).value)
