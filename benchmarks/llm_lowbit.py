@@ -110,7 +110,7 @@ def recipes() -> dict[str, Callable[[], tuple[list[Any], list[Any]]] | None]:
     return table
 
 
-MAGR_ALPHA = 1e-3
+MAGR_ALPHA = 1e-2
 
 
 def _has_field(cls: type, name: str) -> bool:

@@ -43,7 +43,7 @@ def test_group_maxima_shrink_while_the_output_barely_moves() -> None:
     after = reduced.abs().reshape(32, 4, 16).amax(-1)
     assert bool((after <= before + 1e-7).all()) and float(after.mean()) < 0.9 * float(before.mean())
     relative = (inputs @ (reduced - weight).T).norm() / (inputs @ weight.T).norm()
-    assert float(relative) < 0.05
+    assert float(relative) < 0.1  # the group maxima drop by over 10 %, the outputs by a few per cent
 
 
 def test_magr_alpha_is_checked_and_serialised() -> None:

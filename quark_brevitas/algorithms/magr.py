@@ -5,7 +5,7 @@ Per output row ``w`` of a layer with input Hessian ``H = X^T X / n`` and origina
 
     min_w  1/2 (w - w0) H (w - w0)^T  +  alpha * mean(diag H) * sum over groups g of max_j |w_g,j|
 
-by proximal gradient descent: a gradient step on the quadratic (step ``1 / ||H||_2``), then the proximal operator
+by accelerated proximal gradient descent (FISTA, Beck and Teboulle): a gradient step on the quadratic (step ``1 / ||H||_2``), then the proximal operator
 of the l-infinity norm of each group, which by Moreau's decomposition is ``v - P(v)``, ``P`` the Euclidean
 projection onto the l1 ball of radius ``step * lambda`` (Duchi et al.'s sort-based projection, vectorised over
 rows). A smaller max|w| gives a finer grid (scales come from the group maximum), and the quadratic term keeps
@@ -22,9 +22,9 @@ import torch
 
 __all__ = ["MAGR_ITERATIONS", "magnitude_reduced", "project_l1_ball"]
 
-#: Proximal-gradient iterations per layer (the paper's order of magnitude; the objective has flattened by then on
-#: the benchmark's layers).
-MAGR_ITERATIONS = 150
+#: Accelerated proximal-gradient iterations per layer: each costs one ``[out, in] x [in, in]`` product, which
+#: dominates MagR's time (the paper runs 150 plain iterations; FISTA gets as far in fewer).
+MAGR_ITERATIONS = 40
 
 
 def project_l1_ball(values: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,11 @@ def magnitude_reduced(weight: torch.Tensor, hessian: torch.Tensor, alpha: float,
     step = 1.0 / lipschitz
     threshold = step * alpha * float(torch.diag(hessian).mean())
     current = original.clone()
-    for _ in range(iterations):
-        gradient = (current - original) @ hessian
-        current = _prox_group_linf(current - step * gradient, threshold, group_size)
+    point, momentum = current, 1.0
+    for _ in range(iterations):  # FISTA: the proximal step at an extrapolated point
+        gradient = (point - original) @ hessian
+        following = _prox_group_linf(point - step * gradient, threshold, group_size)
+        next_momentum = (1 + (1 + 4 * momentum ** 2) ** 0.5) / 2
+        point = following + ((momentum - 1) / next_momentum) * (following - current)
+        current, momentum = following, next_momentum
     return current.to(weight.dtype)
