@@ -77,7 +77,7 @@ class Format:
                                   input_tensors=PER_TOKEN_INT8 if self.activations else None)
 
 
-FORMATS = [Format("int4 per-channel", 4, None), Format("int3 g128", 3, 128), Format("int2 g64", 2, 64),
+FORMATS = [Format("int3 g128", 3, 128), Format("int2 g64", 2, 64), Format("int4 per-channel", 4, None),
            Format("int4 per-channel, int8 per-token act", 4, None, activations=True)]
 
 

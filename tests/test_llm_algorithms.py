@@ -236,18 +236,18 @@ def test_smoothquant_lowers_the_w8a8_error_on_activation_outliers(batches) -> No
 
 # ===================================================================== GPTQ
 def _textbook_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, static: bool) -> torch.Tensor:
-    """GPTQ column by column (Frantar et al., Algorithm 1 without lazy batches), symmetric int4 per group with
-    ``scale = max|group| / 7``: from the weight before GPTQ (static), or from the updated weight when a group's first
-    column is reached."""
+    """GPTQ column by column (Frantar et al., Algorithm 1 without lazy batches), symmetric int4 per group on the full
+    grid -8..7 (the default at 4 bits) with ``scale = max|group| / 7.5``: from the weight before GPTQ (static), or from
+    the updated weight when a group's first column is reached."""
     work = weight.clone()
     h = hessian + 0.01 * torch.diag(hessian).mean() * torch.eye(hessian.shape[0])
     factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    scale = ref.group_symmetric_scale(work, 4, group_size)
+    scale = ref.group_absmax(work, group_size) / 7.5
     quantized = torch.zeros_like(work)
     for j in range(work.shape[1]):
         if not static and j % group_size == 0:
-            scale[:, j:j + group_size] = ref.group_symmetric_scale(work, 4, group_size)[:, j:j + group_size]
-        quantized[:, j] = ref.int_qdq(work[:, j], scale[:, j], 0.0, 4, True, True)
+            scale[:, j:j + group_size] = (ref.group_absmax(work, group_size) / 7.5)[:, j:j + group_size]
+        quantized[:, j] = ref.int_qdq(work[:, j], scale[:, j], 0.0, 4, True, False)
         error = (work[:, j] - quantized[:, j]) / factor[j, j]
         work[:, j:] -= error[:, None] * factor[j, j:][None, :]
     return quantized
