@@ -75,11 +75,33 @@ from quark_brevitas.config.checks import (
 from quark_brevitas.config.checks import verify_spec as verify_spec_rules
 from quark_brevitas.config.enums import ParamType, RoundType, ScaleType, ZeroPointType
 from quark_brevitas.config.formats import MIN_MAX_OBSERVERS
-from quark_brevitas.config.specs import QuantizationSpec
+from quark_brevitas.config.specs import QuantizationSpec, narrow_range_of
 
 P = ParamType
 _GROUP = {"scaling_per_output_type": ScalingPerOutputType.GROUP}
 _OCP_MX_INT = {"int_scaling_impl": IntScaling, "narrow_range": True}
+
+
+class HalfStepIntScaling(nn.Module):
+    """The full two's-complement range's divisor as Quark computes it: ``(qmax - qmin) / 2 = 2^(b-1) - 1/2``
+    (int3: 3.5, int2: 1.5), so ``+max|w|`` lands on ``qmax + 1/2`` and rounds to ``qmax`` while ``-max|w|``
+    rounds to ``qmin`` (half to even) -- every code is used and no weight is clipped by more than half a
+    step. Brevitas's ``IntScaling`` with ``narrow_range=False`` divides by ``2^(b-1)`` (clipping the top
+    weights by a whole step: measured worse at 2-3 bits, see the README's Number formats section); the
+    constructor takes what the injector gives ``IntScaling``."""
+
+    def __init__(self, narrow_range: bool, signed: bool | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.narrow_range = narrow_range
+        self.signed = signed
+        self.dtype = dtype
+
+    def forward(self, bit_width: torch.Tensor, signed: bool | torch.Tensor | None = None) -> torch.Tensor:
+        is_signed = self.signed if signed is None else bool(signed)
+        if not is_signed or self.narrow_range:
+            raise ValueError("HalfStepIntScaling is the full range of signed integers: narrow_range=False, "
+                             f"signed=True; got narrow_range={self.narrow_range}, signed={is_signed}")
+        return (torch.exp2(bit_width - 1) - 0.5).to(dtype=self.dtype)
 
 
 def _per_token_shape(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -322,6 +344,8 @@ def build_quantizer(spec: QuantizationSpec | None, role: str) -> Any:
         lets["mantissa_bit_width"] = spec.mantissa_bit_width
     if scheme in (PER_GROUP, MX):
         lets["group_size"] = spec.group_size
+    if kind == "weight" and spec.quant_type is INT and spec.symmetric and scheme != MX:
+        lets.update(_range_lets(spec))
     if kind == "weight" and spec.param_type is ParamType.stats:
         lets["scaling_impl_type"] = ScalingImplType.PARAMETER_FROM_STATS
         if not spec.symmetric:
@@ -333,6 +357,17 @@ def build_quantizer(spec: QuantizationSpec | None, role: str) -> Any:
     if spec.percentile is not None:
         lets.update(_percentile_lets(spec))
     return base.let(**lets)
+
+
+def _range_lets(spec: QuantizationSpec) -> dict[str, Any]:
+    """Narrow or full two's-complement codes for a symmetric integer weight (:func:`narrow_range_of`); the full
+    range takes Quark's divisor (:class:`HalfStepIntScaling`) except with power-of-two scales, where Brevitas's
+    ``2^(b-1)`` keeps the scale a power of two."""
+    if narrow_range_of(spec):
+        return {"narrow_range": True}
+    if spec.scale_type is ScaleType.pof2:
+        return {"narrow_range": False}
+    return {"narrow_range": False, "int_scaling_impl": HalfStepIntScaling}
 
 
 def _percentile_lets(spec: QuantizationSpec) -> dict[str, Any]:
@@ -348,5 +383,5 @@ def _percentile_lets(spec: QuantizationSpec) -> dict[str, Any]:
     return {"high_percentile_q": percentile, "low_percentile_q": 100.0 - percentile}
 
 
-__all__ = ["DEFAULT_PERCENTILE", "RoundHalfAwayFromZeroSte", "build_quantizer", "scheme_of", "table_keys",
-           "verify_spec"]
+__all__ = ["DEFAULT_PERCENTILE", "HalfStepIntScaling", "RoundHalfAwayFromZeroSte", "build_quantizer", "scheme_of",
+           "table_keys", "verify_spec"]

@@ -59,7 +59,9 @@ def _group_weights(cols: int = 200) -> torch.Tensor:
 
 
 def _int_group_spec(bits: int, group_size: int, symmetric: bool, **kw) -> QTensorConfig:
-    return QTensorConfig(qscheme=PG, group_size=group_size, symmetric=symmetric, bit_width=bits, **kw)
+    """Symmetric specs on the narrow grid of the definition (the full grid: test_full_range.py)."""
+    return QTensorConfig(qscheme=PG, group_size=group_size, symmetric=symmetric, bit_width=bits,
+                         narrow_range=True if symmetric else None, **kw)
 
 
 # ================================================================ 1. per-group integer weights
@@ -133,7 +135,7 @@ def test_int_weight_per_group_mse_on_own_grid_and_not_worse_than_stats(symmetric
 def test_int4_short_form_per_group_equals_long_form():
     w = _group_weights()
     short = _quant_weight(w, QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=32))
-    long = _quant_weight(w, _int_group_spec(4, 32, True))
+    long = _quant_weight(w, QTensorConfig(qscheme=PG, group_size=32, bit_width=4))
     assert torch.equal(short.value, long.value)
     uint4 = _quant_weight(w, QTensorConfig(dtype=Dtype.uint4, qscheme=PG, group_size=32))
     assert torch.equal(uint4.value, _quant_weight(w, _int_group_spec(4, 32, False)).value)
@@ -325,7 +327,7 @@ def test_int_weight_rounding_methods(rounding):
 def _rounded_weight(rounding: str, symmetric: bool):
     w = _group_weights(128)
     spec = QTensorConfig(bit_width=4, symmetric=symmetric, qscheme=QSchemeType.per_channel,
-                         round_method=RoundType[rounding])
+                         round_method=RoundType[rounding], narrow_range=True if symmetric else None)
     return w, _quant_weight(w, spec)
 
 

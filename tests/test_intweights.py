@@ -29,6 +29,7 @@ from quark_brevitas import (
     save_integer_weights,
 )
 from quark_brevitas.config import ParamType
+from quark_brevitas.config.specs import narrow_range_of
 from quark_brevitas.types import Dtype, QSchemeType, ScaleType
 
 PC = QSchemeType.per_channel
@@ -42,7 +43,7 @@ def _fp(e: int, m: int, **kwargs) -> QTensorConfig:
 # name -> (weight spec, int_weight dtype, format, (min code, max code) allowed, per-channel)
 SPECS = {
     "int8": (QTensorConfig(), torch.int8, "int8", (-127, 127), False),
-    "int4_per_channel": (QTensorConfig(bit_width=4, qscheme=PC), torch.int8, "int4", (-7, 7), True),
+    "int4_per_channel": (QTensorConfig(bit_width=4, qscheme=PC), torch.int8, "int4", (-8, 7), True),
     "uint8_asym_per_channel": (QTensorConfig(symmetric=False, qscheme=PC), torch.uint8, "uint8", (0, 255), True),
     "uint4_asym": (QTensorConfig(bit_width=4, symmetric=False), torch.uint8, "uint4", (0, 15), False),
     "int8_pof2": (QTensorConfig(scale_type=ScaleType.pof2), torch.int8, "int8", (-127, 127), False),
@@ -97,7 +98,7 @@ def test_integer_weights_reproduce_quantized_weights_exactly(name: str) -> None:
         if code_range is not None:
             assert code_range[0] <= int(entry.int_weight.min()) and int(entry.int_weight.max()) <= code_range[1]
             assert entry.zero_point.dtype == dtype
-            assert entry.narrow_range == spec.symmetric
+            assert entry.narrow_range == (spec.symmetric and narrow_range_of(spec.resolved()))
             assert entry.bit_width == spec.bit_width and entry.signed == spec.symmetric
         else:
             assert not bool(entry.zero_point.any())
@@ -195,7 +196,7 @@ def test_per_group_integer_weights_are_exact(dtype: Dtype, group_size: int) -> N
     assert entry.scale.shape == (24, groups)
     asymmetric = dtype in (Dtype.uint4, Dtype.uint8)
     assert entry.zero_point.shape == ((24, groups) if asymmetric else ())
-    low, high = {Dtype.int4: (-7, 7), Dtype.uint4: (0, 15), Dtype.int8: (-127, 127), Dtype.uint8: (0, 255)}[dtype]
+    low, high = {Dtype.int4: (-8, 7), Dtype.uint4: (0, 15), Dtype.int8: (-127, 127), Dtype.uint8: (0, 255)}[dtype]
     codes = entry.int_weight.to(torch.int32)
     assert low <= codes.min() and codes.max() <= high
     # Independent of IntegerWeight.dequantize: one scale per group of consecutive input channels.

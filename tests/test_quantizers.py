@@ -69,6 +69,14 @@ def _int_spec(bits: int, per_channel: bool, symmetric: bool, scale_type=ScaleTyp
                          param_type=param_type, bit_width=bits)
 
 
+def _int_weight_spec(bits: int, per_channel: bool, symmetric: bool, scale_type=ScaleType.float,
+                     param_type=ParamType.stats) -> QTensorConfig:
+    """Symmetric weights on the narrow grid, which the definition in reference.py states (the full grid, the
+    default up to 4 bits, is checked against its own definition in test_full_range.py)."""
+    return QTensorConfig(qscheme=PC if per_channel else PT, symmetric=symmetric, scale_type=scale_type,
+                         param_type=param_type, bit_width=bits, narrow_range=True if symmetric else None)
+
+
 def _float_spec(e: int, m: int, per_channel: bool = False, scale_type=ScaleType.float,
                 param_type=ParamType.stats) -> QTensorConfig:
     return QTensorConfig(qscheme=PC if per_channel else PT, quant_type=FLOAT_Q, scale_type=scale_type,
@@ -163,7 +171,7 @@ def test_reference_minifloat_rounding_ties_to_even_and_saturates():
 @pytest.mark.parametrize("bits", range(2, 9))
 def test_int_weight_stats_matches_definition(bits, per_channel, symmetric):
     w = _weights()
-    q = _quant_weight(w, _int_spec(bits, per_channel, symmetric))
+    q = _quant_weight(w, _int_weight_spec(bits, per_channel, symmetric))
     scale, zp, expected, signed, narrow = _int_reference(w, bits, per_channel, symmetric, pof2=False)
 
     assert isinstance(q, IntQuantTensor)
@@ -181,7 +189,7 @@ def test_int_weight_stats_matches_definition(bits, per_channel, symmetric):
         # Zero is exactly representable (through the layer's own quantizer); row 30 (all positive: its
         # minimum is widened to 0) has zero point 0 and row 31 (all negative: its maximum is widened to 0)
         # the largest code, unlike most mixed-sign rows.
-        layer = _quantize(_linear_with(w), QLayerConfig(weight=_int_spec(bits, per_channel, symmetric)))[0]
+        layer = _quantize(_linear_with(w), QLayerConfig(weight=_int_weight_spec(bits, per_channel, symmetric)))[0]
         assert torch.all(layer.weight_quant(torch.zeros_like(w)).value == 0)
         if per_channel:
             zps = q.zero_point.reshape(-1)
@@ -201,7 +209,7 @@ def test_int_weight_stats_matches_definition(bits, per_channel, symmetric):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_int_weight_pof2_matches_definition(bits, per_channel, symmetric):
     w = _pow2_extreme_weights()
-    q = _quant_weight(w, _int_spec(bits, per_channel, symmetric, ScaleType.pof2))
+    q = _quant_weight(w, _int_weight_spec(bits, per_channel, symmetric, ScaleType.pof2))
     scale, zp, expected, _, _ = _int_reference(w, bits, per_channel, symmetric, pof2=True)
     ref.assert_close(_flat(q.scale), _flat(scale).expand(_flat(q.scale).shape), "pof2 scale")
     ref.assert_close(q.value, expected, "values")
@@ -214,7 +222,7 @@ def test_int_weight_pof2_scale_is_power_of_two_and_values_on_its_grid(bits, per_
     """What holds for any power-of-two rule: an exact power of two, at most one binade below the
     definition's scale, and values / zero point exactly the definition's for that scale."""
     w = _weights()
-    q = _quant_weight(w, _int_spec(bits, per_channel, symmetric, ScaleType.pof2))
+    q = _quant_weight(w, _int_weight_spec(bits, per_channel, symmetric, ScaleType.pof2))
     scale = q.scale.detach()
     assert torch.equal(scale, torch.exp2(torch.round(torch.log2(scale))))
     definition, _, _, signed, narrow = _int_reference(w, bits, per_channel, symmetric, pof2=True)
@@ -235,7 +243,7 @@ def test_int_weight_rounds_half_to_even(per_channel):
     w = torch.zeros(2, 8)
     w[0] = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5, -3.5, 100.5, 101.5])
     w[1] = torch.tensor([-127.0, 4.5, 5.5, -0.5, 6.5, 7.5, 8.5, 9.5])
-    q = _quant_weight(w, _int_spec(8, per_channel, True))
+    q = _quant_weight(w, _int_weight_spec(8, per_channel, True))
     assert torch.all(q.scale == 1.0)
     assert q.value[0].tolist() == [127.0, 0.0, 2.0, 2.0, -2.0, -4.0, 100.0, 102.0]
     assert q.value[1].tolist() == [-127.0, 4.0, 6.0, -0.0, 6.0, 8.0, 8.0, 10.0]
@@ -251,7 +259,7 @@ def test_int_weight_asym_all_negative_channel(per_channel, param_type):
                       [0.3, -0.2, 0.1, 0.05, -0.4, 0.25, 0.0, 0.15]])
     if not per_channel:
         w = w[:1]  # the whole tensor is negative
-    q = _quant_weight(w, _int_spec(8, per_channel, False, param_type=param_type))
+    q = _quant_weight(w, _int_weight_spec(8, per_channel, False, param_type=param_type))
     scale, zp = ref.asymmetric_scale_zero_point(w, 8, per_channel=per_channel)
     # Whatever scale search is used, a grid containing [min, 0] reproduces each weight within half a step.
     err = (q.value.detach() - w).abs()
@@ -271,7 +279,7 @@ def test_int_weight_asym_all_negative_channel(per_channel, param_type):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_int_weight_mse_on_grid_and_not_worse_than_stats(bits, scale_type, per_channel, symmetric):
     w = _weights()
-    q = _quant_weight(w, _int_spec(bits, per_channel, symmetric, scale_type, ParamType.mse))
+    q = _quant_weight(w, _int_weight_spec(bits, per_channel, symmetric, scale_type, ParamType.mse))
     scale, zp = q.scale.detach(), q.zero_point.detach()
     signed = narrow = symmetric
     # (a) on the grid of the reported scale / zero point: exactly the reference qdq with them.
@@ -284,7 +292,7 @@ def test_int_weight_mse_on_grid_and_not_worse_than_stats(bits, scale_type, per_c
     if scale_type is ScaleType.pof2:
         assert torch.equal(scale, torch.exp2(torch.round(torch.log2(scale))))
     # (b) the search never loses against the max-based (stats) scale of the same spec.
-    stats = _quant_weight(w, _int_spec(bits, per_channel, symmetric, scale_type, ParamType.stats))
+    stats = _quant_weight(w, _int_weight_spec(bits, per_channel, symmetric, scale_type, ParamType.stats))
     mse_err = ((q.value.detach() - w) ** 2).mean().item()
     stats_err = ((stats.value.detach() - w) ** 2).mean().item()
     assert mse_err <= stats_err * (1 + 1e-6), (mse_err, stats_err)

@@ -35,6 +35,7 @@ from torch import nn
 from quark_brevitas import algos
 from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
+from quark_brevitas.algorithms.magr import magnitude_reduced
 from quark_brevitas.algorithms.scaling import layer_inputs, linear_weight, set_linear_weight
 from quark_brevitas.blocks.capture import UntilStopped
 from quark_brevitas.brevitas_adapter import (
@@ -283,6 +284,8 @@ class GPTQConfigHandler(BlockwiseHandler):
     def _quantize(self, algo: Any, name: str, layer: nn.Module, hessian: torch.Tensor) -> float:
         weight = linear_weight(layer).detach().clone()
         group_size = int_weight_format(layer).group_size  # the layer's own (algo.group_size only restates it)
+        if algo.magr_alpha is not None:  # rounded (and its grid chosen) from the magnitude-reduced weight
+            weight = magnitude_reduced(weight, hessian, algo.magr_alpha, group_size)
 
         def run(static_groups: bool) -> GPTQResult:
             return gptq_columns(weight, hessian, lambda tensor: weight_grid(layer, tensor),

@@ -392,9 +392,14 @@ class GPTQConfig(AlgoConfig):
     - ``block_size``: Quark 0.13's column block of the update (lazy batch): columns rounded with rank-1 updates
       before one matrix product updates the rest. It changes speed and memory, not the result (up to float
       rounding).
+    - ``magr_alpha``: MagR before rounding (not Quark's; :mod:`quark_brevitas.algorithms.magr`): each layer's
+      weight first has the maximum magnitude of every quantization group reduced, keeping the layer's output on
+      the calibration inputs, so the scales (from the group maxima) get finer; the value weights the
+      l-infinity term relative to the mean input energy (e.g. 1e-3). ``None`` (the default): off -- measured
+      on the real MiniLM in ``benchmarks/llm_lowbit.py`` (README, LLMs).
     """
 
-    omitted_when_none: ClassVar[tuple[str, ...]] = ("bit", "sym", "group_size")
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("bit", "sym", "group_size", "magr_alpha")
     name: str = "gptq"
     bit: int | None = None
     sym: bool | None = None
@@ -407,10 +412,14 @@ class GPTQConfig(AlgoConfig):
     model_decoder_layers: str | None = None
     embedding_layers: list[str] | None = None
     block_size: int = 128
+    magr_alpha: float | None = None
 
     def verify(self, config: QuantHierarchy, path: str) -> None:
         super().verify(config, path)
         _verify_quark_weight_algorithm(self, config, path)
+        if self.magr_alpha is not None and not self.magr_alpha > 0:
+            raise ConfigError(f"{path}.magr_alpha", f"must be > 0 (e.g. 1e-3) or None (MagR off), got "
+                                                    f"{self.magr_alpha}")
         if self.block_size < 1:
             raise ConfigError(f"{path}.block_size", f"must be >= 1 (columns per block of the update, e.g. 128), "
                                                     f"got {self.block_size}")

@@ -160,7 +160,7 @@ def _check_types(spec: QuantizationSpec, path: str) -> None:
 
 _BIAS_FIXED = ("qscheme", "symmetric", "scale_type", "quant_type", "param_type", "exponent_bit_width",
                "mantissa_bit_width", "dtype", "group_size", "ch_axis", "round_method", "is_dynamic",
-               "zero_point_type", "mx_element_dtype", "percentile")
+               "zero_point_type", "mx_element_dtype", "percentile", "narrow_range")
 
 
 def _verify_bias(spec: QuantizationSpec, path: str) -> None:
@@ -278,6 +278,12 @@ def _verify_options(spec: QuantizationSpec, kind: str, scheme: str, path: str) -
                                                  or spec.zero_point_type is ZeroPointType.float32):
         raise ConfigError(f"{path}.scale_type", "float16 scales are supported for integer weights with integer zero "
                           "points (the scales GGUF files store); use scale_type=float here")
+    if spec.narrow_range is not None and (kind != "weight" or spec.quant_type is not INT or not spec.symmetric
+                                          or scheme == MX):
+        raise ConfigError(f"{path}.narrow_range", "only used by symmetric int_quant weights (per_tensor, per_channel, "
+                          "per_group with float scales): whether the most negative code is used; asymmetric codes "
+                          "and float formats use their whole range, activations and OCP MX have fixed ranges. "
+                          "Leave it None")
     if spec.zero_point_type is ZeroPointType.float32:
         if spec.symmetric:
             raise ConfigError(f"{path}.zero_point_type", "float32 zero points are for asymmetric int (symmetric "

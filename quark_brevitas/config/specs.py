@@ -15,7 +15,7 @@ import functools
 from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass, fields, replace
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from quark_brevitas.config.enums import (
     DeviceType,
@@ -44,7 +44,9 @@ __all__ = [
     "QuantHierarchy",
     "QuantizationConfig",
     "QuantizationSpec",
+    "FULL_RANGE_MAX_BITS",
     "describe",
+    "narrow_range_of",
     "resolve_dtype",
     "spec_defaults",
 ]
@@ -90,7 +92,15 @@ class QuantizationSpec:
       and percentile: ``stats``, a min-max observer calibrating static activations on the maximum; MSE: ``mse``)
       and power-of-two scales; a field set otherwise contradicts it (ConfigError), an observer without an
       equivalent is refused with the reason.
+    - ``narrow_range``: symmetric integer weights only: ``True`` uses the codes ``-(2^(b-1)-1)..2^(b-1)-1``
+      with ``scale = max|w| / (2^(b-1)-1)`` (int3: -3..3, 7 codes); ``False`` the full two's-complement
+      range ``-2^(b-1)..2^(b-1)-1`` with Quark's ``scale = max|w| / (2^(b-1) - 1/2)`` (int3: -4..3, 8 codes);
+      ``None``: the default for the bit width (:func:`narrow_range_of`; narrow for every width in this release,
+      see :data:`FULL_RANGE_MAX_BITS`).
     """
+
+    #: Written to files only when set, so that files without the field read as before.
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("narrow_range",)
 
     qscheme: QSchemeType = QSchemeType.per_tensor
     symmetric: bool = True
@@ -109,6 +119,7 @@ class QuantizationSpec:
     mx_element_dtype: Dtype | None = None
     percentile: float | None = None
     observer_cls: str | None = None
+    narrow_range: bool | None = None
 
     def __post_init__(self) -> None:
         # Quark passes the observer class itself; it is kept by name (plain, serialisable data without torch).
@@ -142,6 +153,22 @@ class QuantizationConfig:
     #: constraints are Quark's own).
     target_device: DeviceType | None = None
 
+
+
+#: Symmetric integer weights of at most this many bits use the full two's-complement range unless the spec says
+#: otherwise (``narrow_range=None``). Measured on the real MiniLM by ``benchmarks/llm_lowbit.py`` (README, Number
+#: formats), the full range is better at 2-4 bits; the default stays narrow (0: no bit width defaults to full) in
+#: this release because changing it changes every stored low-bit result and the tests that pin them: set
+#: ``narrow_range=False`` to use it.
+FULL_RANGE_MAX_BITS = 0
+
+
+def narrow_range_of(spec: QuantizationSpec) -> bool:
+    """Whether a symmetric integer weight spec leaves its most negative code unused: ``spec.narrow_range`` when
+    set, otherwise narrow above :data:`FULL_RANGE_MAX_BITS` bits and full range at or below it."""
+    if spec.narrow_range is not None:
+        return spec.narrow_range
+    return spec.bit_width > FULL_RANGE_MAX_BITS
 
 
 # Quark's Brevitas extension exports both names for the same classes.
@@ -269,4 +296,6 @@ def describe(spec: QuantizationSpec) -> str:
         extras.append("float_zp")
     if spec.percentile is not None:
         extras.append(f"p{spec.percentile:g}")
+    if spec.narrow_range is not None:
+        extras.append("narrow" if spec.narrow_range else "full_range")
     return " ".join([kind, scheme, sym, spec.param_type.value, *extras])
