@@ -43,7 +43,9 @@ def test_binary_config_file_is_a_one_line_error(name: str, tmp_path: Path, capsy
 def test_require_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     for module, extra in (("transformers", "hf"), ("accelerate", "hf"), ("matplotlib", "plot"),
                           ("qonnx.core.modelwrapper", "qonnx")):
-        monkeypatch.setitem(sys.modules, module.partition(".")[0], None)
+        parts = module.split(".")
+        for depth in range(1, len(parts) + 1):  # the package and each submodule, also when an earlier test imported it
+            monkeypatch.setitem(sys.modules, ".".join(parts[:depth]), None)
         with pytest.raises(MissingExtraError, match=f'pip install "quark_brevitas\\[{extra}\\]"') as caught:
             require(module, "this feature")
         assert isinstance(caught.value, ImportError) and caught.value.extra == extra
