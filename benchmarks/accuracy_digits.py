@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 
 import torch
-from quark_brevitas.cli.digits import evaluate, load_digits_data, train_digits_cnn
 from tables import format_table
 
 from quark_brevitas import Config, ModelQuantizer, ParamType, QLayerConfig, QTensorConfig, QuantType, algos
+from quark_brevitas.cli.digits import evaluate, load_digits_data, train_digits_cnn
 from quark_brevitas.types import QSchemeType, ScaleType
 
 A8 = QTensorConfig()

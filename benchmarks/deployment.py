@@ -47,11 +47,11 @@ import onnxruntime as ort
 import torch
 from models import EncoderLayer
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-from quark_brevitas.cli.digits import load_digits_data, train_digits_cnn
 from tables import format_table
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
+from quark_brevitas.cli.digits import load_digits_data, train_digits_cnn
 from quark_brevitas.export import export_onnx_qcdq
 from quark_brevitas.types import QSchemeType
 

@@ -20,12 +20,12 @@ import warnings
 
 import torch
 from models import EncoderLayer
-from quark_brevitas.cli.digits import _fit, evaluate, example_input, load_digits_data, train_digits_cnn
 from tables import format_table
 from torch import nn
 from torch.utils.data import DataLoader
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
+from quark_brevitas.cli.digits import _fit, evaluate, example_input, load_digits_data, train_digits_cnn
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export import export_onnx_qcdq
 from quark_brevitas.types import Dtype, QSchemeType, RoundType

@@ -29,7 +29,6 @@ import warnings
 
 import torch
 from formats import DigitsTransformer, train_transformer
-from quark_brevitas.cli.digits import evaluate, load_digits_data, train_digits_cnn
 from tables import format_table
 from torch import nn
 
@@ -42,6 +41,7 @@ from quark_brevitas.analysis import (
     plot_pareto,
     search_mixed_precision,
 )
+from quark_brevitas.cli.digits import evaluate, load_digits_data, train_digits_cnn
 
 CANDIDATE_NAMES = ("w8a8", "w4a8", "w3a8", "w2a8")
 RANDOM_DRAWS = 10

@@ -9,10 +9,10 @@ from __future__ import annotations
 import copy
 import time
 
-from quark_brevitas.cli.digits import evaluate, fine_tune, load_digits_data, train_digits_cnn
 from tables import format_table
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
+from quark_brevitas.cli.digits import evaluate, fine_tune, load_digits_data, train_digits_cnn
 from quark_brevitas.qat import QATConfig, prepare_qat
 from quark_brevitas.types import QSchemeType, ScaleType, TQTThresholdInitMeth
 

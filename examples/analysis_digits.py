@@ -13,8 +13,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from quark_brevitas.cli.digits import evaluate, load_digits_data, train_digits_cnn
-
 from quark_brevitas import ModelQuantizer
 from quark_brevitas.analysis import (
     CANDIDATES,
@@ -28,6 +26,7 @@ from quark_brevitas.analysis import (
     sensitivity_table,
     write_rows,
 )
+from quark_brevitas.cli.digits import evaluate, load_digits_data, train_digits_cnn
 from quark_brevitas.config.presets import get_preset
 
 

@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from quark_brevitas.cli.digits import DigitsCNN, example_input, load_digits_data, train_digits_cnn
 
 from quark_brevitas import (
     ModelExporter,
@@ -25,6 +24,7 @@ from quark_brevitas import (
     save_integer_weights,
     save_quantized,
 )
+from quark_brevitas.cli.digits import DigitsCNN, example_input, load_digits_data, train_digits_cnn
 from quark_brevitas.config.presets import get_preset
 
 torch.set_num_threads(1)  # the model is tiny; extra threads only add overhead

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import brevitas.nn
 import torch
-from quark_brevitas.cli.digits import evaluate, load_digits_data
 from torch import nn
 
 from quark_brevitas import DEFAULT_LAYER_MAP, Container, LayerMapping, ModelQuantizer
+from quark_brevitas.cli.digits import evaluate, load_digits_data
 from quark_brevitas.config.presets import get_preset
 
 torch.set_num_threads(1)  # the model is tiny; extra threads only add overhead

@@ -20,9 +20,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from quark_brevitas.cli.digits import evaluate, evaluate_predictions, example_input, load_digits_data, train_digits_cnn
 
 from quark_brevitas import ModelExporter, ModelQuantizer
+from quark_brevitas.cli.digits import evaluate, evaluate_predictions, example_input, load_digits_data, train_digits_cnn
 from quark_brevitas.config.presets import get_preset
 
 torch.set_num_threads(1)  # the model is tiny; extra threads only add overhead

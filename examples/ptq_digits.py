@@ -19,10 +19,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from quark_brevitas.cli.digits import evaluate, example_input, load_digits_data, train_digits_cnn
 
 from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig
 from quark_brevitas.algos import GPTQ, Preprocess
+from quark_brevitas.cli.digits import evaluate, example_input, load_digits_data, train_digits_cnn
 from quark_brevitas.types import QSchemeType
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")

@@ -11,9 +11,8 @@ import logging
 import tempfile
 from pathlib import Path
 
-from quark_brevitas.cli.digits import evaluate, example_input, fine_tune, load_digits_data, train_digits_cnn
-
 from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig
+from quark_brevitas.cli.digits import evaluate, example_input, fine_tune, load_digits_data, train_digits_cnn
 from quark_brevitas.qat import QATConfig, prepare_qat
 from quark_brevitas.types import QSchemeType
 
