@@ -87,7 +87,8 @@ class LearnedRounding:
         clip = None
         if tune_clip and not fmt.per_tensor and weight.shape[1] % group_size == 0:
             shape = (weight.shape[0], weight.shape[1] // group_size)
-            clip = (torch.ones(shape, requires_grad=True), torch.ones(shape, requires_grad=True))
+            clip = (torch.ones(shape, device=weight.device, requires_grad=True),
+                    torch.ones(shape, device=weight.device, requires_grad=True))
         return cls(layer, weight, grid, group_size, torch.zeros_like(weight, requires_grad=True), clip)
 
     def parameters(self) -> list[torch.Tensor]:

@@ -118,7 +118,7 @@ def clip_search(layer: nn.Module, rows: torch.Tensor, group_size: int, data: Cal
     inputs = torch.nn.functional.pad(rows, (0, pad)).view(rows.shape[0], groups, size)
     peak = grouped.abs().amax(dim=-1, keepdim=True)
     chunk = max(1, (1 << 22) // max(1, rows.shape[0] * groups))  # output channels per step, ~16 MB of products
-    errors = torch.zeros(CLIP_STEPS, out_features, groups)
+    errors = torch.zeros(CLIP_STEPS, out_features, groups, device=weight.device)
     for step in range(CLIP_STEPS):
         limit = peak * (1 - step / GRID)
         clipped = torch.clamp(grouped, -limit, limit).view(out_features, -1)[:, :in_features]
@@ -147,11 +147,12 @@ class AWQConfigHandler(BlockwiseHandler):
                          desc: str) -> torch.Tensor:
         """Squared error sum and element count of ``module``'s outputs on its recorded calls against the recorded
         float outputs."""
-        total = torch.zeros(2)
+        total = torch.zeros(2)  # on the CPU: one number per call leaves the model's device
 
         def accumulate(index: int, output: Any) -> None:
-            difference = main_output(output).float() - recorded.outputs[name][index]
-            total[0] += difference.pow(2).sum()
+            result = main_output(output).float()
+            difference = result - recorded.outputs[name][index].to(result.device)
+            total[0] += difference.pow(2).sum().cpu()
             total[1] += difference.numel()
 
         BlockInputs.of(recorded.calls[name], data, name).forward(module, desc, on_output=accumulate)
