@@ -150,3 +150,29 @@ def test_online_rotations_stream_like_in_memory(llama_dir, tmp_path) -> None:
     assert isinstance(loaded.model.layers[0].self_attn.q_proj, RotatedInput)
     ids = _batches(1)[0]["input_ids"]
     assert torch.equal(_logits(loaded, ids), _logits(expected, ids))
+
+
+# ===================================================================== deployment formats from a streamed checkpoint
+@pytest.mark.slow
+def test_a_streamed_rotated_checkpoint_exports_to_gguf_and_online_rotations_are_refused(llama_dir, tmp_path) -> None:
+    import dataclasses
+
+    pytest.importorskip("gguf")
+    from quark_brevitas.config.presets import get_preset
+    from quark_brevitas.export import ExportError
+    from quark_brevitas.hf.export_streamed import export_gguf_streamed, export_safetensors_streamed
+
+    preset = get_preset("gguf_q4_0")
+    folded = dataclasses.replace(preset, algo_config=[RotationConfig(r1=True, r2=True)])
+    checkpoint = quantize_pretrained(llama_dir, folded, _batches(1), tmp_path / "folded")
+    path = export_gguf_streamed(checkpoint, tmp_path / "gguf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    ids = _batches(1)[0]["input_ids"]
+    assert torch.allclose(_logits(loaded, ids), _logits(load_pretrained_quantized(checkpoint), ids), atol=1e-5, rtol=0)
+    online = dataclasses.replace(preset, algo_config=[RotationConfig(r4=True)])
+    checkpoint = quantize_pretrained(llama_dir, online, _batches(1), tmp_path / "online")
+    with pytest.raises(ExportError, match=r"GGUF cannot hold online Hadamard rotations .*model\.layers\.0\.mlp"):
+        export_gguf_streamed(checkpoint, tmp_path / "online-gguf")
+    with pytest.raises(ExportError, match=r"compressed-tensors cannot hold online .*model\.layers\.0\.mlp\.down_proj"):
+        export_safetensors_streamed(checkpoint, tmp_path / "online-ct")
+    assert not (tmp_path / "online-ct").exists()
