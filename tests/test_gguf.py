@@ -256,6 +256,49 @@ def test_a_head_tied_to_the_embedding_is_written_with_its_quantized_weight(tmp_p
         assert torch.allclose(loaded(tokens).logits, quant(tokens).logits, atol=1e-5, rtol=0)
 
 
+# ===================================================================== K-quants
+def _wide_llama() -> torch.nn.Module:
+    """Q6_K super-blocks are 256 input channels: a Llama whose every Linear input is a multiple of 256."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+INT6_G16 = {"qscheme": G, "group_size": 16, "bit_width": 6}
+
+
+@pytest.mark.slow
+def test_int6_weights_with_power_of_two_scales_are_written_as_q6_k_exactly(tmp_path: Path) -> None:
+    quant = ModelQuantizer(_weight_only(QTensorConfig(**INT6_G16, scale_type=ScaleType.pof2))).quantize_model(
+        _wide_llama())
+    path = export_gguf(quant, tmp_path / "out")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 1)
+    layers = {n: m for n, m in quant.named_modules() if hasattr(m, "quant_weight")}
+    assert len(layers) == 8  # 7 Linear layers and lm_head
+    for name, layer in layers.items():
+        tensor = tensors[name_map.get_name(name) + ".weight"]
+        assert tensor.tensor_type.name == "Q6_K"
+        decoded = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if ".q_proj" in name or ".k_proj" in name:
+            decoded = _unpermute(decoded, 4 if ".q_proj" in name else 2)
+        expected = layer.quant_weight().value.detach().numpy()
+        assert np.abs(decoded - expected).max() == 0.0, name
+        assert len(np.unique(np.abs(expected))) > 32  # several scales per row: the sub-block scales are used
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf").eval()
+    tokens = token_batches(1, seed=3)[0]
+    with torch.no_grad():
+        assert torch.allclose(loaded(tokens).logits, quant(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_q6_k_refuses_scales_without_a_common_float16_factor(tmp_path: Path) -> None:
+    quant = ModelQuantizer(_weight_only(QTensorConfig(**INT6_G16))).quantize_model(_wide_llama())  # float32 scales
+    with pytest.raises(ExportError, match=r"layer 'model\.layers\.0\.self_attn\.q_proj': the 16 scales of row 0, "
+                                          r"input channels 0\.\.255 are not integer multiples.*scale_type=pof2"):
+        export_gguf(quant, tmp_path / "out")
+
+
 # ===================================================================== from a streamed checkpoint
 def test_streamed_checkpoint_gives_the_in_memory_files_tensors(tmp_path: Path) -> None:
     """Written block by block without the float model (its folder is deleted first), the file holds exactly the

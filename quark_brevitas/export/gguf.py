@@ -11,8 +11,9 @@ GGUF block types hold one float16 scale (Q4_1: and one float16 offset) per 32 co
 
 The presets ``gguf_q4_0``, ``gguf_q4_1`` and ``gguf_q8_0`` (``scale_type=float16``) make those scales float16
 numbers, so the file is exact: the ``gguf`` package dequantizes every block to the quantized model's weight bit
-for bit, and the exporter checks that before it writes. K-quants (Q4_K, Q6_K) are not written: their
-super-block scales are 6-bit codes of a float16 scale, which our per-group scales are not.
+for bit, and the exporter checks that before it writes. The K-quant ``Q6_K`` holds int6 symmetric weights per
+group of 16 whose scales are, per 256 input channels, int8 multiples of one float16 number: power-of-two scales
+(``scale_type=pof2``) are (:mod:`quark_brevitas.export.gguf_kquants`, which also says why Q4_K is not written).
 
 Families: Llama, Mistral, Qwen2 and GPT-2 (whose Conv1D weights, stored ``[in, out]``, are written ``[out, in]`` as
 llama.cpp's converter writes them). A head tied to the embedding is written as its own tensor (``output``), with
@@ -38,6 +39,7 @@ from torch import nn
 from quark_brevitas.brevitas_adapter import iter_quantizers
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.export.gguf_kquants import Q6_K_GROUP, Q6_K_SUPER_BLOCK, pack_q6_k
 from quark_brevitas.export.hf import refuse_online_rotations
 from quark_brevitas.export.intweights import IntegerWeight, integer_weights
 from quark_brevitas.extras import require
@@ -54,11 +56,15 @@ GGUF_FILE_NAME = "model.gguf"
 #: GGUF block size of the legacy types written here (elements per scale).
 BLOCK = 32
 
-#: (format, symmetric) of a group-of-32 integer weight -> GGUF type name.
+#: (format, symmetric) of an integer weight -> GGUF type name.
 GGUF_WEIGHT_TYPES: dict[tuple[str, bool], str] = {("int8", True): "Q8_0", ("int4", True): "Q4_0",
-                                                   ("uint4", False): "Q4_1"}
+                                                   ("uint4", False): "Q4_1", ("int6", True): "Q6_K"}
+#: GGUF type -> (input channels per scale, input channels a row must be a whole number of).
+_LAYOUTS = {"Q8_0": (BLOCK, BLOCK), "Q4_0": (BLOCK, BLOCK), "Q4_1": (BLOCK, BLOCK),
+            "Q6_K": (Q6_K_GROUP, Q6_K_SUPER_BLOCK)}
 _FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 (int4 symmetric, groups of 32) or Q4_1 (uint4 asymmetric, "
-         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1")
+         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1; Q6_K (int6 symmetric, "
+         "groups of 16, rows of whole 256s, power-of-two scales: scale_type=pof2)")
 
 
 @dataclass(frozen=True)
@@ -92,12 +98,13 @@ def _gguf_type(name: str, entry: IntegerWeight) -> str:
     qtype = GGUF_WEIGHT_TYPES.get((entry.format, symmetric))
     layout = (f"per group of {entry.group_size}" if entry.group_size else
               "per channel" if entry.axis is not None else "per tensor")
-    if qtype is None or entry.group_size != BLOCK or entry.axis != 1 or entry.int_weight.dim() != 2:
+    group, row = _LAYOUTS.get(qtype, (0, 0))
+    if qtype is None or entry.group_size != group or entry.axis != 1 or entry.int_weight.dim() != 2:
         raise ExportError(f"layer '{name}' has {entry.format} {'symmetric' if symmetric else 'asymmetric'} weights "
                           f"{layout}, which no GGUF type holds; GGUF types that fit: {_FITS}")
-    if entry.int_weight.shape[1] % BLOCK:
+    if entry.int_weight.shape[1] % row:
         raise ExportError(f"layer '{name}' has {entry.int_weight.shape[1]} input channels, not a multiple of "
-                          f"{BLOCK} (the GGUF block); {qtype} needs whole blocks")
+                          f"{row} (the GGUF block); {qtype} needs whole blocks")
     return qtype
 
 
@@ -113,6 +120,8 @@ def _float16_exact(name: str, what: str, values: torch.Tensor) -> np.ndarray:
 def _pack(name: str, entry: IntegerWeight, qtype: str) -> np.ndarray:
     """The GGUF blocks of one weight as ``uint8 [rows, bytes per row]`` (llama.cpp's layout: float16 scale
     (Q4_1: then offset), then the 32 codes; 4-bit codes two per byte, element ``j`` low and ``j + 16`` high)."""
+    if qtype == "Q6_K":
+        return pack_q6_k(name, entry)
     rows, cols = entry.int_weight.shape
     scale = entry.scale.detach().float().reshape(-1, 1)
     d = _float16_exact(name, "scales", scale).view(np.uint8)
