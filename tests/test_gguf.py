@@ -18,7 +18,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from llm_models import VOCAB, tiny_llama, tiny_opt, token_batches  # noqa: E402
+from llm_models import VOCAB, tiny_gpt2, tiny_llama, tiny_opt, token_batches  # noqa: E402
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
@@ -189,6 +189,114 @@ def test_tokenizer_is_written_and_read_back(tmp_path: Path) -> None:
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out", gguf_file="model.gguf")
     text = "the lazy fox jumps"
     assert loaded(text)["input_ids"][-len(fast(text)["input_ids"]):] == fast(text)["input_ids"]
+
+
+# ===================================================================== GPT-2 and tied heads
+def _gpt2_config(exclude: list[str] | None = None) -> Config:
+    """The gguf_q4_0 preset's layer config for GPT-2's Conv1D projections too (the preset covers nn.Linear only)."""
+    layer = get_preset("gguf_q4_0").layer_type_quant_config["Linear"]
+    return Config(QLayerConfig(), layer_type_quant_config={"Linear": layer, "Conv1D": layer}, pre_quant_opt_config=[],
+                  exclude=exclude or [])
+
+
+def test_gpt2_is_written_exactly_and_transformers_loads_it(tmp_path: Path) -> None:
+    """GPT-2 (Conv1D weights stored [in, out]; the head tied to the embedding): every quantized tensor dequantizes to
+    the quantized weight, a float Conv1D is written transposed, and transformers computes our logits."""
+    fast = _bpe_tokenizer(tmp_path / "tok")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(fast), n_embd=64, n_layer=2, n_head=4, n_positions=1024,
+                                     bos_token_id=0, eos_token_id=1)  # transformers' loader assumes 1024 positions
+    model = transformers.GPT2LMHeadModel(config).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    batches = [torch.randint(0, len(fast), (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    quant = ModelQuantizer(_gpt2_config(exclude=["transformer.h.1.mlp.c_proj"])).quantize_model(model, batches[:1])
+    path = export_gguf(quant, tmp_path / "out", tokenizer_path=tmp_path / "tok")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, 2)
+    layers = {n: m for n, m in quant.named_modules() if hasattr(m, "quant_weight") and m.weight_quant.is_quant_enabled}
+    assert len(layers) == 8  # 4 Conv1D per block, one kept float, and the head
+    for name, layer in layers.items():
+        tensor = tensors[name_map.get_name(name) + ".weight"]
+        assert tensor.tensor_type.name == "Q4_0", name
+        decoded = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        assert np.abs(decoded - layer.quant_weight().value.detach().numpy()).max() == 0.0, name
+    float_down = tensors["blk.1.ffn_down.weight"]
+    assert float_down.tensor_type.name == "F32"
+    assert np.array_equal(gguf.quants.dequantize(float_down.data, float_down.tensor_type),
+                          quant.transformer.h[1].mlp.c_proj.weight.detach().numpy().T)  # [out, in], as llama.cpp
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf").eval()
+    assert type(loaded).__name__ == "GPT2LMHeadModel"
+    with torch.no_grad():
+        assert torch.allclose(loaded(batches[1]).logits, quant(batches[1]).logits, atol=1e-5, rtol=0)
+    assert abs(_perplexity(loaded, batches[1]) / _perplexity(quant, batches[1]) - 1) < 1e-3
+
+
+def test_gpt2_whose_conv1d_layers_stay_float_is_refused(tmp_path: Path) -> None:
+    quant = ModelQuantizer(get_preset("gguf_q4_0")).quantize_model(tiny_gpt2())  # nn.Linear only: the head
+    with pytest.raises(ExportError, match=r"GPT-2's Conv1D projections \(transformer\.h\.0\.attn\.c_attn.*not "
+                                          r"quantized.*\"Conv1D\": layer"):
+        export_gguf(quant, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_head_tied_to_the_embedding_is_written_with_its_quantized_weight(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    quant = _quantize(model, get_preset("gguf_q8_0"))
+    export_gguf(quant, tmp_path / "out")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "out" / "model.gguf")).tensors}
+    assert tensors["output.weight"].tensor_type.name == "Q8_0"
+    assert tensors["token_embd.weight"].tensor_type.name == "F32"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf").eval()
+    tokens = token_batches(1, seed=3)[0]
+    with torch.no_grad():
+        assert torch.allclose(loaded(tokens).logits, quant(tokens).logits, atol=1e-5, rtol=0)
+
+
+# ===================================================================== K-quants
+def _wide_llama() -> torch.nn.Module:
+    """Q6_K super-blocks are 256 input channels: a Llama whose every Linear input is a multiple of 256."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+INT6_G16 = {"qscheme": G, "group_size": 16, "bit_width": 6}
+
+
+@pytest.mark.slow
+def test_int6_weights_with_power_of_two_scales_are_written_as_q6_k_exactly(tmp_path: Path) -> None:
+    quant = ModelQuantizer(_weight_only(QTensorConfig(**INT6_G16, scale_type=ScaleType.pof2))).quantize_model(
+        _wide_llama())
+    path = export_gguf(quant, tmp_path / "out")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 1)
+    layers = {n: m for n, m in quant.named_modules() if hasattr(m, "quant_weight")}
+    assert len(layers) == 8  # 7 Linear layers and lm_head
+    for name, layer in layers.items():
+        tensor = tensors[name_map.get_name(name) + ".weight"]
+        assert tensor.tensor_type.name == "Q6_K"
+        decoded = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if ".q_proj" in name or ".k_proj" in name:
+            decoded = _unpermute(decoded, 4 if ".q_proj" in name else 2)
+        expected = layer.quant_weight().value.detach().numpy()
+        assert np.abs(decoded - expected).max() == 0.0, name
+        assert len(np.unique(np.abs(expected))) > 32  # several scales per row: the sub-block scales are used
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf").eval()
+    tokens = token_batches(1, seed=3)[0]
+    with torch.no_grad():
+        assert torch.allclose(loaded(tokens).logits, quant(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_q6_k_refuses_scales_without_a_common_float16_factor(tmp_path: Path) -> None:
+    quant = ModelQuantizer(_weight_only(QTensorConfig(**INT6_G16))).quantize_model(_wide_llama())  # float32 scales
+    with pytest.raises(ExportError, match=r"layer 'model\.layers\.0\.self_attn\.q_proj': the 16 scales of row 0, "
+                                          r"input channels 0\.\.255 are not integer multiples.*scale_type=pof2"):
+        export_gguf(quant, tmp_path / "out")
 
 
 # ===================================================================== from a streamed checkpoint

@@ -238,24 +238,15 @@ def test_config_errors_name_the_field(fields: dict, where: str) -> None:
     assert where in str(info.value)
 
 
-def test_config_round_trips_and_streaming_is_refused() -> None:
+def test_config_round_trips_and_a_model_without_weights_is_refused() -> None:
     config = _config([RotationConfig(r2=True, r4=True, rotation_size=32, random_r1=True)])
     data = config.to_dict()
     assert data["algo_config"][0]["name"] == "rotation" and data["algo_config"][0]["rotation_size"] == 32
     assert Config.from_dict(data) == config
     with torch.device("meta"):
         skeleton = tiny_llama()
-    with pytest.raises(ConfigError, match="not loaded.*quantize_pretrained"):
+    with pytest.raises(ConfigError, match="not loaded.*quantize_pretrained, which rotates each block as it loads"):
         apply_algorithm(RotationConfig(), skeleton)
-
-
-def test_streaming_from_a_folder_is_refused_before_anything_is_written(tmp_path, batches) -> None:
-    from quark_brevitas.hf.streaming import quantize_pretrained
-
-    tiny_llama().save_pretrained(tmp_path / "llama")
-    with pytest.raises(ConfigError, match="RotationConfig.*not loaded.*ModelQuantizer.quantize_model"):
-        quantize_pretrained(tmp_path / "llama", _config([RotationConfig()]), batches, tmp_path / "out")
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))
 
 
 # ===================================================================== other formats

@@ -20,6 +20,7 @@ from quark_brevitas.algorithms import (
 )
 from quark_brevitas.algorithms.base import (
     AlgorithmHandler,
+    BlockStep,
     SavedStructure,
     apply_algorithm,
     describe_algorithms,
@@ -29,6 +30,6 @@ from quark_brevitas.algorithms.base import (
 )
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 
-__all__ = ["AlgorithmHandler", "BlockwiseHandler", "SavedStructure", "apply_algorithm", "autoround", "awq",
+__all__ = ["AlgorithmHandler", "BlockStep", "BlockwiseHandler", "SavedStructure", "apply_algorithm", "autoround", "awq",
            "correction", "describe_algorithms", "equalization", "gptq", "gpxq", "handler_for", "preprocess", "qronos",
            "register", "registered_handlers", "rotation", "smoothquant"]

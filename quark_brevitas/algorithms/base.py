@@ -29,7 +29,7 @@ The contract between the pipeline and a handler:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +38,14 @@ from torch import nn
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import CalibrationDataError, ConfigError
 
-__all__ = ["AlgorithmHandler", "SavedStructure", "apply_algorithm", "describe_algorithms", "handler_for", "register",
-           "registered_handlers"]
+__all__ = ["AlgorithmHandler", "BlockStep", "SavedStructure", "apply_algorithm", "describe_algorithms", "handler_for",
+           "register", "registered_handlers"]
+
+
+#: What a data-free step does to one block of a streamed model when it is loaded
+#: (:meth:`AlgorithmHandler.apply_streamed`): ``step(block, qualified_name)`` returns the block (the same module, or
+#: one that replaces it).
+BlockStep = Callable[[nn.Module, str], nn.Module]
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,16 @@ class AlgorithmHandler:
         """Lines saying what the algorithm will work on in ``model`` (e.g. the inferred decoder and scaling
         layers); raises :class:`ConfigError` if it cannot run on ``model``. Nothing to say by default."""
         return []
+
+    def apply_streamed(self, algo: Any, model: nn.Module, stack: str, *,
+                       values: bool = True) -> tuple[nn.Module, BlockStep | None]:
+        """A data-free step on a model whose blocks (the ``nn.ModuleList`` ``stack``) are loaded one at a time
+        (streaming from a folder, or a streamed checkpoint): they sit on the ``meta`` device now. Apply the part
+        outside the blocks to ``model`` and return it with the part to apply to each block when the block source
+        loads it (``step(block, name)``, before anything else runs on the block; ``None``: nothing per block).
+        ``values``: compute the new values (quantizing), or only recreate the structure the step leaves (loading a
+        checkpoint, whose tensors fill it). By default the whole step runs on the model as it is."""
+        return self.apply(algo, model, None), None
 
 
 _HANDLERS: dict[type, AlgorithmHandler] = {}

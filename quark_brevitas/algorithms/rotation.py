@@ -17,19 +17,24 @@ weight is rotated too: ``(x @ Q) @ (W @ Q).T == x @ W.T``. Rows are vectors here
 
 The handler is data-free: the pipeline runs it on the whole float model first (also before a block-by-block data
 phase), and loading a checkpoint replays it (the wrappers and untied head come back; the state dict fills the
-values). Matrices are computed in float64 and the weights rounded back to their dtype once per fold.
+values). A model streamed from its folder (``quantize_pretrained``), whose blocks are not in memory, is rotated in
+two parts (:meth:`RotationHandler.apply_streamed`): the embedding, final norm and head at once, each block when the
+engine loads it, before its other algorithms; a streamed checkpoint replays the structure the same way. Matrices
+are computed in float64, once per model, and the weights rounded back to their dtype once per fold: both ways give
+the same weights bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from quark_brevitas import algos
-from quark_brevitas.algorithms.base import AlgorithmHandler, register
+from quark_brevitas.algorithms.base import AlgorithmHandler, BlockStep, register
 from quark_brevitas.brevitas_adapter import OnlineHadamard, RotatedInput, hadamard_supported, rotation_matrix
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ConfigError
@@ -87,7 +92,8 @@ def _rotate_output(layer: nn.Linear, q: torch.Tensor) -> None:
 
 
 def _untie_head(model: nn.Module, head: nn.Linear, embedding: nn.Embedding) -> None:
-    """Give the head its own weight when it shares the embedding's (the merged final norm makes them differ)."""
+    """Give the head its own weight when it shares the embedding's (the merged final norm makes them differ), and
+    say so in the model's config (a streamed checkpoint rebuilds its model from that config)."""
     if head.weight is not embedding.weight:
         return
     head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
@@ -105,59 +111,98 @@ def _merge_and_rotate(owner: nn.Module, norm_name: str, readers: tuple[str, ...]
     norm.weight.data.fill_(1.0)
 
 
-def _apply_r1(model: nn.Module, sites: RotationSites, q: torch.Tensor) -> None:
-    embedding = model.get_submodule(sites.embeddings[0])
-    for head in sites.final.readers:
-        _untie_head(model, model.get_submodule(head), embedding)
-    _set(embedding.weight.data, embedding.weight.double() @ q.to(embedding.weight.device))
-    for name in sites.blocks:
-        block = model.get_submodule(name)
-        for group in sites.block_norms:
-            _merge_and_rotate(block, group.norm, group.readers, q)
-        for writer in sites.roles.writers:
-            _rotate_output(block.get_submodule(writer), q)
-    _merge_and_rotate(model, sites.final.norm, sites.final.readers, q)
-
-
-def _apply_r2(model: nn.Module, sites: RotationSites, h: torch.Tensor) -> None:
+def _apply_r2(block: nn.Module, sites: RotationSites, h: torch.Tensor) -> None:
     d = sites.head_dim
-    for name in sites.blocks:
-        block = model.get_submodule(name)
-        v, o = block.get_submodule(sites.roles.v_proj), block.get_submodule(sites.roles.o_proj)
-        hv = h.to(v.weight.device)
-        weight = v.weight.double().reshape(-1, d, v.in_features)
-        _set(v.weight.data, (hv.T @ weight).reshape(v.weight.shape))
-        if v.bias is not None:
-            _set(v.bias.data, (v.bias.double().reshape(-1, d) @ hv).reshape(-1))
-        weight = o.weight.double().reshape(o.out_features, -1, d)
-        _set(o.weight.data, (weight @ h.to(o.weight.device)).reshape(o.weight.shape))
+    v, o = block.get_submodule(sites.roles.v_proj), block.get_submodule(sites.roles.o_proj)
+    hv = h.to(v.weight.device)
+    weight = v.weight.double().reshape(-1, d, v.in_features)
+    _set(v.weight.data, (hv.T @ weight).reshape(v.weight.shape))
+    if v.bias is not None:
+        _set(v.bias.data, (v.bias.double().reshape(-1, d) @ hv).reshape(-1))
+    weight = o.weight.double().reshape(o.out_features, -1, d)
+    _set(o.weight.data, (weight @ h.to(o.weight.device)).reshape(o.weight.shape))
 
 
-def _put_online(block: nn.Module, name: str, rotation_size: int | None, path: str) -> None:
-    """Put layer ``name`` of ``block`` behind an online Hadamard of its input and fold the inverse into it."""
+def _put_online(block: nn.Module, name: str, rotation_size: int | None, path: str, values: bool) -> None:
+    """Put layer ``name`` of ``block`` behind an online Hadamard of its input and fold the inverse into it (only
+    the wrapper when not ``values``: a checkpoint's tensors fill the layer)."""
     parent_name, _, attribute = name.rpartition(".")
     parent = block.get_submodule(parent_name) if parent_name else block
     layer = getattr(parent, attribute)
     width = layer.in_features
     online = OnlineHadamard(width, rotation_block(width, rotation_size, path)).to(layer.weight.device)
-    _rotate_input(layer, online.matrix())
+    if values:
+        _rotate_input(layer, online.matrix())
     setattr(parent, attribute, RotatedInput(online, layer))
 
 
-def _apply_online(model: nn.Module, sites: RotationSites, names: tuple[str, ...], rotation_size: int | None,
-                  path: str) -> None:
-    for block_name in sites.blocks:
-        block = model.get_submodule(block_name)
-        for name in names:
-            _put_online(block, name, rotation_size, path)
+@dataclass(frozen=True)
+class _Rotations:
+    """The rotations one model takes, its matrices computed once: the whole model applies them to every block
+    at once, a streamed model to each block as it loads (the same float64 products on the same values either way,
+    so both give the same weights bit for bit)."""
+
+    sites: RotationSites
+    path: str
+    rotation_size: int | None
+    r1: bool  # folded R1
+    r2: bool
+    online: tuple[str, ...]  # layers of a block put behind online Hadamards (online R1's readers, R4's down_proj)
+    #: The matrices of folded R1 and R2 (``None`` where not folded, or when only the structure is rebuilt).
+    matrices: dict[str, torch.Tensor | None]
+
+    def outside(self, model: nn.Module, values: bool = True) -> None:
+        """R1's part outside the blocks: the embedding, the final norm merged into the head (untied first)."""
+        if not self.r1:
+            return
+        sites = self.sites
+        embedding = model.get_submodule(sites.embeddings[0])
+        for head in sites.final.readers:
+            _untie_head(model, model.get_submodule(head), embedding)
+        if values:
+            q = self.matrices["r1"]
+            _set(embedding.weight.data, embedding.weight.double() @ q.to(embedding.weight.device))
+            _merge_and_rotate(model, sites.final.norm, sites.final.readers, q)
+
+    def block(self, block: nn.Module, values: bool = True) -> nn.Module:
+        """One block: R1 (its norms merged into their readers, its writers), R2, then the online Hadamards (R2
+        rewrites v_proj in place before a wrapper could hide it)."""
+        if values and self.r1:
+            for group in self.sites.block_norms:
+                _merge_and_rotate(block, group.norm, group.readers, self.matrices["r1"])
+            for writer in self.sites.roles.writers:
+                _rotate_output(block.get_submodule(writer), self.matrices["r1"])
+        if values and self.r2:
+            _apply_r2(block, self.sites, self.matrices["r2"])
+        for name in self.online:
+            _put_online(block, name, self.rotation_size, self.path, values)
+        return block
 
 
-def _require_values(model: nn.Module, path: str) -> None:
-    """Rotations rewrite every block's weights at once: a model whose blocks are still to be loaded (streamed from
-    a folder, ``quantize_pretrained``) cannot be rotated here."""
-    if any(p.is_meta for p in model.parameters()):
-        raise ConfigError(path, "cannot rotate a model whose weights are not loaded (streaming from a folder with "
-                                "quantize_pretrained): load the model and use ModelQuantizer.quantize_model")
+def _rotations(algo: Any, model: nn.Module, path: str, values: bool = True) -> _Rotations:
+    """The sites of ``model`` (warning about the rotations that cannot run there) and, with ``values``, the
+    matrices."""
+    sites = rotation_sites(algo, model, path)
+    for key, why in sites.skipped.items():
+        logger.warning("RotationConfig: %s not applied to %s: %s", key.upper(), type(model).__name__, why)
+    r1 = bool(algo.r1) and "r1" not in sites.skipped
+    r2 = bool(algo.r2) and "r2" not in sites.skipped
+    online = (*(sites.roles.readers if r1 and sites.online_r1 else ()), *((sites.roles.down_proj,) if algo.r4 else ()))
+    folded_r1 = r1 and not sites.online_r1
+    matrices = {"r1": _matrix(sites.hidden, algo, "r1", path) if folded_r1 and values else None,
+                "r2": _matrix(sites.head_dim, algo, "r2", path) if r2 and values else None}
+    return _Rotations(sites, path, algo.rotation_size, r1=folded_r1, r2=r2, online=online, matrices=matrices)
+
+
+def _require_values(model: nn.Module, path: str, skip: str | None = None) -> None:
+    """Folding needs the weights' values: a model whose blocks are still to be loaded is rotated block by block as
+    they load (:meth:`RotationHandler.apply_streamed`, which ``quantize_pretrained`` uses), not all at once."""
+    inside = f"{skip}." if skip else None
+    missing = [n for n, p in model.named_parameters() if p.is_meta and not (inside and n.startswith(inside))]
+    if missing:
+        raise ConfigError(path, f"cannot rotate a model whose weights are not loaded ({missing[0]} is on the meta "
+                                "device): load the model, or stream it from its folder with quantize_pretrained, "
+                                "which rotates each block as it loads")
 
 
 @register(algos.RotationConfig)
@@ -173,21 +218,35 @@ class RotationHandler(AlgorithmHandler):
     def apply(self, algo: Any, model: nn.Module, data: CalibrationData | None) -> nn.Module:
         path = type(algo).__name__
         _require_values(model, path)
-        sites = rotation_sites(algo, model, path)
-        for key, why in sites.skipped.items():
-            logger.warning("RotationConfig: %s not applied to %s: %s", key.upper(), type(model).__name__, why)
+        rotations = _rotations(algo, model, path)
         model.eval()
-        folded_r1 = algo.r1 and "r1" not in sites.skipped and not sites.online_r1
         with torch.no_grad():
-            if folded_r1:
-                _apply_r1(model, sites, _matrix(sites.hidden, algo, "r1", path))
-            if algo.r2 and "r2" not in sites.skipped:  # before the online wrappers: R2 rewrites v_proj in place
-                _apply_r2(model, sites, _matrix(sites.head_dim, algo, "r2", path))
-            if algo.r1 and "r1" not in sites.skipped and sites.online_r1:
-                _apply_online(model, sites, sites.roles.readers, algo.rotation_size, path)
-            if algo.r4:
-                _apply_online(model, sites, (sites.roles.down_proj,), algo.rotation_size, path)
+            rotations.outside(model)
+            for name in rotations.sites.blocks:
+                rotations.block(model.get_submodule(name))
         return model
+
+    def apply_streamed(self, algo: Any, model: nn.Module, stack: str, *,
+                       values: bool = True) -> tuple[nn.Module, BlockStep | None]:
+        """The embedding, final norm and head now; each block as it loads (same values as :meth:`apply`)."""
+        path = type(algo).__name__
+        if values:
+            _require_values(model, path, skip=stack)
+        rotations = _rotations(algo, model, path, values)
+        if rotations.sites.structure.decoder_layers != stack:
+            raise ConfigError(f"{path}.model_decoder_layers", f"the rotation's decoder layers "
+                                                              f"({rotations.sites.structure.decoder_layers}) are not "
+                                                              f"the streamed block stack {stack!r}; name the same one")
+        model.eval()
+        with torch.no_grad():
+            rotations.outside(model, values)
+
+        def step(block: nn.Module, name: str) -> nn.Module:
+            logger.debug("RotationConfig: rotating %s", name)
+            with torch.no_grad():
+                return rotations.block(block.eval(), values)
+
+        return model, step
 
     def describe(self, algo: Any, model: nn.Module) -> list[str]:
         path = type(algo).__name__

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas.algorithms import SavedStructure
+from quark_brevitas.algorithms import BlockStep, SavedStructure
 from quark_brevitas.blocks.protocol import UnitRebuilder
 from quark_brevitas.blocks.sources import BlockPlaceholder, BlockSource
 from quark_brevitas.brevitas_adapter import ignore_missing_keys, load_quant_model_mode
@@ -129,14 +129,15 @@ def meta_parameters(module: nn.Module, skip: str | None = None) -> list[str]:
 
 
 class FolderBlocks(BlockSource):
-    """Blocks read from a float model folder just before they run; once finished, handed to ``on_finish`` (the
-    streaming writer, if any) and dropped."""
+    """Blocks read from a float model folder just before they run, then given to ``prepare`` (the data-free steps'
+    part in each block, :func:`~quark_brevitas.blocks.run.prepare_streamed`: a rotation); once finished, handed to
+    ``on_finish`` (the streaming writer, if any) and dropped."""
 
     releases = True
 
     def __init__(self, weights: FolderWeights, stack: str,
-                 on_finish: Callable[[int, nn.Module], None] | None = None) -> None:
-        self.weights, self.stack, self.on_finish = weights, stack, on_finish
+                 on_finish: Callable[[int, nn.Module], None] | None = None, prepare: BlockStep | None = None) -> None:
+        self.weights, self.stack, self.on_finish, self.prepare = weights, stack, on_finish, prepare
 
     def load(self, index: int, current: nn.Module) -> nn.Module:
         name = f"{self.stack}.{index}"
@@ -144,7 +145,7 @@ class FolderBlocks(BlockSource):
         missing = meta_parameters(current)
         if missing:
             raise CheckpointError(f"{self.weights.folder} lacks tensor {name}.{missing[0]}")
-        return current
+        return current if self.prepare is None else self.prepare(current, name)
 
     def finish(self, index: int, block: nn.Module) -> nn.Module:
         if self.on_finish is not None:
@@ -175,18 +176,22 @@ def read_block_file(path: Path, name: str, checksum: str | None) -> dict[str, to
 
 
 class CheckpointBlocks(BlockSource):
-    """The quantized blocks of a streamed checkpoint, each rebuilt (the pipeline's structure phase on the block)
-    and loaded just before it is needed; dropped after unless ``keep``."""
+    """The quantized blocks of a streamed checkpoint, each rebuilt (the structure the data-free steps leave in it,
+    ``prepare``, then the pipeline's structure phase on the block) and loaded just before it is needed; dropped
+    after unless ``keep``."""
 
     def __init__(self, rebuilder: UnitRebuilder, directory: Path, stack: str, saved: SavedStructure,
-                 keep: bool) -> None:
+                 keep: bool, prepare: BlockStep | None = None) -> None:
         self.rebuilder, self.directory, self.stack, self.saved, self.keep = rebuilder, directory, stack, saved, keep
+        self.prepare = prepare
         self.releases = not keep
         self.checksums: dict[str, str] = checksums(directory)
 
     def load(self, index: int, current: nn.Module) -> nn.Module:
         name = f"{self.stack}.{index}"
         random_fill(current, index)
+        if self.prepare is not None:
+            current = self.prepare(current, name)
         block = self.rebuilder.rebuild_unit(current, name, restrict_structure(self.saved, name, name))
         state = read_block_file(self.directory / block_file(index), name, self.checksums.get(block_file(index)))
         with ignore_missing_keys(), load_quant_model_mode(block):

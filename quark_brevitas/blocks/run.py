@@ -17,7 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from quark_brevitas.algorithms import handler_for
+from quark_brevitas.algorithms import BlockStep, handler_for
+from quark_brevitas.algorithms.ties import run_untied
 from quark_brevitas.blocks.engine import BlockwiseEngine
 from quark_brevitas.blocks.protocol import UnitQuantizer
 from quark_brevitas.blocks.sources import BlockSource, CopiedBlocks, copy_without_blocks
@@ -28,7 +29,7 @@ from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["blockwise_obstacle", "choose_block_stack", "named_decoder_layers", "quantize_blocks"]
+__all__ = ["blockwise_obstacle", "choose_block_stack", "named_decoder_layers", "prepare_streamed", "quantize_blocks"]
 
 
 def _algorithm_name(algo: Any) -> str:
@@ -109,3 +110,35 @@ def quantize_blocks(quantizer: UnitQuantizer, model: nn.Module, stack: str, data
         return BlockwiseEngine(quantizer, work, stack, data, source, stores=stores).run()
     finally:
         stores.cleanup()
+
+
+def prepare_streamed(config: Any, model: nn.Module, stack: str, *,
+                     values: bool = True) -> tuple[nn.Module, BlockStep | None]:
+    """The data-free pre-quantization steps of ``config`` on a model whose blocks (``stack``) load one at a time
+    (streaming from a folder, or a streamed checkpoint): each step's part outside the blocks runs now, in list
+    order; their parts in the blocks come back as one step, for the block source to run on each block as it loads,
+    before the data phase touches it (:meth:`~quark_brevitas.algorithms.AlgorithmHandler.apply_streamed`).
+    ``values``: compute the new values (quantizing) or only the structure the steps leave (loading)."""
+    steps: list[BlockStep] = []
+    for algo in config.pre_quant_algorithms():
+        if algo.needs_data:
+            continue
+        logger.info("Applying %s (outside the blocks now, each block as it loads)", _algorithm_name(algo))
+        handler = handler_for(algo)
+
+        def apply(algo: Any, model: nn.Module, _data: Any, handler: Any = handler) -> nn.Module:
+            model, step = handler.apply_streamed(algo, model, stack, values=values)
+            if step is not None:
+                steps.append(step)
+            return model
+
+        model = run_untied(model, _algorithm_name(algo), apply, algo, None)
+    if not steps:
+        return model, None
+
+    def each_block(block: nn.Module, name: str) -> nn.Module:
+        for step in steps:
+            block = step(block, name)
+        return block
+
+    return model, each_block

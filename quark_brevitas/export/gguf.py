@@ -11,11 +11,15 @@ GGUF block types hold one float16 scale (Q4_1: and one float16 offset) per 32 co
 
 The presets ``gguf_q4_0``, ``gguf_q4_1`` and ``gguf_q8_0`` (``scale_type=float16``) make those scales float16
 numbers, so the file is exact: the ``gguf`` package dequantizes every block to the quantized model's weight bit
-for bit, and the exporter checks that before it writes. K-quants (Q4_K, Q6_K) are not written: their
-super-block scales are 6-bit codes of a float16 scale, which our per-group scales are not.
+for bit, and the exporter checks that before it writes. The K-quant ``Q6_K`` holds int6 symmetric weights per
+group of 16 whose scales are, per 256 input channels, int8 multiples of one float16 number: power-of-two scales
+(``scale_type=pof2``) are (:mod:`quark_brevitas.export.gguf_kquants`, which also says why Q4_K is not written).
 
-A model GGUF cannot hold (another weight format, quantized activations, a layer with no GGUF tensor, a model
-family transformers' GGUF loader does not read) raises one :class:`ExportError` naming the layer and what fits.
+Families: Llama, Mistral, Qwen2 and GPT-2 (whose Conv1D weights, stored ``[in, out]``, are written ``[out, in]`` as
+llama.cpp's converter writes them). A head tied to the embedding is written as its own tensor (``output``), with
+its quantized weight. A model GGUF cannot hold (another weight format, quantized activations, a layer with no GGUF
+tensor, a model family transformers' GGUF loader does not read) raises one :class:`ExportError` naming the layer
+and what fits.
 The output folder is written through :mod:`quark_brevitas.outputs` (complete or untouched).
 """
 
@@ -35,6 +39,7 @@ from torch import nn
 from quark_brevitas.brevitas_adapter import iter_quantizers
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.export.gguf_kquants import Q6_K_GROUP, Q6_K_SUPER_BLOCK, pack_q6_k
 from quark_brevitas.export.hf import refuse_online_rotations
 from quark_brevitas.export.intweights import IntegerWeight, integer_weights
 from quark_brevitas.extras import require
@@ -51,20 +56,28 @@ GGUF_FILE_NAME = "model.gguf"
 #: GGUF block size of the legacy types written here (elements per scale).
 BLOCK = 32
 
-#: (format, symmetric) of a group-of-32 integer weight -> GGUF type name.
+#: (format, symmetric) of an integer weight -> GGUF type name.
 GGUF_WEIGHT_TYPES: dict[tuple[str, bool], str] = {("int8", True): "Q8_0", ("int4", True): "Q4_0",
-                                                   ("uint4", False): "Q4_1"}
+                                                   ("uint4", False): "Q4_1", ("int6", True): "Q6_K"}
+#: GGUF type -> (input channels per scale, input channels a row must be a whole number of).
+_LAYOUTS = {"Q8_0": (BLOCK, BLOCK), "Q4_0": (BLOCK, BLOCK), "Q4_1": (BLOCK, BLOCK),
+            "Q6_K": (Q6_K_GROUP, Q6_K_SUPER_BLOCK)}
 _FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 (int4 symmetric, groups of 32) or Q4_1 (uint4 asymmetric, "
-         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1")
+         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1; Q6_K (int6 symmetric, "
+         "groups of 16, rows of whole 256s, power-of-two scales: scale_type=pof2)")
 
 
 @dataclass(frozen=True)
 class GGUFFamily:
-    """How one Hugging Face model type is written: the llama.cpp architecture and whether Q/K rows are permuted
-    (llama.cpp's rotary layout for Llama-style attention, which transformers' loader undoes)."""
+    """How one Hugging Face model type is written: the llama.cpp architecture, whether Q/K rows are permuted
+    (llama.cpp's rotary layout for Llama-style attention, which transformers' loader undoes), which metadata its
+    hyperparameters take (``"llama"``: rotary, RMSNorm; ``"gpt2"``: learned positions, LayerNorm) and the
+    tokenizer's pre-tokenizer name."""
 
     arch: str
     permute_qk: bool
+    metadata: str = "llama"
+    tokenizer_pre: str = "default"
 
 
 #: model_type -> how it is written (the families transformers' GGUF loader reads back).
@@ -72,6 +85,9 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
     "llama": GGUFFamily("llama", True),
     "mistral": GGUFFamily("llama", True),  # llama.cpp writes Mistral as llama; transformers reads the name
     "qwen2": GGUFFamily("qwen2", False),
+    # GPT-2's projections are Conv1D (weight [in, out]); GGUF holds them as [out, in], as llama.cpp's converter
+    # writes them and transformers' loader transposes back (our QuantConv1D already holds that layout).
+    "gpt2": GGUFFamily("gpt2", False, metadata="gpt2", tokenizer_pre="gpt-2"),
 }
 
 
@@ -82,12 +98,13 @@ def _gguf_type(name: str, entry: IntegerWeight) -> str:
     qtype = GGUF_WEIGHT_TYPES.get((entry.format, symmetric))
     layout = (f"per group of {entry.group_size}" if entry.group_size else
               "per channel" if entry.axis is not None else "per tensor")
-    if qtype is None or entry.group_size != BLOCK or entry.axis != 1 or entry.int_weight.dim() != 2:
+    group, row = _LAYOUTS.get(qtype, (0, 0))
+    if qtype is None or entry.group_size != group or entry.axis != 1 or entry.int_weight.dim() != 2:
         raise ExportError(f"layer '{name}' has {entry.format} {'symmetric' if symmetric else 'asymmetric'} weights "
                           f"{layout}, which no GGUF type holds; GGUF types that fit: {_FITS}")
-    if entry.int_weight.shape[1] % BLOCK:
+    if entry.int_weight.shape[1] % row:
         raise ExportError(f"layer '{name}' has {entry.int_weight.shape[1]} input channels, not a multiple of "
-                          f"{BLOCK} (the GGUF block); {qtype} needs whole blocks")
+                          f"{row} (the GGUF block); {qtype} needs whole blocks")
     return qtype
 
 
@@ -103,6 +120,8 @@ def _float16_exact(name: str, what: str, values: torch.Tensor) -> np.ndarray:
 def _pack(name: str, entry: IntegerWeight, qtype: str) -> np.ndarray:
     """The GGUF blocks of one weight as ``uint8 [rows, bytes per row]`` (llama.cpp's layout: float16 scale
     (Q4_1: then offset), then the 32 codes; 4-bit codes two per byte, element ``j`` low and ``j + 16`` high)."""
+    if qtype == "Q6_K":
+        return pack_q6_k(name, entry)
     rows, cols = entry.int_weight.shape
     scale = entry.scale.detach().float().reshape(-1, 1)
     d = _float16_exact(name, "scales", scale).view(np.uint8)
@@ -149,7 +168,10 @@ def _config_value(config: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def _add_architecture(writer: Any, config: Any, family_name: str) -> None:
+def _add_architecture(writer: Any, config: Any, family_name: str, family: GGUFFamily) -> None:
+    if family.metadata == "gpt2":
+        _add_gpt2_architecture(writer, config, family_name)
+        return
     heads = int(config.num_attention_heads)
     head_dim = _config_value(config, "head_dim", default=config.hidden_size // heads)
     writer.add_name(family_name)
@@ -163,6 +185,30 @@ def _add_architecture(writer: Any, config: Any, family_name: str) -> None:
     writer.add_rope_freq_base(float(_config_value(config, "rope_theta", default=10000.0)))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(config.vocab_size))
+
+
+#: What transformers' GGUF loader assumes of a GPT-2 file instead of reading it: GPT2Config's defaults.
+_GPT2_LOADER_POSITIONS = 1024
+
+
+def _add_gpt2_architecture(writer: Any, config: Any, family_name: str) -> None:
+    """GPT-2's hyperparameters as llama.cpp's ``gpt2`` architecture names them (learned positions, LayerNorm)."""
+    width = int(config.n_embd)
+    inner = getattr(config, "n_inner", None) or 4 * width
+    writer.add_name(family_name)
+    writer.add_context_length(int(config.n_positions))
+    writer.add_embedding_length(width)
+    writer.add_block_count(int(config.n_layer))
+    writer.add_feed_forward_length(int(inner))
+    writer.add_head_count(int(config.n_head))
+    writer.add_layer_norm_eps(float(config.layer_norm_epsilon))
+    writer.add_vocab_size(int(config.vocab_size))
+    differ = [f"n_positions={config.n_positions}"] if int(config.n_positions) != _GPT2_LOADER_POSITIONS else []
+    differ += [f"n_inner={inner}"] if inner != 4 * width else []
+    if differ:
+        logger.warning("export_gguf: this GPT-2 has %s; llama.cpp reads them from the file, but transformers' GGUF "
+                       "loader assumes n_positions=%d and n_inner=4*n_embd (and takes the vocabulary size from the "
+                       "tokenizer)", ", ".join(differ), _GPT2_LOADER_POSITIONS)
 
 
 # ===================================================================== tokenizer
@@ -195,7 +241,7 @@ def _special_ids(path: Path, vocab: dict[str, int]) -> dict[str, int]:
     return found
 
 
-def _add_tokenizer(writer: Any, gguf: Any, path: Path) -> None:
+def _add_tokenizer(writer: Any, gguf: Any, path: Path, pre: str) -> None:
     """A byte-level BPE tokenizer (tokenizer.json) as llama.cpp's ``gpt2`` tokenizer: tokens by id, their
     types (added special tokens are control tokens), merges and the special token ids."""
     data = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
@@ -214,7 +260,7 @@ def _add_tokenizer(writer: Any, gguf: Any, path: Path) -> None:
         tokens[index] = token
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
                             for i in range(len(tokens))])
@@ -243,16 +289,35 @@ def _gguf_name(name_map: Any, hf_name: str) -> str | None:
     return None if mapped is None else f"{mapped}.{leaf}"
 
 
+def _float_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's float ``Conv1D`` (GPT-2), whose weight is stored ``[in, out]`` (our QuantConv1D is a Linear)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and not isinstance(module, nn.Linear)
+
+
+def _refuse_float_conv1d(model: nn.Module, prefix: str, weights: dict[str, IntegerWeight]) -> None:
+    """A GPT-2 (block) whose Conv1D projections are all float: the GGUF would be a float model with a quantized
+    head, which is what the ``gguf_*`` presets give GPT-2 (they quantize ``nn.Linear`` layers only)."""
+    floats = [prefix + name for name, module in model.named_modules() if _float_conv1d(module)]
+    if floats and not any(type(model.get_submodule(name)).__name__ == "QuantConv1D" for name in weights):
+        raise ExportError(f"GPT-2's Conv1D projections ({', '.join(floats[:4])}{', ...' if len(floats) > 4 else ''}) "
+                          "are not quantized, so the GGUF would hold them as F32; the gguf_* presets quantize "
+                          "nn.Linear layers only. Quantize Conv1D too: layer_type_quant_config={\"Linear\": layer, "
+                          "\"Conv1D\": layer} with the preset's QuantizationConfig as layer")
+
+
 def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, config: Any, prefix: str = "",
                          skip: str | None = None) -> list[GGUFTensor]:
     """The GGUF tensors of ``model`` (the whole model, or one block of it whose parameter names start with
     ``prefix`` in the whole model), packed from its integer codes; parameters under ``skip`` are left out (the
-    block stack, when the rest of a model is written without it)."""
+    block stack, when the rest of a model is written without it). A parameter shared by two layers (a head tied
+    to the embedding) is written under each name: the head's own GGUF tensor holds its quantized weight."""
     weights = integer_weights(model)
+    if family.metadata == "gpt2":
+        _refuse_float_conv1d(model, prefix, weights)
     heads, kv_heads = int(config.num_attention_heads), int(_config_value(config, "num_key_value_heads",
                                                                          default=config.num_attention_heads))
     tensors = []
-    for local_name, param in model.named_parameters():
+    for local_name, param in model.named_parameters(remove_duplicate=False):
         if skip is not None and local_name.startswith(f"{skip}."):
             continue
         layer, _, leaf = local_name.rpartition(".")
@@ -272,6 +337,8 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
             data, expected = _pack(prefix + layer, entry, qtype), entry.dequantize().detach().float().numpy()
         else:
             qtype, data, expected = "F32", param.detach().float().cpu().numpy(), None
+            if leaf == "weight" and _float_conv1d(model.get_submodule(layer)):
+                data = data.T  # [in, out] -> [out, in], as for a quantized Conv1D
         if family.permute_qk and rows_heads is not None:
             data = _permute_rows(data, rows_heads)
             expected = None if expected is None else _permute_rows(expected, rows_heads)
@@ -298,12 +365,14 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
     """Write ``output_dir/model.gguf`` for llama.cpp (and transformers' ``gguf_file=`` loader); returns its path.
 
     Args:
-        quant_model: A weight-only quantized Hugging Face decoder (Llama, Mistral, Qwen2) whose quantized
+        quant_model: A weight-only quantized Hugging Face decoder (Llama, Mistral, Qwen2, GPT-2) whose quantized
             Linear weights are int8/int4 symmetric or uint4 asymmetric per group of 32 with float16 scales
-            (presets ``gguf_q8_0``, ``gguf_q4_0``, ``gguf_q4_1``; GPTQ/AWQ may choose the codes).
+            (presets ``gguf_q8_0``, ``gguf_q4_0``, ``gguf_q4_1``; GPTQ/AWQ may choose the codes). GPT-2's
+            projections are Conv1D layers, which the presets do not quantize: give ``"Conv1D"`` the preset's layer
+            config in ``layer_type_quant_config`` too (a GPT-2 whose Conv1D layers all stay float is refused).
         output_dir: The folder to write; written whole or not at all (a folder holding files quark_brevitas did
             not write is refused).
-        model_type: The family (``"llama"``, ``"mistral"``, ``"qwen2"``); ``None``: the model config's
+        model_type: The family (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"gpt2"``); ``None``: the model config's
             ``model_type``.
         tokenizer_path: A folder with the model's ``tokenizer.json`` (byte-level BPE); ``None``: the model's own
             folder if it has one, else the file has no tokenizer (a warning says so).
@@ -364,9 +433,9 @@ def write_gguf(plan: GGUFPlan, config: Any, tensors: list[GGUFTensor], output_di
     gguf = plan.gguf
     with atomic_output_dir(output_dir, overwrite=overwrite, sources=sources) as work:
         writer = gguf.GGUFWriter(str(work / GGUF_FILE_NAME), plan.family.arch)
-        _add_architecture(writer, config, plan.family_name)
+        _add_architecture(writer, config, plan.family_name, plan.family)
         if plan.tokenizer_dir is not None:
-            _add_tokenizer(writer, gguf, plan.tokenizer_dir)
+            _add_tokenizer(writer, gguf, plan.tokenizer_dir, plan.family.tokenizer_pre)
         for tensor in tensors:
             raw = None if tensor.qtype == "F32" else gguf.GGMLQuantizationType[tensor.qtype]
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=raw)

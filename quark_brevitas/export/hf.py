@@ -56,11 +56,12 @@ def token_example(model: nn.Module, shape: tuple[int, ...]) -> dict[str, torch.T
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def refuse_online_rotations(model: nn.Module, format_name: str) -> None:
+def refuse_online_rotations(model: nn.Module, format_name: str, prefix: str = "") -> None:
     """Formats whose loader rebuilds the model from its architecture (GGUF, compressed-tensors) cannot hold the
     online Hadamards RotationConfig puts in front of layers (R4, online R1): the loaded model would skip them and
-    compute something else. Folded rotations (R1, R2) change only weights and are fine."""
-    online = [name for name, module in model.named_modules() if isinstance(module, RotatedInput)]
+    compute something else. Folded rotations (R1, R2) change only weights and are fine. ``prefix``: the name of
+    ``model`` in the whole model (one block of a streamed checkpoint, with its trailing dot)."""
+    online = [prefix + name for name, module in model.named_modules() if isinstance(module, RotatedInput)]
     if online:
         shown = ", ".join(online[:3]) + (f" and {len(online) - 3} more" if len(online) > 3 else "")
         raise ExportError(f"{format_name} cannot hold online Hadamard rotations (RotationConfig r4 / "

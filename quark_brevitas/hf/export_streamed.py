@@ -33,6 +33,7 @@ from quark_brevitas.export.gguf import (
     refuse_activation_quantizers,
     write_gguf,
 )
+from quark_brevitas.export.hf import refuse_online_rotations
 from quark_brevitas.export.safetensors_hf import (
     LayerCodes,
     check_export_args,
@@ -50,15 +51,17 @@ logger = logging.getLogger(__name__)
 _INDEX_FILE = "model.safetensors.index.json"
 
 
-def _streamed_units(checkpoint: Path) -> Iterator[tuple[str, nn.Module, str | None, Any]]:
+def _streamed_units(checkpoint: Path, format_name: str) -> Iterator[tuple[str, nn.Module, str | None, Any]]:
     """``(prefix, module, skip, hf_config)`` for each block of a streamed checkpoint (loaded one at a time and
-    dropped after), then the rest of the model without its block stack."""
+    dropped after), then the rest of the model without its block stack. A block behind online rotations, which
+    ``format_name`` cannot hold, is an ExportError (as for the loaded model)."""
     from quark_brevitas.hf.streaming import quantized_skeleton
 
     model, stack, blocks, _ = quantized_skeleton(checkpoint, None, keep=False)
     modules = model.get_submodule(stack)
     for index in range(len(modules)):
         block = blocks.load(index, modules[index])
+        refuse_online_rotations(block, format_name, prefix=f"{stack}.{index}.")
         yield f"{stack}.{index}.", block, None, model.config
         modules[index] = blocks.finish(index, block)
         del block
@@ -81,7 +84,7 @@ def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: 
     from safetensors.torch import save_file
 
     with _output_folder(directory, overwrite=overwrite, sources=[checkpoint]) as work:
-        for count, (prefix, module, skip, unit_config) in enumerate(_streamed_units(Path(checkpoint))):
+        for count, (prefix, module, skip, unit_config) in enumerate(_streamed_units(Path(checkpoint), format)):
             hf_config = unit_config
             tensors: dict[str, torch.Tensor] = {}
             collect_tensors(module, prefix, tensors, entries, float_linears, skip=skip, pack_asymmetric=pack_asymmetric)
@@ -129,7 +132,7 @@ def export_gguf_streamed(checkpoint: str | os.PathLike[str], output_dir: str | o
     Path(output_dir).parent.mkdir(parents=True, exist_ok=True)
     plan, config, tensors = None, None, []
     with tempfile.TemporaryDirectory(dir=Path(output_dir).parent, prefix=f".{Path(output_dir).name}.blocks-") as tmp:
-        for prefix, module, skip, unit_config in _streamed_units(checkpoint):
+        for prefix, module, skip, unit_config in _streamed_units(checkpoint, "GGUF"):
             if plan is None:
                 plan = plan_gguf(unit_config, model_type, None if tokenizer_path is None else Path(tokenizer_path))
             config = unit_config

@@ -72,22 +72,39 @@ def _roles(block: nn.Module, names: dict[str, str | None]) -> RotationRoles | No
     return None
 
 
+def _probe(norm: nn.Module) -> nn.Module:
+    """A float copy of ``norm`` to compute with. A norm whose values are not loaded yet (a streamed model's blocks
+    are on the ``meta`` device until the engine loads them) gets placeholder values: the check is about what its
+    class computes, not about its weights."""
+    probe = copy.deepcopy(norm)
+    if not any(t.is_meta for t in (*probe.parameters(), *probe.buffers())):
+        return probe.float()
+    probe = probe.to_empty(device="cpu").float()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for tensor in (*probe.parameters(), *probe.buffers()):
+            tensor.copy_(torch.rand(tensor.shape, generator=generator) + 0.5)
+    return probe
+
+
 def _rms_like(norm: nn.Module, hidden: int) -> str | None:
     """Why ``norm`` cannot carry R1 (``None``: it computes ``unit_rms(x) * weight`` and the unit-weight norm commutes
     with a rotation). Checked on random inputs with a copy of the norm."""
     weight = getattr(norm, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.shape != (hidden,) or weight.is_meta:
+    if not isinstance(weight, torch.Tensor) or weight.shape != (hidden,):
         return f"{type(norm).__name__} has no per-channel weight of size {hidden}"
     if isinstance(getattr(norm, "bias", None), torch.Tensor):
         return f"{type(norm).__name__} has a bias"
-    unit = copy.deepcopy(norm).float()
+    probe = _probe(norm)
+    weight = probe.weight.detach().clone()
+    unit = copy.deepcopy(probe)
     with torch.no_grad():
         unit.weight.fill_(1.0)
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(4, hidden, generator=generator).to(weight.device)
         rotation, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=generator, dtype=torch.float64))
         rotation = rotation.float().to(weight.device)
-        scaled = copy.deepcopy(norm).float()(x)
+        scaled = probe(x)
         same_scale = torch.allclose(scaled, unit(x) * weight.float(), atol=1e-4, rtol=1e-4)
         commutes = torch.allclose(unit(x @ rotation), unit(x) @ rotation, atol=1e-4, rtol=1e-4)
     if not (same_scale and commutes):

@@ -51,6 +51,7 @@ from quark_brevitas.blocks.disk import (
     random_fill,
 )
 from quark_brevitas.blocks.engine import BlockwiseEngine
+from quark_brevitas.blocks.run import prepare_streamed
 from quark_brevitas.blocks.sources import BlockSource, SoloLayer
 from quark_brevitas.blocks.stack import detect_block_stack, outside_layers
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory
@@ -351,7 +352,7 @@ def quantize_pretrained(
     shard = (plan.data.shard if plan.data is not None and plan.data.shard is not None
              else current_shard(distributed))
     before = model
-    model = pipeline._run_algorithms("pre_quant_opt_config", model, None, data_driven=False)
+    model, prepare = prepare_streamed(pipeline.config, model, stack)  # a rotation: each block as it loads
     if model is not before:
         raise ModelError("a data-free pre-quantization step (Preprocess) changed the model's structure; a model "
                          "quantized block by block from its folder cannot be traced: set trace_model=False or "
@@ -364,8 +365,8 @@ def quantize_pretrained(
     start = writer.start(resume)
     writer.on_block = on_block
     stores = _ProgressStores(writer, StoreFactory.for_offload(offload))
-    engine = BlockwiseEngine(pipeline, model, stack, plan.data, FolderBlocks(weights, stack, writer.block_done),
-                             stores=stores, on_block=on_block)
+    blocks = FolderBlocks(weights, stack, writer.block_done, prepare)
+    engine = BlockwiseEngine(pipeline, model, stack, plan.data, blocks, stores=stores, on_block=on_block)
     engine.on_captured = lambda digest: writer.check_inputs(digest, resumed=start > 0)
     count = len(engine.stack)
     hidden = ActivationStore.open(writer.inputs_dir(start)) if start > 0 and plan.data is not None else None
@@ -389,7 +390,7 @@ def quantized_skeleton(directory: str | os.PathLike[str], container: Container |
                               "load_quantized and its float model")
     model, hf_config = load_skeleton(info.directory / FLOAT_MODEL_DIR)
     pipeline = Pipeline(info.config, container)
-    model = pipeline._run_algorithms("pre_quant_opt_config", model, None, data_driven=False)
+    model, prepare = prepare_streamed(info.config, model, stack, values=False)
     saved = SavedStructure(modules=dict(info.manifest["modules"]),
                            tensors={k: tuple(v["shape"]) for k, v in info.manifest["tensors"].items()})
     random_fill(model, -1, skip=stack)
@@ -407,7 +408,7 @@ def quantized_skeleton(directory: str | os.PathLike[str], container: Container |
         raise CheckpointError(f"{info.directory}: tensor {unexpected[0]!r} does not fit the rebuilt model")
     model.eval()
     setattr(model, CONFIG_ATTRIBUTE, info.config)
-    return model, stack, CheckpointBlocks(pipeline, info.directory, stack, saved, keep), info
+    return model, stack, CheckpointBlocks(pipeline, info.directory, stack, saved, keep, prepare), info
 
 
 def load_pretrained_quantized(directory: str | os.PathLike[str], *, container: Container | None = None) -> nn.Module:
