@@ -131,12 +131,12 @@ def _group_weight(name: str, layer: nn.Module) -> tuple[TensorFormat, torch.Tens
     except QuarkBrevitasError as exc:
         raise _refuse(name, str(exc)) from exc
     if plan.axis != 1 or plan.codes.ndim != 2:
-        raise _refuse(name, "groups along the output channels have no compressed-tensors form")
+        raise _refuse(name, "groups along the output channels are not written (only along the input channels)")
     if plan.codes.shape[1] % int(plan.block_size):
         # compressed-tensors (0.20) dequantizes whole groups only: transformers fails to load a last partial group
         raise _refuse(name, f"{plan.codes.shape[1]} input channels are not whole groups of {int(plan.block_size)} "
-                            "(compressed-tensors reads whole groups only; exclude the layer or pick a group size "
-                            "that divides its input channels)")
+                            "(compressed-tensors and Quark read whole groups only; exclude the layer or pick a group "
+                            "size that divides its input channels)")
     bits, signed = int(proxy.bit_width()), bool(proxy.is_signed)
     zero = torch.from_numpy(plan.zero_point) if plan.zero_point is not None else torch.zeros(plan.scale.shape)
     codes, zero_point = _signed_codes(name, torch.from_numpy(plan.codes), zero, bits, signed)
@@ -154,7 +154,8 @@ def _plain_weight(name: str, layer: nn.Module) -> tuple[TensorFormat, torch.Tens
     entry = next(iter(integer_weights(layer).values()))
     out_features = entry.int_weight.shape[0]
     if entry.axis not in (None, 0):
-        raise _refuse(name, f"weight scales along axis {entry.axis} have no compressed-tensors form")
+        raise _refuse(name, f"weight scales along axis {entry.axis} are not written (only per tensor or per output "
+                            "channel)")
     strategy = "tensor" if entry.axis is None else "channel"
     shape = (1,) if entry.axis is None else (out_features, 1)
     scale = entry.scale.reshape(shape)
@@ -223,7 +224,7 @@ def layer_codes(name: str, layer: nn.Module) -> LayerCodes:
     """What compressed-tensors stores for the quantized Linear ``layer`` (called ``name``), checked exact:
     :meth:`LayerCodes.dequantize` equals the layer's quantized weight (``torch.equal``)."""
     if not isinstance(layer, nn.Linear) or not isinstance(layer, QuantLayer):
-        raise _refuse(name, f"{type(layer).__name__} layers have no compressed-tensors form")
+        raise _refuse(name, f"{type(layer).__name__} layers are not written (only Linear)")
     if layer.output_quant.is_quant_enabled:
         raise _refuse(name, "output quantizers are not written (compressed-tensors applies them to the layer's "
                             "output, which our models quantize elsewhere)")
