@@ -332,6 +332,15 @@ _CONSUMER = textwrap.dedent("""
 """)
 
 
+#: Asymmetric static inputs: Quark's fake-quantizer rounds ``x / s`` and adds the zero point, Brevitas rounds
+#: ``x / s + z`` in float32, so an ``x / s`` within float32 rounding of a half (measured: -6.4999971 with z = 5,
+#: one input code of the down_proj of the second block) rounds to neighbouring codes. One code moves these logits by
+#: ~5e-4 (measured 5.5e-4 on logits of magnitude 0.9): a rounding flip, not a layout error (the codes, scales and
+#: zero points are checked exactly above).
+ROUNDING_ORDER = {"w8a8_static_uint8"}
+ROUNDING_ORDER_ATOL = 2e-3
+
+
 def _quark_interpreter() -> tuple[str, str] | None:
     """An interpreter with amd-quark and the directories its consumer process needs (``-S``: no site hooks, so
     no editable install of quark_brevitas), or ``None``."""
@@ -367,4 +376,5 @@ def test_amd_quarks_importer_loads_our_folders_and_computes_our_logits(written, 
         assert kinds == ["QParamsLinear"] and bad_keys == [], (name, kinds, bad_keys)
         with torch.no_grad():
             ours = model(tokens).logits.float()
-        torch.testing.assert_close(logits, ours, rtol=0.0, atol=1e-5, msg=name)
+        worst = float((logits - ours).abs().max())
+        assert worst <= (ROUNDING_ORDER_ATOL if name in ROUNDING_ORDER else 1e-5), (name, worst)

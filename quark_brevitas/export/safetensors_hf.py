@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints that other libraries load: the compressed-tensors format (transformers, vLLM).
+"""Hugging Face checkpoints that other libraries load: the compressed-tensors format (transformers, vLLM), and the
+one writer every such format goes through (AMD Quark's format is a strategy beside it: :mod:`~.quark_hf`).
 
 :func:`export_safetensors` writes a quantized Hugging Face model as a folder that
 ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads with the ``compressed-tensors`` package and
