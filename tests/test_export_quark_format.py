@@ -353,13 +353,19 @@ def _quark_interpreter() -> tuple[str, str] | None:
     return (python, run.stdout.strip().splitlines()[-1]) if run.returncode == 0 and run.stdout.strip() else None
 
 
-@pytest.mark.slow
-def test_amd_quarks_importer_loads_our_folders_and_computes_our_logits(written, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def quark_python() -> tuple[str, str]:
+    """(interpreter, PYTHONPATH) of a process with amd-quark; skips before any model is built when there is none."""
     found = _quark_interpreter()
     if found is None:
         pytest.skip("amd-quark is not importable (install amd-quark==0.13 beside torch and transformers, or set "
                     "QUARK_PYTHON to an interpreter that has it)")
-    python, path = found
+    return found
+
+
+@pytest.mark.slow
+def test_amd_quarks_importer_loads_our_folders_and_computes_our_logits(quark_python, written, tmp_path: Path) -> None:
+    python, path = quark_python
     tokens = _tokens(7)[0]
     script, inputs, outputs = tmp_path / "consumer.py", tmp_path / "tokens.pt", tmp_path / "logits.pt"
     script.write_text(_CONSUMER)
