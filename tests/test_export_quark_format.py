@@ -91,6 +91,17 @@ CASES: dict[str, tuple[QLayerConfig, dict, dict]] = {
                           {"weight": (torch.int8, [128, 256]), "weight_scale": (torch.float32, [128]),
                            "weight_zero_point": (torch.int8, [128]), "input_scale": (torch.float32, []),
                            "input_zero_point": (torch.int8, [])}),
+    "w8a8_dynamic_tensor": (QLayerConfig(weight=PER_CHANNEL, input_tensors=QTensorConfig(is_dynamic=True)),
+                            _layer(_spec("int8", "per_channel", ch_axis=0), _spec("int8", "per_tensor",
+                                                                                  is_dynamic=True)),
+                            {"weight": (torch.int8, [128, 256]), "weight_scale": (torch.float32, [128]),
+                             "weight_zero_point": (torch.int8, [128])}),
+    "w8a8_dynamic_token": (QLayerConfig(weight=PER_CHANNEL, input_tensors=QTensorConfig(
+                               is_dynamic=True, qscheme=QSchemeType.per_channel)),
+                           _layer(_spec("int8", "per_channel", ch_axis=0), _spec("int8", "per_channel", ch_axis=1,
+                                                                                 is_dynamic=True)),
+                           {"weight": (torch.int8, [128, 256]), "weight_scale": (torch.float32, [128]),
+                            "weight_zero_point": (torch.int8, [128])}),
     "fp8": (QLayerConfig(weight=FP8, input_tensors=FP8),
             _layer(_spec("fp8_e4m3", "per_tensor"), _spec("fp8_e4m3", "per_tensor")),
             {"weight": (torch.float8_e4m3fn, [128, 256]), "weight_scale": (torch.float32, []),
@@ -255,13 +266,6 @@ def test_a_4bit_axis_that_is_not_a_multiple_of_8_is_refused(tmp_path: Path) -> N
         export_safetensors(model, tmp_path / "out", format="quark")
 
 
-def test_dynamic_per_token_inputs_are_refused(tmp_path: Path) -> None:
-    model = _quantize(QLayerConfig(weight=PER_CHANNEL, input_tensors=QTensorConfig(
-        is_dynamic=True, qscheme=QSchemeType.per_channel)))
-    with pytest.raises(ExportError, match=r"'model\.layers\.0\.self_attn\.q_proj': dynamic per-token input"):
-        export_safetensors(model, tmp_path / "out", format="quark")
-
-
 def test_pack_asymmetric_is_for_compressed_tensors_only(tmp_path: Path) -> None:
     model = _quantize(QLayerConfig(weight=PER_CHANNEL))
     with pytest.raises(ExportError, match="pack_asymmetric applies to format 'compressed-tensors' only"):
@@ -339,6 +343,10 @@ _CONSUMER = textwrap.dedent("""
 #: zero points are checked exactly above).
 ROUNDING_ORDER = {"w8a8_static_uint8"}
 ROUNDING_ORDER_ATOL = 2e-3
+#: Dynamic inputs: the consumer computes the scales, Quark as max|x| / 127.5 (symmetric int8), ours max|x| / 127,
+#: and Quark's per-token form (per channel along axis 1) takes one scale per position across the batch of 2: within
+#: a quantization step (measured on one sequence: relative logit difference 1.4 % per token, 2.1 % per tensor).
+DYNAMIC = {"w8a8_dynamic_tensor", "w8a8_dynamic_token"}
 
 
 def _quark_interpreter() -> tuple[str, str] | None:
@@ -382,5 +390,8 @@ def test_amd_quarks_importer_loads_our_folders_and_computes_our_logits(quark_pyt
         assert kinds == ["QParamsLinear"] and bad_keys == [], (name, kinds, bad_keys)
         with torch.no_grad():
             ours = model(tokens).logits.float()
-        worst = float((logits - ours).abs().max())
-        assert worst <= (ROUNDING_ORDER_ATOL if name in ROUNDING_ORDER else 1e-5), (name, worst)
+        worst, relative = float((logits - ours).abs().max()), float((logits - ours).norm() / ours.norm())
+        if name in DYNAMIC:
+            assert relative < 0.05 and worst > 0, (name, relative)  # Quark's own scales: max|x| / 127.5
+        else:
+            assert worst <= (ROUNDING_ORDER_ATOL if name in ROUNDING_ORDER else 1e-5), (name, worst)

@@ -20,7 +20,11 @@ Per quantized Linear layer ``L`` (``out`` x ``in``), from the layer's exact code
   shaped like the scale, 4-bit ones packed like the weight (int32 ``[]``, ``[out / 8]``, ``[in / group, out / 8]``),
   8-bit ones int8 / uint8.
 - static per-tensor inputs: ``L.input_scale`` float32 ``[]`` and, int8, ``L.input_zero_point`` int8 ``[]``;
-  dynamic inputs store nothing (the consumer computes their scales).
+  dynamic inputs store nothing (the consumer computes their scales: Quark divides a symmetric int8 range by
+  127.5, ours by 127, so dynamic int8 logits agree within a quantization step, not bit for bit). Quark has no
+  per-token scheme: dynamic per-token inputs are written as its fp8 "ptpc" template writes them, per channel along
+  the token axis (``ch_axis=1`` of ``[batch, tokens, hidden]``; vLLM reads that as per token, Quark's own
+  importer takes one scale per position across a batch).
 - ``L.bias`` as the layer adds it (float).
 
 Symmetric integer weights are written as ``int4`` / ``int8``; asymmetric ones as ``uint4`` / ``uint8`` (codes and
@@ -31,9 +35,8 @@ by its exact name in ``layer_quant_config`` and every float Linear in ``exclude`
 
 What the format cannot hold is one :class:`~quark_brevitas.export.hf_folder.UnfitLayerError` naming the layer and
 what fits: integer weights other than 4 / 8 bits (Quark's int2 / int3 layouts are not written), a 4-bit axis
-Quark packs that is not a multiple of 8 (its importer infers ``size // 8``), dynamic per-token inputs, and
-everything compressed-tensors cannot hold either (output quantizers, MX / fp4 / fp6 / fp8 e5m2 weights, float zero
-points, partial groups).
+Quark packs that is not a multiple of 8 (its importer infers ``size // 8``), and everything compressed-tensors
+cannot hold either (output quantizers, MX / fp4 / fp6 / fp8 e5m2 weights, float zero points, partial groups).
 """
 
 from __future__ import annotations
@@ -51,12 +54,15 @@ __all__ = ["QUARK", "QUARK_VERSION", "pack_int4_reorder", "quark_config_dict", "
 QUARK_VERSION = "0.13"
 _FITS = ("Quark's format holds Linear layers with int4 / uint4 / int8 / uint8 weights (per tensor, per channel or "
          "per group of whole groups; 4-bit packed axes a multiple of 8) or fp8 e4m3 weights per tensor or per "
-         "channel, optionally with int8 or fp8 e4m3 input activations (static per tensor, or dynamic per tensor)")
+         "channel, optionally with int8 or fp8 e4m3 input activations (static per tensor, or dynamic per tensor "
+         "or per token)")
 #: Quark's "reorder" packing: nibble i (bits 4i..4i+3) of a word holds element ORDER[i] of its eight.
 _ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_QSCHEME = {"tensor": "per_tensor", "channel": "per_channel", "group": "per_group"}
+#: Quark has no per-token scheme: its dynamic per-token inputs are per channel along the token axis (its
+#: fp8 "ptpc" template: ``ch_axis=1`` of ``[batch, tokens, hidden]``).
+_QSCHEME = {"tensor": "per_tensor", "channel": "per_channel", "group": "per_group", "token": "per_channel"}
 _OBSERVER = {"tensor": "PerTensorMinMaxObserver", "channel": "PerChannelMinMaxObserver",
-             "group": "PerGroupMinMaxObserver"}
+             "group": "PerGroupMinMaxObserver", "token": "PerChannelMinMaxObserver"}
 _EXPORT = {"weight_merge_groups": None, "kv_cache_group": [], "min_kv_scale": 0.0, "weight_format": "real_quantized",
            "pack_method": "reorder"}
 
@@ -105,9 +111,6 @@ def _check(entry: LayerCodes) -> None:
             if size % 8:
                 raise _refuse(entry.name, f"{size} {axis} channels are not a multiple of 8 (Quark packs 4-bit "
                                           f"codes eight to an int32 along that axis)")
-    activation = entry.activation
-    if activation is not None and activation.strategy != "tensor":
-        raise _refuse(entry.name, f"dynamic per-{activation.strategy} input activations (only per tensor)")
 
 
 def _weight_tensors(entry: LayerCodes) -> dict[str, torch.Tensor]:
@@ -151,12 +154,7 @@ def quark_tensors(entry: LayerCodes) -> dict[str, torch.Tensor]:
 def _tensor_config(fmt: TensorFormat, weight: bool) -> dict[str, Any]:
     """One ``QTensorConfig.to_dict()`` as Quark 0.13 writes it."""
     integer = fmt.type == "int"
-    if fmt.strategy == "group":
-        ch_axis: int | None = -1
-    elif fmt.strategy == "channel":
-        ch_axis = 0 if weight else -1
-    else:
-        ch_axis = None
+    ch_axis = {"group": -1, "channel": 0, "token": 1}.get(fmt.strategy)
     return {"dtype": "int8" if integer and not weight else _dtype(fmt), "is_dynamic": fmt.dynamic,
             "qscheme": _QSCHEME[fmt.strategy], "ch_axis": ch_axis,
             "group_size": fmt.group_size if fmt.strategy == "group" else None, "block_size": None,
