@@ -13,6 +13,7 @@ with amd-quark is found (the current one, or the one ``QUARK_PYTHON`` names). am
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import importlib.util
 import json
@@ -102,6 +103,9 @@ CASES: dict[str, tuple[QLayerConfig, dict, dict]] = {
                                                                                  is_dynamic=True)),
                            {"weight": (torch.int8, [128, 256]), "weight_scale": (torch.float32, [128]),
                             "weight_zero_point": (torch.int8, [128])}),
+    "fp8_channel_weight_only": (QLayerConfig(weight=dataclasses.replace(FP8, qscheme=QSchemeType.per_channel)),
+                                _layer(_spec("fp8_e4m3", "per_channel", ch_axis=0)),
+                                {"weight": (torch.float8_e4m3fn, [128, 256]), "weight_scale": (torch.float32, [128])}),
     "fp8": (QLayerConfig(weight=FP8, input_tensors=FP8),
             _layer(_spec("fp8_e4m3", "per_tensor"), _spec("fp8_e4m3", "per_tensor")),
             {"weight": (torch.float8_e4m3fn, [128, 256]), "weight_scale": (torch.float32, []),
@@ -156,7 +160,7 @@ def _dequantized(tensors: dict[str, torch.Tensor], prefix: str, spec: dict) -> t
     """The weight Quark's importer computes: ``(codes - zero_point) * scale`` from the stored tensors."""
     weight, scale = tensors[prefix + "weight"], tensors[prefix + "weight_scale"].float()
     if spec["dtype"] == "fp8_e4m3":
-        return weight.float() * scale
+        return weight.float() * (scale[:, None] if spec["qscheme"] == "per_channel" else scale)
     zero = tensors[prefix + "weight_zero_point"]
     signed = spec["dtype"].startswith("int")
     if spec["dtype"].endswith("4"):
