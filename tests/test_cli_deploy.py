@@ -1,7 +1,8 @@
-"""``quark-brevitas quantize --model DIR --export gguf|compressed-tensors|onnx`` and ``quark-brevitas export CKPT
---format gguf|compressed-tensors`` on a tiny Llama folder with a byte-level BPE tokenizer: what they write is what
-the consumers (transformers' GGUF loader, transformers with compressed-tensors, onnxruntime) run as our quantized
-model, and a model a format cannot hold is one line on stderr."""
+"""``quark-brevitas quantize --model DIR --export gguf|compressed-tensors|quark|onnx`` and ``quark-brevitas export
+CKPT --format gguf|compressed-tensors|quark`` on a tiny Llama folder with a byte-level BPE tokenizer: what they
+write is what the consumers (transformers' GGUF loader, transformers with compressed-tensors, onnxruntime) run as
+our quantized model (Quark's folder: the tensors export_safetensors writes), and a model a format cannot hold is
+one line on stderr."""
 
 from __future__ import annotations
 
@@ -97,6 +98,42 @@ def test_export_compressed_tensors_loads_in_transformers(llama: dict[str, Path],
     with torch.no_grad():
         theirs = loaded(_tokens()).logits
     torch.testing.assert_close(theirs, _ours(llama["checkpoint"]), rtol=0.0, atol=1e-5)
+
+
+def test_export_quark_that_cannot_pack_the_lm_head_is_one_line_error(llama: dict[str, Path], tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """Quark packs per-group int4 codes along the output axis: a 61-token lm_head does not fit, named on one line."""
+    status = main(["-q", "export", str(llama["checkpoint"]), "--format", "quark", "--output", str(tmp_path / "q")])
+    assert status == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "layer 'lm_head': 61 output channels are not a multiple of 8" in line and "Quark's format holds" in line
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.slow
+def test_quantize_export_quark_writes_what_export_safetensors_writes(llama: dict[str, Path], tmp_path: Path) -> None:
+    """``quantize --model --export quark`` (block by block) writes, with the tokenizer, the tensors
+    export_safetensors(format="quark") writes for the rebuilt model."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from quark_brevitas.export import export_safetensors
+
+    checkpoint = tmp_path / "ckpt"
+    assert main(["-q", "quantize", "--model", str(llama["model"]), "--calib-text", str(llama["calib"]), "--output",
+                 str(checkpoint), "--preset", "gguf_q8_0", "--export", "quark", *FAST]) == 0
+    out = checkpoint / "quark"
+    assert (out / "tokenizer.json").is_file()
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "quark" and config["global_quant_config"]["weight"]["dtype"] == "int8"
+    whole = export_safetensors(load_pretrained_quantized(checkpoint), tmp_path / "whole", "quark")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    written = {}
+    for file in set(index["weight_map"].values()):
+        written.update(load_file(str(out / file)))
+    expected = load_file(str(whole / "model.safetensors"))
+    assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
 
 
 @pytest.mark.slow

@@ -213,7 +213,7 @@ def test_a_last_partial_group_is_refused(tmp_path: Path) -> None:
 
 def test_unknown_format_and_a_float_model_are_refused(tmp_path: Path) -> None:
     model = _quantize("llama", QLayerConfig(weight=PER_CHANNEL))
-    with pytest.raises(ExportError, match="format must be one of 'compressed-tensors', got 'gguf'"):
+    with pytest.raises(ExportError, match="format must be one of 'compressed-tensors', 'quark', got 'gguf'"):
         export_safetensors(model, tmp_path / "a", format="gguf")
     with pytest.raises(ExportError, match="no quantized Linear layer"):
         export_safetensors(_model("llama"), tmp_path / "b")

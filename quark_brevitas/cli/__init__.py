@@ -9,10 +9,10 @@ Subcommands:
   With ``--model DIR --calib-text FILE``: quantize a Hugging Face folder (a causal LM or an encoder)
   into the checkpoint ``OUTPUT`` instead, block by block when it is made of blocks, and report
   perplexity (or embedding cosine) before and after on held-out text (:mod:`quark_brevitas.hf.lm`);
-  ``--export onnx|gguf|compressed-tensors`` also writes that format into ``OUTPUT/<format>/``.
+  ``--export onnx|gguf|compressed-tensors|quark`` also writes that format into ``OUTPUT/<format>/``.
 - ``export``: rebuild a saved checkpoint and export it to ONNX QCDQ or QONNX, verified against the
-  rebuilt PyTorch model; or write it as GGUF or compressed-tensors (:mod:`quark_brevitas.cli.deploy`), block by
-  block for a checkpoint written block by block.
+  rebuilt PyTorch model; or write it as GGUF, compressed-tensors or Quark's format
+  (:mod:`quark_brevitas.cli.deploy`), block by block for a checkpoint written block by block.
 - ``plan``: which layers of the digits CNN a config quantizes, and how.
 - ``presets``: the named configs ``--preset`` accepts.
 - ``analyze``: where accuracy goes: the layer-by-layer comparison and the sensitivity ranking of a config,
@@ -112,7 +112,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="keep cached activations on disk instead of in memory")
     llm.add_argument("--export", choices=QUANTIZE_EXPORTS, default=None,
                      help="also write the quantized model as ONNX QCDQ (verified in onnxruntime), GGUF (llama.cpp; "
-                          "needs a gguf_q4_0/q4_1/q8_0 preset) or compressed-tensors (transformers, vLLM) into "
+                          "needs a gguf_q4_0/q4_1/q8_0 preset), compressed-tensors or quark (AMD Quark's format; "
+                          "both for transformers and vLLM) into "
                           "--output/<format>/")
     llm.add_argument("--no-resume", action="store_true",
                      help="start over even if --output holds an interrupted run of the same job")
@@ -120,7 +121,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser(
         "export", parents=[verbosity],
-        help="export a saved checkpoint to ONNX QCDQ, QONNX, GGUF or compressed-tensors",
+        help="export a saved checkpoint to ONNX QCDQ, QONNX, GGUF, compressed-tensors or Quark's format",
         description="Rebuild a checkpoint written by 'quantize --save-checkpoint', 'quantize --model' (a Hugging "
                     "Face model) or save_quantized and export it; the file is checked against the rebuilt PyTorch "
                     "model (onnxruntime for QCDQ, qonnx for QONNX); GGUF blocks are proven to dequantize to the "
@@ -128,12 +129,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a checkpoint directory")
     export.add_argument("--format", choices=EXPORT_FORMATS, default="qcdq",
-                        help="qcdq (default), qonnx, gguf or compressed-tensors")
+                        help="qcdq (default), qonnx, gguf, compressed-tensors or quark")
     export.add_argument("--output", metavar="PATH", required=True,
-                        help="the .onnx file to write; for gguf and compressed-tensors the folder to write")
+                        help="the .onnx file to write; for gguf, compressed-tensors and quark the folder to write")
     export.add_argument("--overwrite", action="store_true",
-                        help="gguf / compressed-tensors: write into --output even if it holds files quark_brevitas "
-                             "did not write (only the entries this run writes are replaced)")
+                        help="gguf / compressed-tensors / quark: write into --output even if it holds files "
+                             "quark_brevitas did not write (only the entries this run writes are replaced)")
     export.add_argument("--input-shape", metavar="SHAPE", type=shape_option, default=None,
                         help="example input shape such as 1,1,8,8 (random values; for a Hugging Face model "
                              "BATCH,SEQUENCE of random token ids; default: the checkpoint's stored example input, "

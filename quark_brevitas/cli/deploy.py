@@ -1,6 +1,6 @@
 """Deployment formats from the command line: a saved checkpoint written as GGUF (llama.cpp, transformers'
-``gguf_file=``) or as a compressed-tensors folder (transformers, vLLM), and the ONNX / GGUF / compressed-tensors
-written next to a checkpoint by ``quantize --model DIR --export FORMAT``.
+``gguf_file=``) or as a compressed-tensors or AMD Quark folder (transformers, vLLM), and the ONNX / GGUF /
+Hugging Face folder written next to a checkpoint by ``quantize --model DIR --export FORMAT``.
 
 A checkpoint written block by block (``quantize --model`` on a decoder) is exported block by block too
 (:mod:`quark_brevitas.hf.export_streamed`): the float model is never loaded. Any other checkpoint is rebuilt in
@@ -23,7 +23,7 @@ __all__ = ["DEPLOY_SUBFOLDERS", "is_streamed", "write_deploy_format", "write_nex
 logger = logging.getLogger("quark_brevitas.cli")
 
 #: ``quantize --model OUT --export FORMAT``: the folder inside OUT the format is written to.
-DEPLOY_SUBFOLDERS = {"onnx": "onnx", "gguf": "gguf", "compressed-tensors": "compressed-tensors"}
+DEPLOY_SUBFOLDERS = {"onnx": "onnx", "gguf": "gguf", "compressed-tensors": "compressed-tensors", "quark": "quark"}
 
 
 def is_streamed(info: Any) -> bool:
@@ -46,9 +46,9 @@ def _tokenizer_folder(checkpoint: Path) -> Path | None:
 
 def write_deploy_format(fmt: str, checkpoint: Path, model: nn.Module | None, output: Path, *,
                         overwrite: bool = False) -> Path:
-    """Write ``fmt`` (``gguf`` or ``compressed-tensors``) to the folder ``output`` from the checkpoint: block by
-    block when ``model`` is ``None`` (a streamed checkpoint), else from the rebuilt quantized ``model``. Returns
-    the file (GGUF) or folder written."""
+    """Write ``fmt`` (``gguf``, ``compressed-tensors`` or ``quark``) to the folder ``output`` from the checkpoint:
+    block by block when ``model`` is ``None`` (a streamed checkpoint), else from the rebuilt quantized ``model``.
+    Returns the file (GGUF) or folder written."""
     from quark_brevitas.export import export_gguf, export_safetensors
     from quark_brevitas.hf.export_streamed import export_gguf_streamed, export_safetensors_streamed
     from quark_brevitas.hf.lm import load_tokenizer
@@ -64,13 +64,13 @@ def write_deploy_format(fmt: str, checkpoint: Path, model: nn.Module | None, out
         return export_gguf(model, output, tokenizer_path=gguf_tokenizer, overwrite=overwrite)
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
     if model is None:
-        return export_safetensors_streamed(checkpoint, output, tokenizer=tokenizer, overwrite=overwrite)
-    return export_safetensors(model, output, tokenizer=tokenizer, overwrite=overwrite)
+        return export_safetensors_streamed(checkpoint, output, fmt, tokenizer=tokenizer, overwrite=overwrite)
+    return export_safetensors(model, output, fmt, tokenizer=tokenizer, overwrite=overwrite)
 
 
 def write_next_to_checkpoint(fmt: str, checkpoint: Path) -> Path:
     """``quantize --model --export FORMAT``: write the format into ``checkpoint/<subfolder>`` (recorded as ours,
-    so a rerun replaces it). Returns the file (ONNX, GGUF) or folder (compressed-tensors) written."""
+    so a rerun replaces it). Returns the file (ONNX, GGUF) or folder (compressed-tensors, Quark) written."""
     from quark_brevitas.checkpoint import read_checkpoint
     from quark_brevitas.outputs import add_folder
 
@@ -97,8 +97,8 @@ def _rebuilt(checkpoint: Path, info: Any) -> nn.Module:
         return load_pretrained_quantized(checkpoint)
     record = info.manifest.get("huggingface")
     if not record:
-        raise CLIError(f"checkpoint {str(checkpoint)!r} records no Hugging Face model; GGUF and compressed-tensors "
-                       "hold Hugging Face language models")
+        raise CLIError(f"checkpoint {str(checkpoint)!r} records no Hugging Face model; GGUF, compressed-tensors and "
+                       "Quark's format hold Hugging Face language models")
     return load_quantized(float_model_from_record(record), checkpoint)
 
 

@@ -1,6 +1,6 @@
 """``quark-brevitas export``: a saved checkpoint rebuilt (digits CNN, a Hugging Face model from its manifest,
-or a streamed checkpoint) and exported to a verified ONNX QCDQ or QONNX file, or written as GGUF or
-compressed-tensors (:mod:`quark_brevitas.cli.deploy`).
+or a streamed checkpoint) and exported to a verified ONNX QCDQ or QONNX file, or written as GGUF,
+compressed-tensors or Quark's format (:mod:`quark_brevitas.cli.deploy`).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _export_deploy(args: argparse.Namespace, info: Any) -> int:
-    """``export --format gguf|compressed-tensors``: block by block from a streamed checkpoint, else from the
+    """``export --format gguf|compressed-tensors|quark``: block by block from a streamed checkpoint, else from the
     rebuilt model."""
     from quark_brevitas.cli.deploy import is_streamed, write_deploy_format
 

@@ -32,7 +32,7 @@ EXAMPLE_TEXT = "The quick brown fox jumps over the lazy dog while seven small ca
 
 
 #: Formats of files other programs run or load (``export --format``, ``quantize --model --export``).
-DEPLOY_FORMATS = ("gguf", "compressed-tensors")
+DEPLOY_FORMATS = ("gguf", "compressed-tensors", "quark")
 
 
 EXPORT_FORMATS = ("qcdq", "qonnx", *DEPLOY_FORMATS)

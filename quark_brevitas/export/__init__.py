@@ -66,8 +66,10 @@ element types), :mod:`~quark_brevitas.export.summary` (what a written file store
 activations), :mod:`~quark_brevitas.export.hf` (Hugging Face checkpoints on the export side),
 :mod:`~quark_brevitas.export.kv` (decoders with past key/values as graph inputs/outputs),
 :mod:`~quark_brevitas.export.qcdq` (the QCDQ format), :mod:`~quark_brevitas.export.blocked` (per-group/MX/
-fp6/fp4 weights in ONNX), :mod:`~quark_brevitas.export.qonnx` (the QONNX format) and
-:mod:`~quark_brevitas.export.safetensors_hf` (Hugging Face checkpoints in the compressed-tensors format). This package
+fp6/fp4 weights in ONNX), :mod:`~quark_brevitas.export.qonnx` (the QONNX format),
+:mod:`~quark_brevitas.export.safetensors_hf` (Hugging Face checkpoints in the compressed-tensors format, and the writer
+of every Hugging Face format), :mod:`~quark_brevitas.export.quark_hf` (AMD Quark's format) and
+:mod:`~quark_brevitas.export.hf_folder` (what those formats share). This package
 re-exports the public API only; the helpers are public names of those internal modules.
 """
 

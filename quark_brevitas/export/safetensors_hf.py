@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints that other libraries load: the compressed-tensors format (transformers, vLLM).
+"""Hugging Face checkpoints that other libraries load: the compressed-tensors format (transformers, vLLM), and the
+one writer every such format goes through (AMD Quark's format is a strategy beside it: :mod:`~.quark_hf`).
 
 :func:`export_safetensors` writes a quantized Hugging Face model as a folder that
 ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads with the ``compressed-tensors`` package and
@@ -45,13 +46,10 @@ float model is never built and at most one quantized block is in memory.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,16 +67,26 @@ from quark_brevitas.brevitas_adapter import (
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError
 from quark_brevitas.export.hf import refuse_online_rotations
+from quark_brevitas.export.hf_folder import (
+    HFFormat,
+    LayerCodes,
+    TensorFormat,
+    UnfitLayerError,
+    config_json,
+    untie,
+    write_tokenizer,
+)
+from quark_brevitas.export.quark_hf import QUARK
 from quark_brevitas.extras import require
 from quark_brevitas.outputs import output_dir as _output_folder
 
-__all__ = ["FORMATS", "LayerCodes", "check_export_args", "collect_tensors", "config_json", "export_safetensors",
-           "layer_codes", "quantization_config_dict", "untie", "write_tokenizer"]
+__all__ = ["COMPRESSED_TENSORS", "FORMATS", "LayerCodes", "check_export_args", "collect_tensors", "config_json",
+           "export_safetensors", "hf_format", "layer_codes", "quantization_config_dict", "untie", "write_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
 #: The formats :func:`export_safetensors` writes.
-FORMATS = ("compressed-tensors",)
+FORMATS = ("compressed-tensors", "quark")
 _WEIGHTS_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 _FITS = ("compressed-tensors holds Linear layers with int1..int8 weights (per tensor, per channel or per group; "
@@ -86,65 +94,8 @@ _FITS = ("compressed-tensors holds Linear layers with int1..int8 weights (per te
          "and optionally int8 or fp8 e4m3 input activations (static per tensor, or dynamic per tensor / per token)")
 
 
-# ===================================================================== what one layer stores
-@dataclass(frozen=True)
-class TensorFormat:
-    """One quantized tensor's format, in compressed-tensors' terms (``QuantizationArgs``)."""
-
-    type: str  # "int" | "float"
-    num_bits: int
-    symmetric: bool
-    strategy: str  # "tensor" | "channel" | "group" | "token"
-    group_size: int | None = None
-    dynamic: bool = False
-
-    def args(self) -> dict[str, Any]:
-        """The keyword arguments of ``compressed_tensors.quantization.QuantizationArgs``."""
-        args: dict[str, Any] = {"num_bits": self.num_bits, "type": self.type, "symmetric": self.symmetric,
-                                "strategy": self.strategy, "dynamic": self.dynamic}
-        if self.group_size is not None:
-            args["group_size"] = self.group_size
-        if not self.symmetric:
-            args["zp_dtype"] = torch.int8
-        if self.type == "int" and self.strategy == "group":
-            args["actorder"] = None
-        return args
-
-
-@dataclass
-class LayerCodes:
-    """A quantized Linear layer as compressed-tensors stores it, before packing.
-
-    ``codes``: signed int8 codes (``[out, in]``) or ``float8_e4m3fn`` values; ``scale`` / ``zero_point``: shaped as
-    compressed-tensors expects them (``[1]``, ``[out, 1]`` or ``[out, groups]``; ``zero_point`` signed int8, ``None``
-    when symmetric). ``(codes - zero_point) * scale`` is the layer's quantized weight exactly.
-    """
-
-    name: str
-    weight: TensorFormat
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero_point: torch.Tensor | None
-    activation: TensorFormat | None = None
-    input_scale: torch.Tensor | None = None
-    input_zero_point: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
-    pack_zero_point: bool = False
-
-    def dequantize(self) -> torch.Tensor:
-        """The weight the consumer computes with (group scales expanded along the input dimension)."""
-        codes = self.codes.float()
-        scale = self.scale.float()
-        zero = self.zero_point.float() if self.zero_point is not None else torch.zeros_like(scale)
-        if self.weight.strategy == "group":
-            size = int(self.weight.group_size or 0)
-            scale = scale.repeat_interleave(size, dim=1)[:, :codes.shape[1]]
-            zero = zero.repeat_interleave(size, dim=1)[:, :codes.shape[1]]
-        return (codes - zero) * scale
-
-
-def _refuse(name: str, why: str) -> ExportError:
-    return ExportError(f"layer '{name}': {why}; {_FITS}")
+def _refuse(name: str, why: str) -> UnfitLayerError:
+    return UnfitLayerError(name, why, _FITS)
 
 
 # ===================================================================== reading a layer
@@ -181,12 +132,12 @@ def _group_weight(name: str, layer: nn.Module) -> tuple[TensorFormat, torch.Tens
     except QuarkBrevitasError as exc:
         raise _refuse(name, str(exc)) from exc
     if plan.axis != 1 or plan.codes.ndim != 2:
-        raise _refuse(name, "groups along the output channels have no compressed-tensors form")
+        raise _refuse(name, "groups along the output channels are not written (only along the input channels)")
     if plan.codes.shape[1] % int(plan.block_size):
         # compressed-tensors (0.20) dequantizes whole groups only: transformers fails to load a last partial group
         raise _refuse(name, f"{plan.codes.shape[1]} input channels are not whole groups of {int(plan.block_size)} "
-                            "(compressed-tensors reads whole groups only; exclude the layer or pick a group size "
-                            "that divides its input channels)")
+                            "(compressed-tensors and Quark read whole groups only; exclude the layer or pick a group "
+                            "size that divides its input channels)")
     bits, signed = int(proxy.bit_width()), bool(proxy.is_signed)
     zero = torch.from_numpy(plan.zero_point) if plan.zero_point is not None else torch.zeros(plan.scale.shape)
     codes, zero_point = _signed_codes(name, torch.from_numpy(plan.codes), zero, bits, signed)
@@ -204,7 +155,8 @@ def _plain_weight(name: str, layer: nn.Module) -> tuple[TensorFormat, torch.Tens
     entry = next(iter(integer_weights(layer).values()))
     out_features = entry.int_weight.shape[0]
     if entry.axis not in (None, 0):
-        raise _refuse(name, f"weight scales along axis {entry.axis} have no compressed-tensors form")
+        raise _refuse(name, f"weight scales along axis {entry.axis} are not written (only per tensor or per output "
+                            "channel)")
     strategy = "tensor" if entry.axis is None else "channel"
     shape = (1,) if entry.axis is None else (out_features, 1)
     scale = entry.scale.reshape(shape)
@@ -273,7 +225,7 @@ def layer_codes(name: str, layer: nn.Module) -> LayerCodes:
     """What compressed-tensors stores for the quantized Linear ``layer`` (called ``name``), checked exact:
     :meth:`LayerCodes.dequantize` equals the layer's quantized weight (``torch.equal``)."""
     if not isinstance(layer, nn.Linear) or not isinstance(layer, QuantLayer):
-        raise _refuse(name, f"{type(layer).__name__} layers have no compressed-tensors form")
+        raise _refuse(name, f"{type(layer).__name__} layers are not written (only Linear)")
     if layer.output_quant.is_quant_enabled:
         raise _refuse(name, "output quantizers are not written (compressed-tensors applies them to the layer's "
                             "output, which our models quantize elsewhere)")
@@ -287,7 +239,7 @@ def layer_codes(name: str, layer: nn.Module) -> LayerCodes:
         expected = layer.quant_weight().value.detach().float()
     if not torch.equal(entry.dequantize(), expected):
         worst = float((entry.dequantize() - expected).abs().max())
-        raise ExportError(f"layer '{name}': its compressed-tensors weight differs from the quantized weight by "
+        raise ExportError(f"layer '{name}': its exported weight differs from the quantized weight by "
                           f"{worst:.3g}; please report this")
     return entry
 
@@ -362,16 +314,42 @@ def quantization_config_dict(entries: list[LayerCodes], float_linears: list[str]
             "transform_config": {}, **config.model_dump(exclude={"quant_method"})}
 
 
+#: compressed-tensors as an :class:`~quark_brevitas.export.hf_folder.HFFormat` (every layer layer_codes reads fits).
+COMPRESSED_TENSORS = HFFormat("compressed-tensors", _FITS, _ct_tensors, quantization_config_dict)
+
+
+def hf_format(name: str) -> HFFormat:
+    """The format called ``name`` (one of :data:`FORMATS`)."""
+    formats = {"compressed-tensors": COMPRESSED_TENSORS, "quark": QUARK}
+    if name not in formats:
+        raise ExportError(f"format must be one of {', '.join(map(repr, FORMATS))}, got {name!r}")
+    return formats[name]
+
+
 # ===================================================================== walking a model
 def _is_ours(module: nn.Module) -> bool:
     root = type(module).__module__.partition(".")[0]
     return root in ("brevitas", "quark_brevitas")
 
 
+def _layer_entry(name: str, layer: nn.Module, fmt: HFFormat) -> LayerCodes:
+    """The layer's exact codes, refused in ``fmt``'s words when ``fmt`` cannot hold them."""
+    try:
+        entry = layer_codes(name, layer)
+    except UnfitLayerError as exc:
+        if fmt.fits == _FITS:
+            raise
+        raise fmt.refuse(exc.layer, exc.why) from exc
+    fmt.check(entry)
+    return entry
+
+
 def collect_tensors(model: nn.Module, prefix: str, tensors: dict[str, torch.Tensor], entries: list[LayerCodes],
-             float_linears: list[str], skip: str | None = None, pack_asymmetric: bool = False) -> None:
-    """Add ``model``'s tensors (names prefixed) to ``tensors``: quantized Linear layers in compressed-tensors'
-    layout, every other parameter and persistent buffer as it is. ``skip``: a submodule written elsewhere."""
+             float_linears: list[str], skip: str | None = None, pack_asymmetric: bool = False,
+             fmt: HFFormat = COMPRESSED_TENSORS) -> None:
+    """Add ``model``'s tensors (names prefixed) to ``tensors``: quantized Linear layers in ``fmt``'s layout
+    (default compressed-tensors), every other parameter and persistent buffer as it is. ``skip``: a submodule
+    written elsewhere."""
     handled: set[str] = set()
     for name, module in model.named_modules():
         full = prefix + name
@@ -384,14 +362,14 @@ def collect_tensors(model: nn.Module, prefix: str, tensors: dict[str, torch.Tens
                     and not module.output_quant.is_quant_enabled and isinstance(module, nn.Linear):
                 float_linears.append(full)
             else:
-                entry = layer_codes(full, module)
+                entry = _layer_entry(full, module, fmt)
                 entry.pack_zero_point = pack_asymmetric
                 entries.append(entry)
-                tensors.update({f"{full}.{k}": v for k, v in _ct_tensors(entry).items()})
+                tensors.update({f"{full}.{k}": v for k, v in fmt.encode(entry).items()})
                 handled.add(name)
                 continue
         elif _is_ours(module) and any(True for _ in module.parameters(recurse=False)):
-            raise _refuse(full, f"{type(module).__name__} (a quantization module of ours) is not a layer of the "
+            raise fmt.refuse(full, f"{type(module).__name__} (a quantization module of ours) is not a layer of the "
                                 "Hugging Face model")
         elif type(module) is nn.Linear:
             float_linears.append(full)
@@ -403,46 +381,25 @@ def collect_tensors(model: nn.Module, prefix: str, tensors: dict[str, torch.Tens
                 tensors[f"{full}.{key}" if full else key] = tensor.detach()
 
 
-def untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied embeddings): keep the first name of each storage."""
-    seen: set[tuple[int, int]] = set()
-    kept: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset()) if tensor.numel() else (id(tensor), 0)
-        if ident in seen and tensor.numel():
-            continue
-        seen.add(ident)
-        kept[key] = tensor.contiguous().cpu()
-    return kept
-
-
-def config_json(hf_config: Any, quantization_config: Mapping[str, Any]) -> str:
-    data = copy.deepcopy(hf_config.to_dict())
-    data["quantization_config"] = dict(quantization_config)
-    return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
-
-
-def check_export_args(format: str, output_dir_: Any) -> Path:
-    if format not in FORMATS:
-        raise ExportError(f"format must be one of {', '.join(map(repr, FORMATS))}, got {format!r}")
+def check_export_args(format: str, output_dir_: Any, pack_asymmetric: bool = False) -> tuple[HFFormat, Path]:
+    """The format asked for and the output folder, checked before any work."""
+    fmt = hf_format(format)
     if not isinstance(output_dir_, str | os.PathLike):
         raise ExportArgumentError(f"output_dir must be a path, got {type(output_dir_).__name__}")
-    return Path(output_dir_)
-
-
-def write_tokenizer(tokenizer: Any, work: Path) -> None:
-    if tokenizer is None:
-        return
-    if not hasattr(tokenizer, "save_pretrained"):
-        raise ExportArgumentError(f"tokenizer must have save_pretrained (a transformers tokenizer), got "
-                                  f"{type(tokenizer).__name__}")
-    tokenizer.save_pretrained(str(work))
+    if pack_asymmetric and fmt is not COMPRESSED_TENSORS:
+        raise ExportError(f"pack_asymmetric applies to format 'compressed-tensors' only, got format {format!r} "
+                          "(Quark's format always packs 4-bit zero points)")
+    return fmt, Path(output_dir_)
 
 
 def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str], format: str = "compressed-tensors",
                        tokenizer: Any = None, *, overwrite: bool = False, pack_asymmetric: bool = False) -> Path:
     """Write the quantized Hugging Face model ``quant_model`` as a checkpoint others load (see the module
     docstring): ``config.json`` with its ``quantization_config``, ``model.safetensors`` and the tokenizer.
+
+    ``format``: ``"compressed-tensors"`` (transformers / vLLM with the ``compressed-tensors`` package) or
+    ``"quark"`` (AMD Quark 0.13's own layout, as its ``export_safetensors`` writes it: transformers with
+    ``amd-quark`` installed, vLLM's Quark loader; see :mod:`quark_brevitas.export.quark_hf`).
 
     ``pack_asymmetric``: asymmetric per-channel / per-group int weights below 8 bits are written as
     ``naive-quantized`` (int8 codes, int8 zero points) by default, because transformers with compressed-tensors
@@ -452,7 +409,7 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
     The folder is written atomically (:mod:`quark_brevitas.outputs`): it holds the old files or the new ones.
     Returns its path. Raises :class:`ExportError` naming the first layer the format cannot hold.
     """
-    directory = check_export_args(format, output_dir)
+    fmt, directory = check_export_args(format, output_dir, pack_asymmetric)
     if not isinstance(quant_model, nn.Module):
         raise ExportArgumentError(f"quant_model must be a torch.nn.Module, got {type(quant_model).__name__}")
     hf_config = getattr(quant_model, "config", None)
@@ -463,10 +420,10 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
     tensors: dict[str, torch.Tensor] = {}
     entries: list[LayerCodes] = []
     float_linears: list[str] = []
-    collect_tensors(quant_model, "", tensors, entries, float_linears, pack_asymmetric=pack_asymmetric)
+    collect_tensors(quant_model, "", tensors, entries, float_linears, pack_asymmetric=pack_asymmetric, fmt=fmt)
     if not entries:
         raise ExportError(f"{type(quant_model).__name__} has no quantized Linear layer to write")
-    quantization_config = quantization_config_dict(entries, float_linears)
+    quantization_config = fmt.quantization_config(entries, float_linears)
     with _output_folder(directory, overwrite=overwrite) as work:
         from safetensors.torch import save_file
 

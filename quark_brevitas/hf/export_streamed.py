@@ -1,4 +1,4 @@
-"""compressed-tensors checkpoints and GGUF files written from a block-by-block (streamed) checkpoint, one block
+"""compressed-tensors / Quark checkpoints and GGUF files written from a block-by-block (streamed) checkpoint, one block
 at a time.
 
 Lives on the Hugging Face side (it rebuilds quantized blocks through :mod:`quark_brevitas.hf.streaming`), so that
@@ -39,7 +39,6 @@ from quark_brevitas.export.safetensors_hf import (
     check_export_args,
     collect_tensors,
     config_json,
-    quantization_config_dict,
     untie,
     write_tokenizer,
 )
@@ -74,8 +73,9 @@ def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: 
     """:func:`export_safetensors` for a checkpoint written block by block
     (:func:`~quark_brevitas.hf.streaming.quantize_pretrained`): each quantized block is rebuilt from the
     checkpoint, written to its own shard and dropped, so neither the float model nor the whole quantized model
-    is ever in memory. The folder holds one safetensors file per block, one for the rest and the index."""
-    directory = check_export_args(format, output_dir)
+    is ever in memory. The folder holds one safetensors file per block, one for the rest and the index.
+    ``format``: ``"compressed-tensors"`` or ``"quark"``, as for :func:`export_safetensors`."""
+    fmt, directory = check_export_args(format, output_dir, pack_asymmetric)
     entries: list[LayerCodes] = []
     float_linears: list[str] = []
     weight_map: dict[str, str] = {}
@@ -87,7 +87,8 @@ def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: 
         for count, (prefix, module, skip, unit_config) in enumerate(_streamed_units(Path(checkpoint), format)):
             hf_config = unit_config
             tensors: dict[str, torch.Tensor] = {}
-            collect_tensors(module, prefix, tensors, entries, float_linears, skip=skip, pack_asymmetric=pack_asymmetric)
+            collect_tensors(module, prefix, tensors, entries, float_linears, skip=skip, pack_asymmetric=pack_asymmetric,
+                            fmt=fmt)
             tensors = untie(tensors)
             name = f"model-{count:05d}.safetensors" if prefix else "model-rest.safetensors"
             save_file(tensors, str(work / name), metadata={"format": "pt"})
@@ -97,7 +98,7 @@ def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: 
             raise ExportError(f"checkpoint {str(checkpoint)!r} has no quantized Linear layer to write")
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (work / _INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (work / "config.json").write_text(config_json(hf_config, quantization_config_dict(entries, float_linears)))
+        (work / "config.json").write_text(config_json(hf_config, fmt.quantization_config(entries, float_linears)))
         write_tokenizer(tokenizer, work)
     logger.info("Wrote %s (%s from the streamed checkpoint %s, %d quantized layers)", directory, format, checkpoint,
                 len(entries))
