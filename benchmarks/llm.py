@@ -394,7 +394,7 @@ class Breakdown:
 
         for owner, name, category in [
             (data.CalibrationData, "forward", "forward"), (data.BlockInputs, "forward", "forward"),
-            (gptq, "gptq_columns", "arithmetic"), (gptq._Pass, "add", "arithmetic"),
+            (gptq, "gptq_columns", "arithmetic"), (gptq.HessianPass, "add", "arithmetic"),
             (scaling.ChannelStats, "add", "arithmetic"), (awq._TokenSample, "add", "arithmetic"),
             (awq, "clip_search", "arithmetic"), (awq, "_fake_quantized", "arithmetic"),
             (smoothquant, "smoothing_scales", "arithmetic"),
