@@ -28,6 +28,8 @@ import torch
 from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer
 from torch import nn
 
+from quark_brevitas.brevitas_adapter.grids import fixed_weight_grid
+
 __all__ = ["gptq_class_checking_once", "weights_quantized_once"]
 
 #: The instance attribute that shadows the class's ``quant_weight`` while a cache is active.
@@ -112,7 +114,12 @@ def gptq_class_checking_once() -> type:
             if not getattr(self, "_quant_init_checked", False):
                 result = super().get_quant_weights(i, i1, permutation_list, with_quant_history)
                 self._quant_init_checked = True
+                self._fixed_grid = _column_grid(self.layer, self.groups, with_quant_history)
                 return result
+            grid = getattr(self, "_fixed_grid", None)
+            if grid is not None and not with_quant_history:
+                index = permutation_list[0][i1 + i]  # the column Brevitas would quantize, on the same grid
+                return grid.quantize(self.layer.weight.detach()[:, index], index).unsqueeze(0)
             object.__setattr__(proxy, "modules", _no_modules)  # the walk Brevitas repeats per column
             try:
                 return super().get_quant_weights(i, i1, permutation_list, with_quant_history)
@@ -120,6 +127,16 @@ def gptq_class_checking_once() -> type:
                 proxy.__dict__.pop("modules", None)
 
     return CheckedOnceGPTQ
+
+
+def _column_grid(layer: nn.Module, groups: int, with_quant_history: bool) -> Any:
+    """The fixed grid of a Linear layer's weight quantizer (:func:`fixed_weight_grid`), or ``None`` where GPTQ
+    must ask Brevitas per column (convolutions, grids that follow the weight, quantization history)."""
+    from brevitas.nn import QuantLinear
+
+    if not isinstance(layer, QuantLinear) or groups != 1 or with_quant_history:
+        return None
+    return fixed_weight_grid(layer)
 
 
 def _no_modules() -> Iterator[nn.Module]:
