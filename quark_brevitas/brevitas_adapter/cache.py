@@ -126,7 +126,69 @@ def gptq_class_checking_once() -> type:
             finally:
                 proxy.__dict__.pop("modules", None)
 
+        def single_layer_update(self, percdamp: float = .01, c: float = 1e4) -> None:
+            grid = _column_grid(self.layer, self.groups, False)
+            if grid is None or hasattr(self.layer, "allocate_params") or any(
+                    getattr(m, "init_done", True) is not True for m in self.layer.weight_quant.modules()):
+                return super().single_layer_update(percdamp, c)  # Brevitas's own (and its errors)
+            columns_in_order(self, grid, percdamp, c)
+            return None
+
     return CheckedOnceGPTQ
+
+
+def columns_in_order(gptq: Any, grid: Any, percdamp: float, c: float) -> None:
+    """Brevitas's ``GPTQ.single_layer_update`` for a Linear layer on a fixed grid, operation for operation on the
+    same values (same dampening, factorisation, per-column rank-1 updates inside blocks of ``blocksize`` columns
+    and one product between blocks), so the result is Brevitas's bit for bit; but the weight is worked on as one
+    copy in processing order instead of gathering and scattering the permuted remaining columns for every
+    column, and columns are rounded on ``grid`` (:func:`fixed_weight_grid`) instead of through the quantizer:
+    the column loop was two thirds of block-by-block GPTQ on MiniLM."""
+    import math
+    import warnings
+
+    from torch.linalg import LinAlgError
+
+    if gptq.use_intermediate_buffer:
+        del gptq.B  # free memory, as Brevitas does
+    weight = gptq.layer.weight.data
+    hessian = gptq.H[0]
+    dead = torch.diag(hessian) == 0
+    hessian[dead, dead] = 1
+    weight[:, dead] = 0
+    columns = int(gptq.columns)
+    perm = torch.argsort(torch.diag(hessian), descending=True) if gptq.act_order else \
+        torch.tensor(range(columns), device=weight.device)
+    hessian = hessian[perm, :][:, perm]
+    try:
+        damp = percdamp * torch.mean(torch.diag(hessian))
+        diag = torch.arange(columns, device=hessian.device)
+        hessian[diag, diag] += damp
+        hessian = torch.linalg.cholesky(hessian)
+        hessian = torch.cholesky_inverse(hessian)
+        h_inv = torch.linalg.cholesky(hessian * c, upper=True) / math.sqrt(c)
+    except LinAlgError:
+        warnings.warn(f"Failed to compute the inverse of the Hessian for layer {gptq.name} GPTQ will not be applied. "
+                      "Increasing the number of samples might fix this issue", stacklevel=2)
+        return
+    finally:
+        del gptq.H
+    dtype = weight.dtype
+    work = weight[:, perm]  # a copy, in the weight's dtype as Brevitas keeps it
+    scale, zero_point = grid.scale[:, perm], grid.zero_point[:, perm]
+    for i1 in range(0, columns, gptq.blocksize):
+        i2 = min(i1 + gptq.blocksize, columns)
+        error_block = torch.zeros_like(work[:, i1:i2], dtype=gptq.dtype)
+        h_inv_block = h_inv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w = work[:, i1 + i]
+            q = grid.quantize_values(w, scale[:, i1 + i], zero_point[:, i1 + i]).to(gptq.dtype)
+            w = w.to(gptq.dtype)
+            error = (w - q) / h_inv_block[i, i]
+            error_block[:, i] = error
+            work[:, i1 + i:i2] -= error.unsqueeze(1).matmul(h_inv_block[i, i:].unsqueeze(0)).to(dtype)
+        work[:, i2:] -= error_block.matmul(h_inv[i1:i2, i2:]).to(dtype)
+    weight[:, perm] = work.to(dtype)
 
 
 def _column_grid(layer: nn.Module, groups: int, with_quant_history: bool) -> Any:
