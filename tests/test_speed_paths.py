@@ -84,3 +84,42 @@ def test_awq_gram_search_chooses_what_running_the_layers_chooses(monkeypatch: py
     assert fast.keys() == slow.keys() and any("o_proj" in name for name in fast)
     for name, value in fast.items():
         assert torch.equal(value, slow[name]), name
+
+
+def _gptq_weights(spec: QuantizationSpec, act_order: bool) -> dict[str, torch.Tensor]:
+    from llm_models import tiny_bert
+
+    from quark_brevitas import algos
+
+    torch.set_num_threads(1)
+    config = Config(QuantizationConfig(weight=spec), pre_quant_opt_config=[],
+                    algo_config=[algos.GPTQ(act_order=act_order)])
+    model = ModelQuantizer(config).quantize_model(tiny_bert(1), [{"input_ids": b} for b in token_batches(2)])
+    return {name: p.detach().clone() for name, p in model.named_parameters() if name.endswith("weight")}
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+@pytest.mark.parametrize("spec", [QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_channel),
+                                  QuantizationSpec(dtype=Dtype.uint4, symmetric=False, qscheme=QSchemeType.per_group,
+                                                   group_size=32)], ids=["int4_channel", "uint4_g32"])
+def test_brevitas_gptq_on_a_fixed_grid_equals_brevitas_column_loop(monkeypatch: pytest.MonkeyPatch,
+                                                                   spec: QuantizationSpec, act_order: bool) -> None:
+    from quark_brevitas.brevitas_adapter import cache
+
+    used = [0]
+    original = cache.columns_in_order
+
+    def counted(*args: object) -> None:
+        used[0] += 1
+        original(*args)
+
+    monkeypatch.setattr(cache, "columns_in_order", counted)
+    fast = _gptq_weights(spec, act_order)
+    assert used[0] > 0  # the fast path ran
+    monkeypatch.setattr(cache, "fixed_weight_grid", lambda _layer: None)  # Brevitas's own loop, column by column
+    used[0] = 0
+    slow = _gptq_weights(spec, act_order)
+    assert used[0] == 0
+    assert fast.keys() == slow.keys()
+    for name, value in fast.items():
+        assert torch.equal(value, slow[name]), name
