@@ -96,14 +96,15 @@ def weights_quantized_once(model: nn.Module) -> Iterator[None]:
 
 # ===================================================================== Brevitas's GPTQ: the initialisation check once
 def gptq_class_checking_once() -> type:
-    """Brevitas's ``GPTQ`` whose per-column ``get_quant_weights`` checks that the weight quantizer is initialised
-    once per layer instead of once per column.
+    """Brevitas's ``GPTQ`` made cheaper per column, with Brevitas's values.
 
     Brevitas walks every submodule of the weight quantizer for ``init_done`` before quantizing each column (a
     sixth of GPTQ's time on MiniLM); the flags cannot change while one layer is being updated, because the
     columns are quantized with quantization on and the scales already initialised. The check runs on the first
-    column exactly as Brevitas runs it (same error), then the walk is skipped for the layer's other columns;
-    everything else, and so every value, is Brevitas's own.
+    column exactly as Brevitas runs it (same error), then the walk is skipped for the layer's other columns.
+    For a Linear layer whose grid cannot change (:func:`fixed_weight_grid`), the whole update is
+    :func:`columns_in_order`: Brevitas's operations on the same values, without a quantizer call and a gather /
+    scatter of the permuted columns per column (most of the rest of its time); other layers get Brevitas's own.
     """
     from brevitas.graph.gptq import GPTQ
 
