@@ -77,6 +77,8 @@ ANCHOR_SPEED_RECIPES = {"gptqconfig": "Quark 6.5 s CPU (4 blocks); ours before 5
                         "awq": "Quark 80 s wall / 1.49 GB (trained model); ours before 45.1 s CPU",
                         "smoothquant": "Quark 16.5 s, Brevitas 9.5 s (trained model, W8A8)",
                         "gptq_whole": "Quark GPTQConfig 6.5 s CPU; Brevitas LLM entry point 19.4-22.4 s (other data)"}
+#: ANCHORS.md, trained 4-block Llama, int3 per group of 128, 1 thread (2026-11-25): Quark's QronosConfig, CPU s.
+ANCHOR_SPEED_QRONOS_QUARK = 32.6
 #: ANCHORS.md, "Real BERT": quark_brevitas (= Quark's Brevitas extension) in PyTorch.
 ANCHOR_MINILM = {"w8a8_per_channel": "0.988", "w8a8_smoothquant": "0.990", "gptq_w4_per_channel_whole": "0.950",
                  "gptq_w4_per_channel": "0.950 (about 40 s in the issue's run)"}
@@ -389,14 +391,18 @@ class Breakdown:
         """Wrap the library's calibration loops and algorithm kernels (this process only)."""
         from brevitas.graph import gptq as brevitas_gptq
 
-        from quark_brevitas.algorithms import awq, gptq, scaling, smoothquant
+        from quark_brevitas.algorithms import awq, gptq, qronos, scaling, smoothquant
+        from quark_brevitas.brevitas_adapter import cache
         from quark_brevitas.calibration import data
 
         for owner, name, category in [
             (data.CalibrationData, "forward", "forward"), (data.BlockInputs, "forward", "forward"),
-            (gptq, "gptq_columns", "arithmetic"), (gptq._Pass, "add", "arithmetic"),
+            (gptq, "gptq_columns", "arithmetic"), (gptq.HessianPass, "add", "arithmetic"),
             (scaling.ChannelStats, "add", "arithmetic"), (awq._TokenSample, "add", "arithmetic"),
             (awq, "clip_search", "arithmetic"), (awq, "_fake_quantized", "arithmetic"),
+            (awq._LinearError, "error", "arithmetic"), (awq._LinearError, "of", "arithmetic"),
+            (qronos, "qronos_columns", "arithmetic"), (qronos._CrossPass, "add", "arithmetic"),
+            (qronos._CrossPass, "add_float", "arithmetic"), (cache, "columns_in_order", "arithmetic"),
             (smoothquant, "smoothing_scales", "arithmetic"),
             (brevitas_gptq.GPTQ, "update_batch", "arithmetic"),
             (brevitas_gptq.GPTQ, "single_layer_update", "arithmetic")]:
@@ -412,7 +418,10 @@ def speed_config(recipe: str) -> Any:
     w8 = QTensorConfig(qscheme=QSchemeType.per_channel)
     algo = {"gptqconfig": [algos.GPTQConfig(bit=4, sym=True, group_size=128)],
             "awq": [algos.AWQConfig(bit=4, sym=True, group_size=128)], "gptq_whole": [algos.GPTQ()],
-            "smoothquant": []}[recipe]
+            "qronos": [algos.QronosConfig()], "smoothquant": []}[recipe]
+    if recipe == "qronos":  # ANCHORS.md's low-bit recipe: int3 per group of 128
+        w3 = QTensorConfig(qscheme=QSchemeType.per_group, group_size=128, bit_width=3)
+        return Config(QLayerConfig(weight=w3), pre_quant_opt_config=[], algo_config=algo, exclude=["lm_head"])
     if recipe == "smoothquant":
         return Config(QLayerConfig(weight=w8, input_tensors=QTensorConfig()), exclude=["lm_head"],
                       pre_quant_opt_config=[algos.SmoothQuantConfig(alpha=0.5)])
@@ -438,6 +447,8 @@ def task_speed(args: dict[str, Any]) -> dict[str, Any]:
         vocab = 8192
     generator = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, vocab, (1, SEQ), generator=generator) for _ in range(args["rows"])]
+    if args.get("calib") == "docstrings":  # ANCHORS.md's low-bit data: 128 sequences of 128 tokens, batches of 4
+        rows = windows(token_splits()["calib"], 128, 4)
     _, seconds = _quantize(model, speed_config(args["recipe"]), rows)
     total = _CPU["seconds"]
     parts = dict(breakdown.seconds)
@@ -546,6 +557,12 @@ def section_speed(quick: bool) -> str:
         table.append(["AWQConfig W4 g128, trained 4 blocks", _time(result),
                       _fmt(result.get("peak_rss_mb"), ".0f", " MB"), _parts(result), ANCHOR_SPEED_RECIPES["awq"],
                       f"target <= 40 s CPU: {'met' if result.get('cpu_seconds', 1e9) <= 40 else 'NOT met'}"])
+        result = run_child("speed", recipe="qronos", model=str(trained[-1]), rows=rows_count, calib="docstrings")
+        quark = ANCHOR_SPEED_QRONOS_QUARK
+        table.append(["QronosConfig int3 g128, trained 4 blocks, 128 x 128 docstring tokens (batch 4)", _time(result),
+                      _fmt(result.get("peak_rss_mb"), ".0f", " MB"), _parts(result),
+                      f"Quark {quark} s CPU ({ANCHOR_SPEED_DATE})",
+                      f"{result['cpu_seconds'] / quark:.2f}x" if "cpu_seconds" in result else "-"])
     header = ["issue 20: 1 thread, random Llama 256 wide (768), vocab 8192, "
               f"{rows_count} x 128 tokens, batch 1", "time (CPU)", "peak RSS",
               "CPU s: forward / arithmetic / overhead", f"Quark 0.13 ({ANCHOR_SPEED_DATE})", "ours / Quark (CPU)"]

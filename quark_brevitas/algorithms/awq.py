@@ -52,7 +52,7 @@ from quark_brevitas.brevitas_adapter import (
 )
 from quark_brevitas.calibration import calibrate
 from quark_brevitas.calibration.data import BlockInputs, CalibrationData
-from quark_brevitas.hf.structure import ScalingGroup, check_scaling_groups
+from quark_brevitas.hf.structure import ScalingGroup, check_scaling_groups, is_linear
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,35 @@ class _TokenSample:
 
     def get(self, name: str) -> torch.Tensor:
         return torch.cat(self.rows[name])
+
+
+class _LinearError:
+    """The output error of a Linear-like layer with a candidate weight, on its recorded inputs ``X``, without
+    running it: ``sum ||X (W' - W)^T||^2 = sum((D G) * D)`` for ``D = W' - W`` and the Gram matrix ``G = X^T X``
+    (float64, accumulated once per group). Bias and all else cancel in the difference, so this is the error the
+    recorded float outputs give, up to float rounding (measured: relative difference below 1e-5), at
+    ``in x in`` instead of ``tokens x in`` multiply-adds per output channel and no per-call work."""
+
+    def __init__(self, gram: torch.Tensor, tokens: int, weight: torch.Tensor) -> None:
+        self.gram, self.tokens, self.weight = gram, tokens, weight.detach().double()
+
+    @classmethod
+    def of(cls, calls: list[Any], weight: torch.Tensor) -> _LinearError:
+        """From the layer's recorded ``(args, kwargs)`` calls and its float ``[out, in]`` weight."""
+        channels = weight.shape[1]
+        gram = torch.zeros(channels, channels, dtype=torch.float64)
+        tokens = 0
+        for args, kwargs in calls:
+            rows = (args[0] if args else next(iter(kwargs.values()))).detach().reshape(-1, channels).double()
+            gram.addmm_(rows.t(), rows)
+            tokens += rows.shape[0]
+        return cls(gram, tokens, weight)
+
+    def error(self, candidate: torch.Tensor) -> torch.Tensor:
+        """Squared error sum and element count of the outputs with ``candidate`` (``[out, in]``) as weight."""
+        delta = candidate.double() - self.weight
+        return torch.stack([((delta @ self.gram) * delta).sum(), torch.tensor(float(self.tokens * delta.shape[0]),
+                                                                                dtype=torch.float64)]).float()
 
 
 def clip_search(layer: nn.Module, rows: torch.Tensor, group_size: int, data: CalibrationData) -> torch.Tensor:
@@ -162,17 +191,25 @@ class AWQConfigHandler(BlockwiseHandler):
                        mean_abs: torch.Tensor, recorded: CallRecorder, where: str) -> torch.Tensor:
         layers = [block.get_submodule(name) for name in group.layers]
         inspected = _inspected(group)
+        # A group's own Linear-like layer, inspected alone, is judged from the Gram matrix of its inputs
+        # (_LinearError): the same error as running it on every recorded call, a small fraction of the cost.
+        by_gram = {name: _LinearError.of(recorded.calls[name], linear_weight(block.get_submodule(name)))
+                   for name in inspected if name in group.layers and is_linear(block.get_submodule(name))}
         originals = [linear_weight(layer).detach().float().clone() for layer in layers]
         has_grid = [int_weight_format(layer) is not None for layer in layers]
         losses = []
         for step in range(GRID):
             scales = _awq_scales(mean_abs, step / GRID)
-            for layer, weight, grid in zip(layers, originals, has_grid):
+            candidates = {}
+            for layer_name, layer, weight, grid in zip(group.layers, layers, originals, has_grid):
                 scaled = weight * scales[None, :]
-                set_linear_weight(layer, _fake_quantized(layer, scaled, grid) / scales[None, :])
-            total = sum(self._inspected_error(block.get_submodule(name), recorded, name, data,
-                                              f"{algo.name}: {where} {group} ratio {step / GRID:.2f}")
-                        for name in inspected)
+                candidates[layer_name] = _fake_quantized(layer, scaled, grid) / scales[None, :]
+                set_linear_weight(layer, candidates[layer_name])
+            total = torch.zeros(2)
+            for name in inspected:
+                total += by_gram[name].error(candidates[name]) if name in by_gram else self._inspected_error(
+                    block.get_submodule(name), recorded, name, data,
+                    f"{algo.name}: {where} {group} ratio {step / GRID:.2f}")
             data.all_reduce(total, "sum")
             losses.append(float(total[0] / total[1]))
         for layer, weight in zip(layers, originals):

@@ -29,10 +29,10 @@ block is skipped) and combined across processes with ``data.all_reduce``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,35 +141,33 @@ class _CrossPass(HessianPass):
             del self.crosses[name]
 
 
-@contextlib.contextmanager
-def _original_weights(layers: dict[str, nn.Module], originals: dict[str, torch.Tensor]) -> Iterator[None]:
-    """The already rounded ``layers`` with their float weights back for the while."""
-    rounded = {name: linear_weight(layer).detach().clone() for name, layer in layers.items()}
-    for name, layer in layers.items():
-        set_linear_weight(layer, originals[name])
-    try:
-        yield
-    finally:
-        for name, layer in layers.items():
-            set_linear_weight(layer, rounded[name])
-
-
 class _FloatThenQuantized(nn.Module):
-    """The block run twice per batch: in float (original weights, no quantization), queueing the float inputs of
-    the layers still to round, then as quantized so far, collecting ``H`` and ``G`` (the pass stops the block early
-    once the group's layers have been called)."""
+    """The block run twice per batch: its float twin (a copy of the block with the original weights, made once per
+    block, quantization off for the whole block: nothing to switch or copy per batch) queues the float inputs of
+    the layers still to round, then the block as quantized so far collects ``H`` and ``G`` (each pass stops
+    early once the group's layers have been called). While no layer of the block is rounded yet, a layer's float
+    input is its quantized input (activations are not quantized), so the float run is skipped and each input
+    counts as both."""
 
     def __init__(self, block: nn.Module, collected: _CrossPass, remaining: dict[str, nn.Module],
-                 done: dict[str, nn.Module], originals: dict[str, torch.Tensor]) -> None:
+                 done: dict[str, nn.Module], twin: nn.Module) -> None:
         super().__init__()
-        self.block = block
-        self.collected, self.remaining, self.done, self.originals = collected, remaining, done, originals
+        self.block, self.twin = block, twin
+        self.collected, self.remaining, self.done = collected, remaining, done
+
+    def _both(self, name: str, rows: torch.Tensor, raw: Any) -> None:
+        with contextlib.suppress(StopFwdException):  # the float stage's stop; add() stops the pass itself
+            self.collected.add_float(name, rows, raw)
+        self.collected.add(name, rows, raw)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.collected.start_batch()
-        with quantization_disabled(self.block), _original_weights(self.done, self.originals), \
-                layer_inputs(self.remaining, self.collected.add_float), contextlib.suppress(StopFwdException):
-            self.block(*args, **kwargs)
+        if not self.done:
+            with layer_inputs(self.remaining, self._both):
+                return self.block(*args, **kwargs)
+        twin_layers = {name: self.twin.get_submodule(name) for name in self.remaining}
+        with layer_inputs(twin_layers, self.collected.add_float), contextlib.suppress(StopFwdException):
+            self.twin(*args, **kwargs)
         with layer_inputs(self.remaining, self.collected.add):
             return self.block(*args, **kwargs)
 
@@ -205,14 +203,15 @@ class QronosConfigHandler(GPTQConfigHandler):
         block.eval()
         remaining = self.quantized_layers(algo, block, where, algo.inside_layer_modules, "inside_layer_modules")
         features = {n: int(linear_weight(m).shape[1]) for n, m in remaining.items()}
-        originals = {n: linear_weight(m).detach().clone() for n, m in remaining.items()}
+        float_block = copy.deepcopy(block)  # the block in float, original weights (see _FloatThenQuantized)
         done: dict[str, nn.Module] = {}
         start = time.perf_counter()
         samples: dict[str, int] = {}
-        with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False):
+        with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False), \
+                quantization_disabled(float_block):
             while remaining:
                 collected = _CrossPass(True)
-                twin = _FloatThenQuantized(block, collected, remaining, done, originals)
+                twin = _FloatThenQuantized(block, collected, remaining, done, float_block)
                 data.forward(UntilStopped(twin), f"{algo.name}: statistics of {name or where}",
                              on_output=collected.batch_done)
                 if not collected.group:

@@ -30,6 +30,7 @@ from quark_brevitas.errors import QuarkBrevitasError
 __all__ = [
     "IntWeightFormat",
     "WeightGrid",
+    "fixed_weight_grid",
     "init_weight_scales",
     "int_weight_format",
     "mark_scale_initialised",
@@ -183,6 +184,28 @@ def weight_grid(layer: nn.Module, weight: torch.Tensor | None = None) -> WeightG
     scale = quant.scale.expand_as(target).detach()
     zero_point = torch.as_tensor(quant.zero_point, dtype=scale.dtype, device=scale.device).expand_as(target).detach()
     return WeightGrid(scale, zero_point, int_quant.min_int(bit_width), int_quant.max_int(bit_width),
+                      int_quant.float_to_int_impl, int_quant.tensor_clamp_impl, int(bit_width))
+
+
+def fixed_weight_grid(layer: nn.Module) -> WeightGrid | None:
+    """The grid of ``layer``'s already initialised integer weight quantizer, read without re-initialising it, when
+    that grid cannot change while the weight does: every statistics-based scale / zero point is a parameter that
+    is initialised (``init_done``; a quantizer whose scale follows the weight's statistics on every call gives
+    ``None``) and rounding and clamping are Brevitas's plain ones (:func:`plain_round_and_clamp`), so that
+    :meth:`WeightGrid.quantize` gives exactly what the quantizer gives for any weight values. ``None`` otherwise.
+    Brevitas's GPTQ quantizes one column at a time through the whole quantizer; with this grid it need not."""
+    proxy, int_quant = _int_weight_quant(layer)
+    if not plain_round_and_clamp(int_quant.float_to_int_impl, int_quant.tensor_clamp_impl):
+        return None
+    for module in proxy.modules():
+        if hasattr(module, "parameter_list_stats") and getattr(module, "init_done", None) is not True:
+            return None
+    with torch.no_grad(), quant_switched(proxy, False):
+        quant = proxy(layer.weight)
+    bit_width = quant.bit_width
+    scale = quant.scale.expand_as(layer.weight).detach()
+    zero_point = torch.as_tensor(quant.zero_point, dtype=scale.dtype, device=scale.device).expand_as(layer.weight)
+    return WeightGrid(scale, zero_point.detach(), int_quant.min_int(bit_width), int_quant.max_int(bit_width),
                       int_quant.float_to_int_impl, int_quant.tensor_clamp_impl, int(bit_width))
 
 

@@ -34,11 +34,9 @@ Two more kinds of calibration data serve the block-by-block data phase and distr
 
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
 import logging
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -334,55 +332,43 @@ class CalibrationData:
         return count
 
 
-class _FailingModule:
-    """Which module of ``model`` an exception came out of: while active, a forward hook on every module that
-    also runs when the forward raises (``always_call``) records, per exception, the first (innermost) module
-    it passed through. A failure deep inside a model is then reported with the layer's name, not only the
-    message of the operation that failed (a shape mismatch says nothing about where it happened)."""
+def failing_module(model: nn.Module, exc: BaseException) -> str | None:
+    """The qualified name of the innermost module of ``model`` whose forward ``exc`` (or an exception it was
+    raised from) came out of, or ``None`` when none did. A failure deep inside a model is then reported with the
+    layer's name, not only the message of the operation that failed (a shape mismatch says nothing about where
+    it happened).
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.handles: list[Any] = []
-        self.seen: dict[int, tuple[BaseException, str]] = {}
-
-    def __enter__(self) -> _FailingModule:
-        for name, module in self.model.named_modules():
-            self.handles.append(module.register_forward_hook(functools.partial(self._record, name),
-                                                             always_call=True))
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    def _record(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
-        exc = sys.exc_info()[1]  # set only while the module's forward is unwinding an exception
-        if exc is not None and id(exc) not in self.seen:
-            self.seen[id(exc)] = (exc, name)  # the exception is kept so that its id is not reused
-
-    def innermost(self, exc: BaseException) -> str | None:
-        """The innermost module ``exc`` (or an exception it was raised from) came out of, if recorded."""
-        while exc is not None:
-            if id(exc) in self.seen:
-                return self.seen[id(exc)][1]
-            exc = exc.__cause__ or exc.__context__
-        return None
+    Read from the exception's traceback after the fact (the frames that have a ``self`` among ``model``'s
+    modules), so a batch that succeeds costs nothing: registering a forward hook on every module for every
+    batch cost more than the block's own arithmetic on small layers (a Brevitas layer has a dozen submodules).
+    """
+    names = {id(module): name for name, module in model.named_modules()}
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        innermost, traceback = None, exc.__traceback__
+        while traceback is not None:
+            owner = traceback.tb_frame.f_locals.get("self")
+            if owner is not None and id(owner) in names:
+                innermost = names[id(owner)]
+            traceback = traceback.tb_next
+        if innermost is not None:
+            return innermost
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def call_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], index: int,
                who: str = "the model") -> Any:
     """``model(*args, **kwargs)``; a failure is re-raised as a :class:`CalibrationDataError` naming the
-    batch index (the pipeline decides whether the data or the quantized model is at fault) and ``who``
-    rejected it."""
-    tracker = _FailingModule(model)
+    batch index (the pipeline decides whether the data or the quantized model is at fault), ``who``
+    rejected it and the innermost module it came out of (:func:`failing_module`)."""
     try:
-        with tracker:
-            return model(*args, **kwargs)
+        return model(*args, **kwargs)
     except StopFwdException:
         raise  # Brevitas's GPxQ algorithms stop the forward pass on purpose.
     except Exception as exc:
-        failed = tracker.innermost(exc)
+        failed = failing_module(model, exc)
         where = f" in module {failed!r}" if failed else ""
         raise CalibrationDataError(
             f"calibration batch {index}: {who} rejected it{where} ({type(exc).__name__}: {exc})", batch_index=index,
