@@ -20,6 +20,16 @@ dimension. Asymmetric per-tensor inputs use onnxruntime's fused ``DynamicQuantiz
 zero point; it rounds before adding the zero point, which differs only at exact ties). The code-producing node
 of each layer is named after the quantizer (``.../input_quant/export_handler/DynamicQuantize``), so the pinned
 verification (:mod:`quark_brevitas.export.pinned`) pins it like a static quantizer.
+
+A Linear input quantized dynamically to symmetric int8 **per group** of G input features, in front of an int4
+weight quantized per group of the same G input features, is what onnxruntime's ``MatMulNBits`` computes at
+``accuracy_level`` 4 (MLAS quantizes the input per block of ``block_size`` along K: scale ``max|a| / 127``, codes
+rounded half to even, int8 x int4 block dot products scaled by both scales). Such a layer is exported with its input
+unquantized, its weight becomes ``MatMulNBits`` (:mod:`~quark_brevitas.export.passes.nbits`) and
+:func:`quantize_inputs_in_kernel` sets that node's level to 4: the kernel does the input quantization, several
+times faster than float32 decoding. The one difference: MLAS multiplies by ``127 / max|a|`` where Brevitas divides
+by ``max|a| / 127``, which differ in the last bit and round a code differently about twice per million elements
+(one activation step; the verification's tolerance covers it).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from quark_brevitas.brevitas_adapter import (
 )
 from quark_brevitas.export.errors import ExportError
 from quark_brevitas.export.passes.graph import GraphIndex, attr, module_path, topological_sort
+from quark_brevitas.export.passes.nbits import quantize_inputs_in_kernel
 
 #: Suffix of the node producing a dynamic quantizer's codes (after the proxy's module path).
 CODE_NODE = "export_handler/DynamicQuantize"
@@ -57,9 +68,12 @@ class DynamicInput:
     proxy_name: str
     per_token: bool
     signed: bool
+    group_size: int = 0  # > 0: int8 per group of the input features, quantized inside MatMulNBits (accuracy level 4)
 
     @property
     def fmt(self) -> str:
+        if self.group_size:
+            return f"int8 dynamic per-group {self.group_size}"
         return f"{'int8' if self.signed else 'uint8'} dynamic per-{'token' if self.per_token else 'tensor'}"
 
 
@@ -67,15 +81,45 @@ def is_exportable_dynamic(layer: nn.Module, attribute: str, proxy: nn.Module) ->
     """Whether a dynamic activation quantizer is one this module writes: the 8-bit integer input quantizer of a
     Linear layer (not per-group / MX, not float) whose weight is quantized to integers of at most 8 bits per
     tensor or channel (the integer product needs integer weights)."""
-    if attribute != "input_quant" or not is_dynamic_activation(proxy) or is_groupwise(proxy):
+    if attribute != "input_quant" or not is_dynamic_activation(proxy):
         return False
     if is_float_quantizer(proxy) or not isinstance(layer, nn.Linear):
         return False
+    if is_groupwise(proxy):
+        return kernel_group_size(layer, proxy) is not None
     weight = getattr(layer, "weight_quant", None)
     if weight is None or not weight.is_quant_enabled or is_groupwise(weight) or is_float_quantizer(weight):
         return False
     bits, weight_bits = injector_value(proxy, "bit_width"), injector_value(weight, "bit_width")
     return bits is not None and int(bits) == 8 and weight_bits is not None and int(weight_bits) <= 8
+
+
+def kernel_group_size(layer: nn.Module, proxy: nn.Module) -> int | None:
+    """The group size G if ``proxy`` (the input quantizer of Linear ``layer``) is what ``MatMulNBits`` at accuracy
+    level 4 computes (see the module docstring): dynamic symmetric int8 with codes in +-127, one float scale
+    ``max|x| / 127`` per group of G along the last dimension, rounded half to even; the layer's weight int4 per group
+    of the same G input features (G a power of two >= 16, the block sizes of MatMulNBits). ``None`` otherwise."""
+    if not is_groupwise(proxy) or not proxy.is_signed or injector_value(proxy, "narrow_range") is not True:
+        return None
+    if _enum_name(injector_value(proxy, "restrict_scaling_type")) != "FP" or \
+            _enum_name(injector_value(proxy, "scaling_stats_op")) != "MAX" or \
+            type(injector_value(proxy, "float_to_int_impl")).__name__ != "RoundSte" or \
+            injector_value(proxy, "group_dim") not in (-1, None):
+        return None
+    weight = getattr(layer, "weight_quant", None)
+    if weight is None or not weight.is_quant_enabled or not is_groupwise(weight) or is_float_quantizer(weight):
+        return None
+    bits, weight_bits = injector_value(proxy, "bit_width"), injector_value(weight, "bit_width")
+    group, weight_group = injector_value(proxy, "group_size"), injector_value(weight, "group_size")
+    if bits is None or int(bits) != 8 or weight_bits is None or int(weight_bits) != 4 or group != weight_group:
+        return None
+    if not isinstance(group, int) or group < 16 or group & (group - 1):
+        return None
+    return group
+
+
+def _enum_name(value: object) -> str | None:
+    return getattr(value, "name", None)
 
 
 def plan_dynamic(model: nn.Module, proxy_names: Sequence[str]) -> list[DynamicInput]:
@@ -90,8 +134,9 @@ def plan_dynamic(model: nn.Module, proxy_names: Sequence[str]) -> list[DynamicIn
         if layer.bias is not None and bias_quant is not None and bias_quant.is_quant_enabled:
             raise ExportError(f"layer '{layer_name}' quantizes its bias with a dynamic input quantizer ({name}): the "
                               "bias scale would change with every input; export with bias=None (float bias)")
-        per_token = injector_value(proxy, "stats_reduce_dim") is not None  # per tensor: statistics over everything
-        plans.append(DynamicInput(layer, name, per_token, bool(proxy.is_signed)))
+        group_size = kernel_group_size(layer, proxy) or 0
+        per_token = group_size > 0 or injector_value(proxy, "stats_reduce_dim") is not None  # else over everything
+        plans.append(DynamicInput(layer, name, per_token, bool(proxy.is_signed), group_size))
     return plans
 
 
@@ -142,6 +187,8 @@ def insert_dynamic_quantization(model: onnx.ModelProto, plans: Sequence[DynamicI
     index = GraphIndex(graph)
     count = 0
     for plan in plans:
+        if plan.group_size:  # quantized inside MatMulNBits: mark_kernel_inputs
+            continue
         path = layer_paths[id(plan.layer)]
         node = next((n for n in graph.node if n.op_type in ("MatMul", "Gemm") and
                      module_path(n.name) in (f"{path}.MatMul", f"{path}.Gemm")), None)
@@ -156,6 +203,20 @@ def insert_dynamic_quantization(model: onnx.ModelProto, plans: Sequence[DynamicI
     _drop_dead_nodes(graph)
     topological_sort(graph)
     return count
+
+
+def mark_kernel_inputs(model: onnx.ModelProto, plans: Sequence[DynamicInput], layer_paths: dict[int, str]) -> int:
+    """Let ``MatMulNBits`` quantize the per-group int8 inputs of ``plans`` (accuracy level 4; run after the
+    weight-only kernel rewrite). Returns how many layers; :class:`ExportError` naming every layer whose weight did
+    not become a matching ``MatMulNBits``."""
+    layers = {layer_paths[id(plan.layer)]: plan.group_size for plan in plans if plan.group_size}
+    problems = quantize_inputs_in_kernel(model.graph, layers)
+    if problems:
+        raise ExportError("an int8 input quantized dynamically per group is exported only inside onnxruntime's "
+                          "MatMulNBits (int4 weight per group of the same size along the input features, "
+                          "int4_kernel='matmulnbits'): " + "; ".join(f"layer '{path}': {why}"
+                                                                    for path, why in sorted(problems.items())))
+    return len(layers)
 
 
 def _drop_dead_nodes(graph: onnx.GraphProto) -> None:

@@ -31,7 +31,13 @@ from quark_brevitas.export.blocked import (
     pack_4bit_weights,
     plan_weights,
 )
-from quark_brevitas.export.dynamic import DynamicInput, float_inputs, insert_dynamic_quantization, plan_dynamic
+from quark_brevitas.export.dynamic import (
+    DynamicInput,
+    float_inputs,
+    insert_dynamic_quantization,
+    mark_kernel_inputs,
+    plan_dynamic,
+)
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
 from quark_brevitas.export.inspect import Quantizer, candidate_opsets, inspect_quantizers, raise_opsets, target
 from quark_brevitas.export.kv import past_axes
@@ -199,7 +205,7 @@ class QCDQFormat(ExportFormat[ExportReport]):
         relus = relu_as_max_before_float8_quantizers(proto) if uses_float8(proto) else 0
         if relus:  # onnxruntime's default session would drop them (passes/float8.py)
             self.rewrites = (*self.rewrites, ("Relu before float8 QuantizeLinear written as Max(x, 0)", relus))
-        if dynamic:
+        if any(not d.group_size for d in dynamic):
             done = insert_dynamic_quantization(proto, dynamic, paths)
             self.rewrites = (*self.rewrites, ("Linear inputs quantized dynamically (MatMulInteger)", done))
         clean_graph(proto.graph)
@@ -223,6 +229,10 @@ class QCDQFormat(ExportFormat[ExportReport]):
         if self.int4_kernel == "matmulnbits":
             self.rewrites = (*self.rewrites, *rewrite_for_weight_only_kernels(proto))
             clean_graph(proto.graph)
+        if any(d.group_size for d in dynamic):  # after the MatMulNBits rewrite: its kernel quantizes the inputs
+            done = mark_kernel_inputs(proto, dynamic, paths)
+            self.rewrites = (*self.rewrites, ("Linear inputs quantized to int8 per group inside MatMulNBits "
+                                              "(accuracy_level 4)", done))
         if len(self.opsets) > 1:  # "lowest working opset": onnxruntime must accept the file
             staged = workdir / f"staged_opset{opset}.onnx"
             onnx.save_model(proto, str(staged))
