@@ -36,6 +36,11 @@ kernel takes them). A layer whose input is quantized to 8 bits keeps its ``Dequa
 fuses it into its integer kernels. ``MatMulNBits`` takes block sizes that are powers of two >= 16; a weight with
 another group size, groups along N, or another consumer (an embedding ``Gather`` sharing it) keeps the
 ``DequantizeLinear`` form, named in an INFO log.
+
+Level 4 is written only where it is what the model computes: a Linear whose input is quantized dynamically to
+symmetric int8 per group of the int4 weight's group size is exported with its input unquantized, and
+:func:`quantize_inputs_in_kernel` then sets its node's level to :data:`INT8_ACCURACY_LEVEL`
+(:mod:`~quark_brevitas.export.dynamic` plans which layers).
 """
 
 from __future__ import annotations
