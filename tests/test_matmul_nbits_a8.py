@@ -3,6 +3,7 @@ onnxruntime's ``MatMulNBits`` at ``accuracy_level`` 4, whose kernel quantizes th
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 
 import numpy as np
@@ -14,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
+from quark_brevitas.brevitas_adapter import weight_quant_disabled
 from quark_brevitas.export import ExportError, export_onnx_qcdq, run_onnx
 from quark_brevitas.export.passes.nbits import INT8_ACCURACY_LEVEL, nbits_tensors
 from quark_brevitas.types import Dtype, QSchemeType
@@ -95,14 +97,18 @@ def test_per_group_int8_inputs_are_quantized_inside_matmulnbits(tmp_path: pathli
     report = export_onnx_qcdq(quant, x, tmp_path / "m.onnx")
     assert _levels(report.path) == [INT8_ACCURACY_LEVEL, INT8_ACCURACY_LEVEL]
     ops = {node.op_type for node in onnx.load(str(report.path)).graph.node}
-    assert not ops & {"QuantizeLinear", "DequantizeLinear", "MatMul", "Gemm"}
+    assert not ops & {"QuantizeLinear", "DequantizeLinear", "MatMul", "Gemm"}  # codes: Round + Cast to int8
     with torch.no_grad():
         reference = quant(x).numpy()
     scale = np.abs(reference).max()
     assert np.abs(run_onnx(report.path, x)[0] - reference).max() < 1e-5 * scale
-    # the same file computing in float32 (level 1) is off by the input quantization: the kernel does quantize
+    # the kernel's own quantization of the quantized input gives back its codes: level 1 computes the same
     float32 = _with_level(report.path, 1, tmp_path / "level1.onnx")
-    assert np.abs(run_onnx(float32, x)[0] - reference).max() > 1e-3 * scale
+    assert np.abs(run_onnx(float32, x)[0] - run_onnx(report.path, x)[0]).max() < 1e-5 * scale
+    with torch.no_grad(), contextlib.ExitStack() as stack:  # and the input quantization is in the file
+        for layer in (quant.get_submodule("0"), quant.get_submodule("2")):
+            stack.enter_context(weight_quant_disabled(layer.input_quant))
+        assert np.abs(quant(x).numpy() - reference).max() > 1e-3 * scale
 
 
 def test_input_groups_other_than_the_weight_groups_are_an_export_error(tmp_path: pathlib.Path) -> None:
@@ -112,12 +118,17 @@ def test_input_groups_other_than_the_weight_groups_are_an_export_error(tmp_path:
         export_onnx_qcdq(quant, x, tmp_path / "m.onnx")
 
 
-def test_the_dequantize_form_cannot_hold_per_group_int8_inputs(tmp_path: pathlib.Path) -> None:
+def test_the_dequantize_form_quantizes_the_inputs_with_standard_ops(tmp_path: pathlib.Path) -> None:
+    """``int4_kernel="dequantize"``: standard ONNX only (explicit per-group quantization, blocked DequantizeLinear,
+    MatMul), still what the model computes."""
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
     quant = _quantize(_mlp(), WEIGHTS["int4 sym"](128), _input(128), x)
-    with pytest.raises(ExportError, match=r"int4_kernel='matmulnbits'.*layer '0'"):
-        export_onnx_qcdq(quant, x, tmp_path / "m.onnx", int4_kernel="dequantize")
-    assert not (tmp_path / "m.onnx").exists()
+    report = export_onnx_qcdq(quant, x, tmp_path / "m.onnx", int4_kernel="dequantize")
+    ops = {node.op_type for node in onnx.load(str(report.path)).graph.node}
+    assert "MatMulNBits" not in ops and {"DequantizeLinear", "Gemm", "Round"} <= ops
+    with torch.no_grad():
+        reference = quant(x).numpy()
+    assert np.abs(run_onnx(report.path, x)[0] - reference).max() < 1e-5 * np.abs(reference).max()
 
 
 def test_tiny_llama_with_past_key_values_decodes_like_pytorch(tmp_path: pathlib.Path) -> None:

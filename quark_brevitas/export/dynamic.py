@@ -23,18 +23,21 @@ verification (:mod:`quark_brevitas.export.pinned`) pins it like a static quantiz
 
 A Linear input quantized dynamically to symmetric int8 **per group** of G input features, in front of an int4
 weight quantized per group of the same G input features, is what onnxruntime's ``MatMulNBits`` computes at
-``accuracy_level`` 4 (MLAS quantizes the input per block of ``block_size`` along K: scale ``max|a| / 127``, codes
-rounded half to even, int8 x int4 block dot products scaled by both scales). Such a layer is exported with its input
-unquantized, its weight becomes ``MatMulNBits`` (:mod:`~quark_brevitas.export.passes.nbits`) and
-:func:`quantize_inputs_in_kernel` sets that node's level to 4: the kernel does the input quantization, several
-times faster than float32 decoding. The one difference: MLAS multiplies by ``127 / max|a|`` where Brevitas divides
-by ``max|a| / 127``, which differ in the last bit and round a code differently about twice per million elements
-(one activation step; the verification's tolerance covers it).
+``accuracy_level`` 4, several times faster than at level 1 (MLAS quantizes its input per block of ``block_size``
+along K: scale ``max|a| / 127``, codes ``a * (127 / max|a|)`` rounded half to even, int8 x int4 block products
+scaled by both scales). Such a layer's input is quantized by explicit ops as Brevitas computes it
+(:func:`_quantize_groups`: the code node is pinned by the pinned verification like any dynamic quantizer), the
+weight becomes ``MatMulNBits`` (:mod:`~quark_brevitas.export.passes.nbits`) and :func:`mark_kernel_inputs` sets
+its level to 4. The kernel's own quantization of the already quantized input gives back the same codes (its
+maximum is ``127 * scale``), so the file computes what the model computes, up to float summation order; MLAS's
+reciprocal (``a * (127 / max|a|)`` rather than ``a / (max|a| / 127)``, which round differently about twice per
+million elements) never meets a raw input.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +56,8 @@ from quark_brevitas.brevitas_adapter import (
 from quark_brevitas.export.errors import ExportError
 from quark_brevitas.export.passes.graph import GraphIndex, attr, module_path, topological_sort
 from quark_brevitas.export.passes.nbits import quantize_inputs_in_kernel
+
+logger = logging.getLogger(__name__)
 
 #: Suffix of the node producing a dynamic quantizer's codes (after the proxy's module path).
 CODE_NODE = "export_handler/DynamicQuantize"
@@ -187,11 +192,13 @@ def insert_dynamic_quantization(model: onnx.ModelProto, plans: Sequence[DynamicI
     index = GraphIndex(graph)
     count = 0
     for plan in plans:
-        if plan.group_size:  # quantized inside MatMulNBits: mark_kernel_inputs
-            continue
         path = layer_paths[id(plan.layer)]
         node = next((n for n in graph.node if n.op_type in ("MatMul", "Gemm") and
                      module_path(n.name) in (f"{path}.MatMul", f"{path}.Gemm")), None)
+        if plan.group_size and node is not None:
+            _quantize_groups(index, node, plan, "/" + path + "/input_quant")
+            count += 1
+            continue
         weight = _weight(index, node) if node is not None else None
         if node is None or weight is None:
             raise ExportError(f"cannot find the int8 MatMul/Gemm of layer '{layer_paths[id(plan.layer)]}' "
@@ -206,17 +213,56 @@ def insert_dynamic_quantization(model: onnx.ModelProto, plans: Sequence[DynamicI
 
 
 def mark_kernel_inputs(model: onnx.ModelProto, plans: Sequence[DynamicInput], layer_paths: dict[int, str]) -> int:
-    """Let ``MatMulNBits`` quantize the per-group int8 inputs of ``plans`` (accuracy level 4; run after the
-    weight-only kernel rewrite). Returns how many layers; :class:`ExportError` naming every layer whose weight did
-    not become a matching ``MatMulNBits``."""
+    """Give the ``MatMulNBits`` of every per-group int8 input of ``plans`` accuracy level 4 (run after the
+    weight-only kernel rewrite; see the module docstring). Returns how many layers got it; a layer whose weight did
+    not become a matching ``MatMulNBits`` keeps its float product of the quantized input (still what the model
+    computes, only slower), named in an INFO log."""
     layers = {layer_paths[id(plan.layer)]: plan.group_size for plan in plans if plan.group_size}
     problems = quantize_inputs_in_kernel(model.graph, layers)
-    if problems:
-        raise ExportError("an int8 input quantized dynamically per group is exported only inside onnxruntime's "
-                          "MatMulNBits (int4 weight per group of the same size along the input features, "
-                          "int4_kernel='matmulnbits'): " + "; ".join(f"layer '{path}': {why}"
-                                                                    for path, why in sorted(problems.items())))
-    return len(layers)
+    for path, why in sorted(problems.items()):
+        logger.info("layer '%s': its per-group int8 input is quantized by explicit ops and multiplied in float32 "
+                    "(not MatMulNBits at accuracy level 4): %s", path, why)
+    return len(layers) - len(problems)
+
+
+def _quantize_groups(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput, proxy_path: str) -> None:
+    """Quantize the input of ``node`` (MatMul/Gemm) as the layer's per-group int8 quantizer does, in front of it:
+    groups of ``plan.group_size`` along the last dimension, scale ``max(max|x|, scaling_min_val) / 127``, codes
+    ``round(x / scale)`` (int8, half to even; the code node named for the pinned verification), dequantized back.
+    ``MatMulNBits`` at level 4 re-quantizes such an input to the same codes: ``max|codes * scale|`` is
+    ``127 * scale``, so its codes are ``codes * (1 + a few ulp)``, rounded back to ``codes``."""
+    graph = index.graph
+    new: list[onnx.NodeProto] = []
+
+    def op(op_type: str, inputs: list[str], hint: str, **attrs: object) -> str:
+        out = index.fresh_name(f"{proxy_path}/{hint}")
+        new.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+        return out
+
+    def const(value: np.ndarray, hint: str) -> str:
+        return index.add_initializer(value, f"{proxy_path}/{hint}")
+
+    x = node.input[0]
+    k = int(plan.layer.in_features)
+    if k % plan.group_size:
+        raise ExportError(f"layer '{proxy_path.strip('/')}': {k} input features are not whole groups of "
+                          f"{plan.group_size} ({plan.fmt} input)")
+    grouped = op("Reshape", [x, const(np.array([-1, k // plan.group_size, plan.group_size], np.int64), "groups")],
+                 "grouped")
+    amax = op("ReduceMax", [op("Abs", [grouped], "abs"), const(np.array([-1], np.int64), "last_axis")], "max_abs",
+              keepdims=1)
+    min_val = injector_value(plan.layer.input_quant, "scaling_min_val")
+    if min_val is not None:
+        amax = op("Max", [amax, const(np.array(float(min_val), np.float32), "scaling_min_val")], "clamped")
+    scale = op("Div", [amax, const(np.array(127.0, np.float32), "qmax")], "scale")
+    rounded = op("Round", [op("Div", [grouped, scale], "x_over_scale")], "round")
+    code_name = index.fresh_name(f"{proxy_path}/{CODE_NODE}")
+    new.append(helper.make_node("Cast", [rounded], [code_name], name=code_name, to=TensorProto.INT8))
+    dequantized = op("Mul", [op("Cast", [code_name], "codes_float", to=TensorProto.FLOAT), scale], "dequantized")
+    node.input[0] = op("Reshape", [dequantized, op("Shape", [x], "shape")], "quantized")
+    position = list(graph.node).index(node)
+    for offset, added in enumerate(new):
+        graph.node.insert(position + offset, added)
 
 
 def _drop_dead_nodes(graph: onnx.GraphProto) -> None:

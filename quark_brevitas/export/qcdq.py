@@ -205,9 +205,10 @@ class QCDQFormat(ExportFormat[ExportReport]):
         relus = relu_as_max_before_float8_quantizers(proto) if uses_float8(proto) else 0
         if relus:  # onnxruntime's default session would drop them (passes/float8.py)
             self.rewrites = (*self.rewrites, ("Relu before float8 QuantizeLinear written as Max(x, 0)", relus))
-        if any(not d.group_size for d in dynamic):
+        if dynamic:
             done = insert_dynamic_quantization(proto, dynamic, paths)
-            self.rewrites = (*self.rewrites, ("Linear inputs quantized dynamically (MatMulInteger)", done))
+            self.rewrites = (*self.rewrites, ("Linear inputs quantized dynamically (MatMulInteger; per group: in "
+                                              "front of the weight's kernel)", done))
         clean_graph(proto.graph)
         if plans:
             try:
@@ -231,8 +232,8 @@ class QCDQFormat(ExportFormat[ExportReport]):
             clean_graph(proto.graph)
         if any(d.group_size for d in dynamic):  # after the MatMulNBits rewrite: its kernel quantizes the inputs
             done = mark_kernel_inputs(proto, dynamic, paths)
-            self.rewrites = (*self.rewrites, ("Linear inputs quantized to int8 per group inside MatMulNBits "
-                                              "(accuracy_level 4)", done))
+            self.rewrites = (*self.rewrites, ("per-group int8 inputs multiplied by MatMulNBits at accuracy_level 4 "
+                                              "(int8 x int4 block products)", done))
         if len(self.opsets) > 1:  # "lowest working opset": onnxruntime must accept the file
             staged = workdir / f"staged_opset{opset}.onnx"
             onnx.save_model(proto, str(staged))
