@@ -247,8 +247,8 @@ def _quantize_groups(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput
     if k % plan.group_size:
         raise ExportError(f"layer '{proxy_path.strip('/')}': {k} input features are not whole groups of "
                           f"{plan.group_size} ({plan.fmt} input)")
-    grouped = op("Reshape", [x, const(np.array([-1, k // plan.group_size, plan.group_size], np.int64), "groups")],
-                 "grouped")
+    groups = const(np.array([-1, k // plan.group_size, plan.group_size], np.int64), "groups")
+    grouped = op("Reshape", [x, groups], "grouped")
     amax = op("ReduceMax", [op("Abs", [grouped], "abs"), const(np.array([-1], np.int64), "last_axis")], "max_abs",
               keepdims=1)
     min_val = injector_value(plan.layer.input_quant, "scaling_min_val")
@@ -256,10 +256,12 @@ def _quantize_groups(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput
         amax = op("Max", [amax, const(np.array(float(min_val), np.float32), "scaling_min_val")], "clamped")
     scale = op("Div", [amax, const(np.array(127.0, np.float32), "qmax")], "scale")
     rounded = op("Round", [op("Div", [grouped, scale], "x_over_scale")], "round")
-    code_name = index.fresh_name(f"{proxy_path}/{CODE_NODE}")
-    new.append(helper.make_node("Cast", [rounded], [code_name], name=code_name, to=TensorProto.INT8))
-    dequantized = op("Mul", [op("Cast", [code_name], "codes_float", to=TensorProto.FLOAT), scale], "dequantized")
-    node.input[0] = op("Reshape", [dequantized, op("Shape", [x], "shape")], "quantized")
+    shape = op("Shape", [x], "shape")
+    code_name = index.fresh_name(f"{proxy_path}/{CODE_NODE}")  # in the input's layout, as PyTorch's codes are
+    new.append(helper.make_node("Cast", [op("Reshape", [rounded, shape], "ungrouped")], [code_name],
+                                name=code_name, to=TensorProto.INT8))
+    codes = op("Reshape", [op("Cast", [code_name], "codes_float", to=TensorProto.FLOAT), groups], "codes_grouped")
+    node.input[0] = op("Reshape", [op("Mul", [codes, scale], "dequantized"), shape], "quantized")
     position = list(graph.node).index(node)
     for offset, added in enumerate(new):
         graph.node.insert(position + offset, added)
