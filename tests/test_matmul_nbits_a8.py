@@ -111,6 +111,27 @@ def test_per_group_int8_inputs_are_quantized_inside_matmulnbits(tmp_path: pathli
         assert np.abs(quant(x).numpy() - reference).max() > 1e-3 * scale
 
 
+def test_the_pinned_check_pins_the_per_group_codes(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deep model whose outputs drift by rounding flips is accepted by pinning every quantizer's codes: the code
+    nodes of the per-group inputs are found and fed PyTorch's codes (first output comparison forced to fail)."""
+    from quark_brevitas.export import orchestrate
+
+    measure = orchestrate.measure
+    calls = []
+
+    def failing_once(*args: object, **kwargs: object) -> object:
+        result = measure(*args, **kwargs)
+        calls.append(result)
+        return result._replace(max_abs_diff=result.tolerance * 2) if len(calls) == 1 else result
+
+    monkeypatch.setattr(orchestrate, "measure", failing_once)
+    x = torch.randn(4, 7, 256, generator=torch.Generator().manual_seed(5))
+    quant = _quantize(_mlp(), WEIGHTS["uint4 asym"](128), _input(128), x)
+    report = export_onnx_qcdq(quant, x, tmp_path / "m.onnx")
+    assert report.verified_by == "pinned"
+    assert "(2 pinned)" in report.tolerance_source and "unpinned" not in report.tolerance_source
+
+
 def test_input_groups_other_than_the_weight_groups_are_an_export_error(tmp_path: pathlib.Path) -> None:
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
     quant = _quantize(_mlp(), WEIGHTS["int4 sym"](128), _input(64), x)
