@@ -207,8 +207,10 @@ class QCDQFormat(ExportFormat[ExportReport]):
             self.rewrites = (*self.rewrites, ("Relu before float8 QuantizeLinear written as Max(x, 0)", relus))
         if dynamic:
             done = insert_dynamic_quantization(proto, dynamic, paths)
-            self.rewrites = (*self.rewrites, ("Linear inputs quantized dynamically (MatMulInteger; per group: in "
-                                              "front of the weight's kernel)", done))
+            grouped = sum(1 for d in dynamic if d.group_size)
+            counts = (("Linear inputs quantized dynamically (MatMulInteger)", done - grouped),
+                      ("Linear inputs quantized dynamically per group (in front of MatMulNBits)", grouped))
+            self.rewrites = (*self.rewrites, *((what, n) for what, n in counts if n))
         clean_graph(proto.graph)
         if plans:
             try:
