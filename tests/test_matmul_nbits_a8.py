@@ -111,6 +111,20 @@ def test_per_group_int8_inputs_are_quantized_inside_matmulnbits(tmp_path: pathli
         assert np.abs(quant(x).numpy() - reference).max() > 1e-3 * scale
 
 
+def test_a_last_partial_group_is_quantized_like_pytorch_and_mlas(tmp_path: pathlib.Path) -> None:
+    """688 input features in groups of 128 (the trained Llama's down_proj): the last group is 48 features."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(688, 64)).eval()
+    x = torch.randn(3, 5, 688, generator=torch.Generator().manual_seed(6))
+    x[..., 640:] *= 0.01  # the short group's scale differs from its neighbours': a wrong grouping shows
+    quant = _quantize(model, WEIGHTS["int4 sym"](128), _input(128), x)
+    report = export_onnx_qcdq(quant, x, tmp_path / "m.onnx")
+    assert _levels(report.path) == [INT8_ACCURACY_LEVEL]
+    with torch.no_grad():
+        reference = quant(x).numpy()
+    assert np.abs(run_onnx(report.path, x)[0] - reference).max() < 1e-5 * np.abs(reference).max()
+
+
 def test_the_pinned_check_pins_the_per_group_codes(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A deep model whose outputs drift by rounding flips is accepted by pinning every quantizer's codes: the code
     nodes of the per-group inputs are found and fed PyTorch's codes (first output comparison forced to fail)."""

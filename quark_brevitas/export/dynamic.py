@@ -228,7 +228,8 @@ def mark_kernel_inputs(model: onnx.ModelProto, plans: Sequence[DynamicInput], la
 def _quantize_groups(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput, proxy_path: str) -> None:
     """Quantize the input of ``node`` (MatMul/Gemm) as the layer's per-group int8 quantizer does, in front of it:
     groups of ``plan.group_size`` along the last dimension, scale ``max(max|x|, scaling_min_val) / 127``, codes
-    ``round(x / scale)`` (int8, half to even; the code node named for the pinned verification), dequantized back.
+    ``round(x / scale)`` (int8, half to even; the code node named for the pinned verification), dequantized back;
+    a last partial group is the rest of the features (zero padding, as MLAS's last short block).
     ``MatMulNBits`` at level 4 re-quantizes such an input to the same codes: ``max|codes * scale|`` is
     ``127 * scale``, so its codes are ``codes * (1 + a few ulp)``, rounded back to ``codes``."""
     graph = index.graph
@@ -242,26 +243,30 @@ def _quantize_groups(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput
     def const(value: np.ndarray, hint: str) -> str:
         return index.add_initializer(value, f"{proxy_path}/{hint}")
 
-    x = node.input[0]
+    x, group = node.input[0], plan.group_size
     k = int(plan.layer.in_features)
-    if k % plan.group_size:
-        raise ExportError(f"layer '{proxy_path.strip('/')}': {k} input features are not whole groups of "
-                          f"{plan.group_size} ({plan.fmt} input)")
-    groups = const(np.array([-1, k // plan.group_size, plan.group_size], np.int64), "groups")
-    grouped = op("Reshape", [x, groups], "grouped")
-    amax = op("ReduceMax", [op("Abs", [grouped], "abs"), const(np.array([-1], np.int64), "last_axis")], "max_abs",
+    n_groups = -(-k // group)
+    padded = x
+    if n_groups * group != k:  # a last partial group: zeros change no group's max|x| (MLAS's last block is short)
+        pads = const(np.array([0, n_groups * group - k], np.int64), "pads")
+        padded = op("Pad", [x, pads, "", const(np.array([-1], np.int64), "last_axis")], "padded")
+    grouped = op("Reshape", [padded, const(np.array([-1, n_groups, group], np.int64), "groups")], "grouped")
+    amax = op("ReduceMax", [op("Abs", [grouped], "abs"), const(np.array([-1], np.int64), "group_axis")], "max_abs",
               keepdims=1)
     min_val = injector_value(plan.layer.input_quant, "scaling_min_val")
     if min_val is not None:
         amax = op("Max", [amax, const(np.array(float(min_val), np.float32), "scaling_min_val")], "clamped")
     scale = op("Div", [amax, const(np.array(127.0, np.float32), "qmax")], "scale")
-    rounded = op("Round", [op("Div", [grouped, scale], "x_over_scale")], "round")
-    shape = op("Shape", [x], "shape")
-    code_name = index.fresh_name(f"{proxy_path}/{CODE_NODE}")  # in the input's layout, as PyTorch's codes are
-    new.append(helper.make_node("Cast", [op("Reshape", [rounded, shape], "ungrouped")], [code_name],
-                                name=code_name, to=TensorProto.INT8))
-    codes = op("Reshape", [op("Cast", [code_name], "codes_float", to=TensorProto.FLOAT), groups], "codes_grouped")
-    node.input[0] = op("Reshape", [op("Mul", [codes, scale], "dequantized"), shape], "quantized")
+    # every element's scale in the input's layout: codes there are PyTorch's (the pinned check feeds them)
+    scale = op("Reshape", [op("Expand", [scale, const(np.array([1, 1, group], np.int64), "group_shape")],
+                              "expanded"), op("Shape", [padded], "shape")], "element_scale")
+    if padded != x:
+        scale = op("Slice", [scale, const(np.array([0], np.int64), "start"), const(np.array([k], np.int64), "end"),
+                             const(np.array([-1], np.int64), "slice_axis")], "element_scale_k")
+    rounded = op("Round", [op("Div", [x, scale], "x_over_scale")], "round")
+    code_name = index.fresh_name(f"{proxy_path}/{CODE_NODE}")
+    new.append(helper.make_node("Cast", [rounded], [code_name], name=code_name, to=TensorProto.INT8))
+    node.input[0] = op("Mul", [op("Cast", [code_name], "codes_float", to=TensorProto.FLOAT), scale], "quantized")
     position = list(graph.node).index(node)
     for offset, added in enumerate(new):
         graph.node.insert(position + offset, added)
