@@ -1,5 +1,6 @@
-"""Int4 per-group weights with int8 inputs quantized dynamically per group of the same size: exported as
-onnxruntime's ``MatMulNBits`` at ``accuracy_level`` 4, whose kernel quantizes the input itself (issue 18, item 4)."""
+"""Int4 per-group weights with int8 inputs quantized dynamically per group of the same size: the inputs quantized by
+explicit ops as Brevitas does, the product by onnxruntime's ``MatMulNBits`` at ``accuracy_level`` 4, whose own
+re-quantization of the quantized input gives back its codes (issue 18, item 4)."""
 
 from __future__ import annotations
 
