@@ -11,9 +11,14 @@ ONNX rows (this file), measured in one run:
   weights as onnxruntime's ``MatMulNBits`` with our codes and scales (``int4_kernel="matmulnbits"``, the default);
 * **onnxruntime MatMulNBitsQuantizer**: onnxruntime's own quantizer (RTN, block size 128, its defaults: asymmetric,
   no accuracy level = float32) run on the float ONNX file of the same run;
-* for comparison only, our file edited to ``accuracy_level=4`` (onnxruntime quantizes the activations to int8 per
-  block on the fly: several times faster on CPUs with int8 dot products, but no longer what the quantized model
-  computes, so the export never writes it).
+* **ours W4 g128 + A8 g128, MatMulNBits level 4**: the same int4 weights (RTN and GPTQ) with every Linear input
+  quantized dynamically to symmetric int8 per group of 128 input features (``input_tensors=QTensorConfig(dtype=int8,
+  qscheme=per_group, group_size=128, is_dynamic=True)``): what ``MatMulNBits`` computes at ``accuracy_level=4``
+  (MLAS quantizes the input per block of ``block_size``: scale ``max|a| / 127``, int8 x int4 block products), so
+  the export writes that level and verifies the file against this quantized model like every other;
+* for comparison only, the weight-only file edited to ``accuracy_level=4`` (onnxruntime quantizes the activations
+  on the fly: the speed of the row above, but no longer what the weight-only model computes, so the export never
+  writes it).
 
 Columns: file size; perplexity of what onnxruntime computes on the trained Llama (4 blocks, 256 wide; held-out
 docstrings, ``--eval`` sequences of 128 tokens, each run as one prompt step with an empty past); decode speed on a
@@ -53,7 +58,10 @@ SPEED_WIDTH, SPEED_INTERMEDIATE, SPEED_BLOCKS, SPEED_HEADS = 1024, 2816, 8, 16
 BLOCK = 128
 PROMPT, NEW_TOKENS = 128, 128
 #: The comparison row of a file edited to accuracy_level 4 (not what the export writes: not exact).
-LEVEL4 = "{} at accuracy_level 4 (int8 activations, not exact)"
+LEVEL4 = "{} edited to accuracy_level 4 (not exact)"
+#: The rows of the recipes with int8 inputs per group of 128 (MatMulNBits at accuracy_level 4, exact).
+A8_ROWS = {"ours RTN W4 g128 + A8 g128, MatMulNBits level 4": "rtn_w4_g128",
+           "ours GPTQ W4 g128 + A8 g128, MatMulNBits level 4": "gptq_w4_g128"}
 
 
 @dataclass
@@ -120,10 +128,24 @@ def with_accuracy_level(path: Path, level: int, out: Path) -> Path:
     return out
 
 
-def quantize(model: torch.nn.Module, recipe: str, calib: list[dict[str, torch.Tensor]]) -> torch.nn.Module:
+def with_int8_group_inputs(config: Any) -> Any:
+    """``config`` with every Linear input quantized dynamically to symmetric int8 per group of :data:`BLOCK` input
+    features: what onnxruntime's MatMulNBits computes at accuracy_level 4 (the export then writes that level)."""
+    from dataclasses import replace
+
+    from quark_brevitas import QTensorConfig
+    from quark_brevitas.types import Dtype, QSchemeType
+
+    inputs = QTensorConfig(dtype=Dtype.int8, qscheme=QSchemeType.per_group, group_size=BLOCK, is_dynamic=True)
+    return replace(config, global_quant_config=replace(config.global_quant_config, input_tensors=inputs))
+
+
+def quantize(model: torch.nn.Module, recipe: str, calib: list[dict[str, torch.Tensor]],
+             int8_inputs: bool = False) -> torch.nn.Module:
     from quark_brevitas import ModelQuantizer
 
-    return ModelQuantizer(llm.recipe_config(recipe)).quantize_model(model, calib)
+    config = llm.recipe_config(recipe)
+    return ModelQuantizer(with_int8_group_inputs(config) if int8_inputs else config).quantize_model(model, calib)
 
 
 # ===================================================================== running the files
@@ -164,6 +186,48 @@ def decode_tokens_per_s(session: Any, prompt: np.ndarray, new_tokens: int) -> fl
                      if name.startswith("present.")})
         outputs = _step(session, names, feed)
     return new_tokens / (time.perf_counter() - start)
+
+
+def profile_ops(path: Path, prompt: np.ndarray, new_tokens: int, threads: int) -> tuple[float, dict[str, float]]:
+    """Where a decode step's time goes (onnxruntime's profiler): milliseconds per one-token step of the whole run
+    and of each op type's kernels (the prompt step excluded)."""
+    import json
+
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.enable_profiling = True
+    options.profile_file_prefix = str(path.with_suffix("")) + "_profile"
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    decode_tokens_per_s(session, prompt, new_tokens)
+    events = json.loads(Path(session.end_profiling()).read_text())
+    runs = [e for e in events if e.get("name") == "model_run"]
+    start = runs[0]["ts"] + runs[0]["dur"]
+    per_op: dict[str, float] = {}
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and event["ts"] > start:
+            op = event["args"]["op_name"]
+            per_op[op] = per_op.get(op, 0.0) + event["dur"] / 1000 / (len(runs) - 1)
+    return sum(r["dur"] for r in runs[1:]) / 1000 / (len(runs) - 1), per_op
+
+
+def render_profile(profiles: dict[str, tuple[float, dict[str, float]]], top: int = 6) -> str:
+    """One column per file: ms per decode step, in total and for the op types that take the most time."""
+    ops: dict[str, float] = {}
+    for _, per_op in profiles.values():
+        for op, ms in per_op.items():
+            ops[op] = max(ops.get(op, 0.0), ms)
+    shown = sorted(ops, key=ops.get, reverse=True)[:top]
+    rows = [["whole step (model_run)", *[f"{total:.1f}" for total, _ in profiles.values()]]]
+    rows += [[op, *[f"{per_op.get(op, 0.0):.1f}" for _, per_op in profiles.values()]] for op in shown]
+    rows.append(["all other ops", *[f"{sum(ms for op, ms in per_op.items() if op not in shown):.1f}"
+                                   for _, per_op in profiles.values()]])
+    return format_table(["ms per decode step (1 thread)", *profiles], rows)
+
+
+PROFILES: dict[str, tuple[float, dict[str, float]]] = {}
 
 
 def onnx_perplexity(path: Path, windows: list[dict[str, torch.Tensor]]) -> float:
@@ -210,12 +274,16 @@ def section_perplexity(work: Path, eval_sequences: int, calib_sequences: int, gp
         files[name] = export_decoder(quantize(fresh(), recipe, calib), work / f"trained_{recipe}.onnx", example)
     last = list(recipes)[-1]
     files[LEVEL4.format(last)] = with_accuracy_level(files[last], 4, work / "trained_level4.onnx")
+    for name, recipe in A8_ROWS.items():
+        if recipe in recipes.values():
+            files[name] = export_decoder(quantize(fresh(), recipe, calib, int8_inputs=True),
+                                         work / f"trained_{recipe}_a8.onnx", example)
     for name, path in files.items():
         add_row(name, size_mb=_mb(path), perplexity=onnx_perplexity(path, evaluation))
         logging.info("%s: perplexity %.3f", name, ROWS[name].perplexity)
 
 
-def section_speed(work: Path, threads: list[int], repeats: int, new_tokens: int) -> None:
+def section_speed(work: Path, threads: list[int], repeats: int, new_tokens: int, profile: bool = False) -> None:
     """The 1024-wide Llama with random weights: decode tokens/s of float, ours and onnxruntime's quantizer."""
     import transformers
 
@@ -225,6 +293,7 @@ def section_speed(work: Path, threads: list[int], repeats: int, new_tokens: int)
                                       max_position_embeddings=PROMPT + NEW_TOKENS + 8, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
+    float_state = {name: value.clone() for name, value in model.state_dict().items()}
     example = _prompt(8, llm.VOCAB)
     float_file = export_decoder(model, work / "speed_float.onnx", example)
     files = {"float ONNX": float_file,
@@ -238,8 +307,18 @@ def section_speed(work: Path, threads: list[int], repeats: int, new_tokens: int)
     level4 = with_accuracy_level(ours, 4, work / "speed_level4.onnx")
     for name in ("ours RTN W4 g128, MatMulNBits", "ours GPTQ W4 g128, MatMulNBits"):
         files[LEVEL4.format(name)] = level4
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.load_state_dict(float_state)
+    quant = quantize(model, "rtn_w4_g128", [_prompt(32, llm.VOCAB, seed=1)], int8_inputs=True)
+    ours_a8 = export_decoder(quant, work / "speed_ours_a8.onnx", example)
+    del quant, model
+    for name in A8_ROWS:
+        files[name] = ours_a8  # GPTQ changes the codes, not the kernels or the file's size
     prompt = _prompt(PROMPT, llm.VOCAB, seed=2)["input_ids"].numpy()
     unique = {path: [name for name, p in files.items() if p == path] for path in dict.fromkeys(files.values())}
+    if profile:
+        for path in unique:
+            PROFILES[path.stem.removeprefix("speed_")] = profile_ops(path, prompt, min(new_tokens, 32), 1)
     for n_threads in threads:
         sessions = {path: _session(path, n_threads) for path in unique}
         for session in sessions.values():  # warm-up: first runs allocate and pre-pack
@@ -284,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib", type=int, default=128, help="calibration sequences of 128 tokens (GPTQ)")
     parser.add_argument("--no-gptq", action="store_true", help="skip the GPTQ row of the trained Llama")
     parser.add_argument("--skip", choices=["perplexity", "speed", "formats"], action="append", default=[])
+    parser.add_argument("--profile", action="store_true",
+                        help="also print where a decode step's time goes, per op type (onnxruntime's profiler)")
     parser.add_argument("--keep", type=Path, help="write the ONNX files here (kept) instead of a temporary folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -302,8 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             section_formats(work, 8 if args.quick else args.eval, 8 if args.quick else args.calib,
                             not args.no_gptq, add_row)
         if "speed" not in args.skip:
-            section_speed(work, args.threads, repeats, new_tokens)
+            section_speed(work, args.threads, repeats, new_tokens, profile=args.profile)
     print(render(args.threads))
+    if PROFILES:
+        print()
+        print(render_profile(PROFILES))
     return 0
 
 

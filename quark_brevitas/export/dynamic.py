@@ -20,11 +20,24 @@ dimension. Asymmetric per-tensor inputs use onnxruntime's fused ``DynamicQuantiz
 zero point; it rounds before adding the zero point, which differs only at exact ties). The code-producing node
 of each layer is named after the quantizer (``.../input_quant/export_handler/DynamicQuantize``), so the pinned
 verification (:mod:`quark_brevitas.export.pinned`) pins it like a static quantizer.
+
+A Linear input quantized dynamically to symmetric int8 **per group** of G input features, in front of an int4
+weight quantized per group of the same G input features, is what onnxruntime's ``MatMulNBits`` computes at
+``accuracy_level`` 4, several times faster than at level 1 (MLAS quantizes its input per block of ``block_size``
+along K: scale ``max|a| / 127``, codes ``a * (127 / max|a|)`` rounded half to even, int8 x int4 block products
+scaled by both scales). Such a layer's input is quantized by explicit ops as Brevitas computes it
+(:func:`_quantize_groups`: the code node is pinned by the pinned verification like any dynamic quantizer), the
+weight becomes ``MatMulNBits`` (:mod:`~quark_brevitas.export.passes.nbits`) and :func:`mark_kernel_inputs` sets
+its level to 4. The kernel's own quantization of the already quantized input gives back the same codes (its
+maximum is ``127 * scale``), so the file computes what the model computes, up to float summation order; MLAS's
+reciprocal (``a * (127 / max|a|)`` rather than ``a / (max|a| / 127)``, which round differently about twice per
+million elements) never meets a raw input.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +55,9 @@ from quark_brevitas.brevitas_adapter import (
 )
 from quark_brevitas.export.errors import ExportError
 from quark_brevitas.export.passes.graph import GraphIndex, attr, module_path, topological_sort
+from quark_brevitas.export.passes.nbits import quantize_inputs_in_kernel
+
+logger = logging.getLogger(__name__)
 
 #: Suffix of the node producing a dynamic quantizer's codes (after the proxy's module path).
 CODE_NODE = "export_handler/DynamicQuantize"
@@ -57,9 +73,12 @@ class DynamicInput:
     proxy_name: str
     per_token: bool
     signed: bool
+    group_size: int = 0  # > 0: int8 per group of the input features, quantized inside MatMulNBits (accuracy level 4)
 
     @property
     def fmt(self) -> str:
+        if self.group_size:
+            return f"int8 dynamic per-group {self.group_size}"
         return f"{'int8' if self.signed else 'uint8'} dynamic per-{'token' if self.per_token else 'tensor'}"
 
 
@@ -67,15 +86,45 @@ def is_exportable_dynamic(layer: nn.Module, attribute: str, proxy: nn.Module) ->
     """Whether a dynamic activation quantizer is one this module writes: the 8-bit integer input quantizer of a
     Linear layer (not per-group / MX, not float) whose weight is quantized to integers of at most 8 bits per
     tensor or channel (the integer product needs integer weights)."""
-    if attribute != "input_quant" or not is_dynamic_activation(proxy) or is_groupwise(proxy):
+    if attribute != "input_quant" or not is_dynamic_activation(proxy):
         return False
     if is_float_quantizer(proxy) or not isinstance(layer, nn.Linear):
         return False
+    if is_groupwise(proxy):
+        return kernel_group_size(layer, proxy) is not None
     weight = getattr(layer, "weight_quant", None)
     if weight is None or not weight.is_quant_enabled or is_groupwise(weight) or is_float_quantizer(weight):
         return False
     bits, weight_bits = injector_value(proxy, "bit_width"), injector_value(weight, "bit_width")
     return bits is not None and int(bits) == 8 and weight_bits is not None and int(weight_bits) <= 8
+
+
+def kernel_group_size(layer: nn.Module, proxy: nn.Module) -> int | None:
+    """The group size G if ``proxy`` (the input quantizer of Linear ``layer``) is what ``MatMulNBits`` at accuracy
+    level 4 computes (see the module docstring): dynamic symmetric int8 with codes in +-127, one float scale
+    ``max|x| / 127`` per group of G along the last dimension, rounded half to even; the layer's weight int4 per group
+    of the same G input features (G a power of two >= 16, the block sizes of MatMulNBits). ``None`` otherwise."""
+    if not is_groupwise(proxy) or not proxy.is_signed or injector_value(proxy, "narrow_range") is not True:
+        return None
+    if _enum_name(injector_value(proxy, "restrict_scaling_type")) != "FP" or \
+            _enum_name(injector_value(proxy, "scaling_stats_op")) != "MAX" or \
+            type(injector_value(proxy, "float_to_int_impl")).__name__ != "RoundSte" or \
+            injector_value(proxy, "group_dim") not in (-1, None):
+        return None
+    weight = getattr(layer, "weight_quant", None)
+    if weight is None or not weight.is_quant_enabled or not is_groupwise(weight) or is_float_quantizer(weight):
+        return None
+    bits, weight_bits = injector_value(proxy, "bit_width"), injector_value(weight, "bit_width")
+    group, weight_group = injector_value(proxy, "group_size"), injector_value(weight, "group_size")
+    if bits is None or int(bits) != 8 or weight_bits is None or int(weight_bits) != 4 or group != weight_group:
+        return None
+    if not isinstance(group, int) or group < 16 or group & (group - 1):
+        return None
+    return group
+
+
+def _enum_name(value: object) -> str | None:
+    return getattr(value, "name", None)
 
 
 def plan_dynamic(model: nn.Module, proxy_names: Sequence[str]) -> list[DynamicInput]:
@@ -90,8 +139,9 @@ def plan_dynamic(model: nn.Module, proxy_names: Sequence[str]) -> list[DynamicIn
         if layer.bias is not None and bias_quant is not None and bias_quant.is_quant_enabled:
             raise ExportError(f"layer '{layer_name}' quantizes its bias with a dynamic input quantizer ({name}): the "
                               "bias scale would change with every input; export with bias=None (float bias)")
-        per_token = injector_value(proxy, "stats_reduce_dim") is not None  # per tensor: statistics over everything
-        plans.append(DynamicInput(layer, name, per_token, bool(proxy.is_signed)))
+        group_size = kernel_group_size(layer, proxy) or 0
+        per_token = group_size > 0 or injector_value(proxy, "stats_reduce_dim") is not None  # else over everything
+        plans.append(DynamicInput(layer, name, per_token, bool(proxy.is_signed), group_size))
     return plans
 
 
@@ -145,6 +195,10 @@ def insert_dynamic_quantization(model: onnx.ModelProto, plans: Sequence[DynamicI
         path = layer_paths[id(plan.layer)]
         node = next((n for n in graph.node if n.op_type in ("MatMul", "Gemm") and
                      module_path(n.name) in (f"{path}.MatMul", f"{path}.Gemm")), None)
+        if plan.group_size and node is not None:
+            _quantize_groups(index, node, plan, "/" + path + "/input_quant")
+            count += 1
+            continue
         weight = _weight(index, node) if node is not None else None
         if node is None or weight is None:
             raise ExportError(f"cannot find the int8 MatMul/Gemm of layer '{layer_paths[id(plan.layer)]}' "
@@ -156,6 +210,66 @@ def insert_dynamic_quantization(model: onnx.ModelProto, plans: Sequence[DynamicI
     _drop_dead_nodes(graph)
     topological_sort(graph)
     return count
+
+
+def mark_kernel_inputs(model: onnx.ModelProto, plans: Sequence[DynamicInput], layer_paths: dict[int, str]) -> int:
+    """Give the ``MatMulNBits`` of every per-group int8 input of ``plans`` accuracy level 4 (run after the
+    weight-only kernel rewrite; see the module docstring). Returns how many layers got it; a layer whose weight did
+    not become a matching ``MatMulNBits`` keeps its float product of the quantized input (still what the model
+    computes, only slower), named in an INFO log."""
+    layers = {layer_paths[id(plan.layer)]: plan.group_size for plan in plans if plan.group_size}
+    problems = quantize_inputs_in_kernel(model.graph, layers)
+    for path, why in sorted(problems.items()):
+        logger.info("layer '%s': its per-group int8 input is quantized by explicit ops and multiplied in float32 "
+                    "(not MatMulNBits at accuracy level 4): %s", path, why)
+    return len(layers) - len(problems)
+
+
+def _quantize_groups(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput, proxy_path: str) -> None:
+    """Quantize the input of ``node`` (MatMul/Gemm) as the layer's per-group int8 quantizer does, in front of it:
+    groups of ``plan.group_size`` along the last dimension, scale ``max(max|x|, scaling_min_val) / 127``, codes
+    ``round(x / scale)`` (int8, half to even; the code node named for the pinned verification), dequantized back;
+    a last partial group is the rest of the features (zero padding, as MLAS's last short block).
+    ``MatMulNBits`` at level 4 re-quantizes such an input to the same codes: ``max|codes * scale|`` is
+    ``127 * scale``, so its codes are ``codes * (1 + a few ulp)``, rounded back to ``codes``."""
+    graph = index.graph
+    new: list[onnx.NodeProto] = []
+
+    def op(op_type: str, inputs: list[str], hint: str, **attrs: object) -> str:
+        out = index.fresh_name(f"{proxy_path}/{hint}")
+        new.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+        return out
+
+    def const(value: np.ndarray, hint: str) -> str:
+        return index.add_initializer(value, f"{proxy_path}/{hint}")
+
+    x, group = node.input[0], plan.group_size
+    k = int(plan.layer.in_features)
+    n_groups = -(-k // group)
+    padded = x
+    if n_groups * group != k:  # a last partial group: zeros change no group's max|x| (MLAS's last block is short)
+        pads = const(np.array([0, n_groups * group - k], np.int64), "pads")
+        padded = op("Pad", [x, pads, "", const(np.array([-1], np.int64), "last_axis")], "padded")
+    grouped = op("Reshape", [padded, const(np.array([-1, n_groups, group], np.int64), "groups")], "grouped")
+    amax = op("ReduceMax", [op("Abs", [grouped], "abs"), const(np.array([-1], np.int64), "group_axis")], "max_abs",
+              keepdims=1)
+    min_val = injector_value(plan.layer.input_quant, "scaling_min_val")
+    if min_val is not None:
+        amax = op("Max", [amax, const(np.array(float(min_val), np.float32), "scaling_min_val")], "clamped")
+    scale = op("Div", [amax, const(np.array(127.0, np.float32), "qmax")], "scale")
+    # every element's scale in the input's layout: codes there are PyTorch's (the pinned check feeds them)
+    scale = op("Reshape", [op("Expand", [scale, const(np.array([1, 1, group], np.int64), "group_shape")],
+                              "expanded"), op("Shape", [padded], "shape")], "element_scale")
+    if padded != x:
+        scale = op("Slice", [scale, const(np.array([0], np.int64), "start"), const(np.array([k], np.int64), "end"),
+                             const(np.array([-1], np.int64), "slice_axis")], "element_scale_k")
+    rounded = op("Round", [op("Div", [x, scale], "x_over_scale")], "round")
+    code_name = index.fresh_name(f"{proxy_path}/{CODE_NODE}")
+    new.append(helper.make_node("Cast", [rounded], [code_name], name=code_name, to=TensorProto.INT8))
+    node.input[0] = op("Mul", [op("Cast", [code_name], "codes_float", to=TensorProto.FLOAT), scale], "quantized")
+    position = list(graph.node).index(node)
+    for offset, added in enumerate(new):
+        graph.node.insert(position + offset, added)
 
 
 def _drop_dead_nodes(graph: onnx.GraphProto) -> None:

@@ -107,8 +107,10 @@ def inspect_quantizers(model: nn.Module) -> list[Quantizer]:
             raise ExportError(
                 f"{kind} activation quantization ({where}) cannot be exported to {target('any')}: its scales are "
                 "computed from each input at run time, QuantizeLinear/DequantizeLinear take constant scales; "
-                "dynamic activations are exported for the 8-bit integer inputs of Linear layers only. "
-                "Export with static per-tensor activations (is_dynamic None, qscheme per_tensor)"
+                "dynamic activations are exported for the 8-bit integer inputs of Linear layers only (per tensor "
+                "or per token; per group: symmetric int8 in groups of the Linear's int4 per-group weight, inside "
+                "onnxruntime's MatMulNBits). Export with static per-tensor activations (is_dynamic None, "
+                "qscheme per_tensor) or one of those"
             )
         rounding = _rounding_name(proxy)
         if role == "act" and rounding not in (None, "RoundSte"):

@@ -31,7 +31,13 @@ from quark_brevitas.export.blocked import (
     pack_4bit_weights,
     plan_weights,
 )
-from quark_brevitas.export.dynamic import DynamicInput, float_inputs, insert_dynamic_quantization, plan_dynamic
+from quark_brevitas.export.dynamic import (
+    DynamicInput,
+    float_inputs,
+    insert_dynamic_quantization,
+    mark_kernel_inputs,
+    plan_dynamic,
+)
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
 from quark_brevitas.export.inspect import Quantizer, candidate_opsets, inspect_quantizers, raise_opsets, target
 from quark_brevitas.export.kv import past_axes
@@ -201,7 +207,10 @@ class QCDQFormat(ExportFormat[ExportReport]):
             self.rewrites = (*self.rewrites, ("Relu before float8 QuantizeLinear written as Max(x, 0)", relus))
         if dynamic:
             done = insert_dynamic_quantization(proto, dynamic, paths)
-            self.rewrites = (*self.rewrites, ("Linear inputs quantized dynamically (MatMulInteger)", done))
+            grouped = sum(1 for d in dynamic if d.group_size)
+            counts = (("Linear inputs quantized dynamically (MatMulInteger)", done - grouped),
+                      ("Linear inputs quantized dynamically per group (in front of MatMulNBits)", grouped))
+            self.rewrites = (*self.rewrites, *((what, n) for what, n in counts if n))
         clean_graph(proto.graph)
         if plans:
             try:
@@ -223,6 +232,10 @@ class QCDQFormat(ExportFormat[ExportReport]):
         if self.int4_kernel == "matmulnbits":
             self.rewrites = (*self.rewrites, *rewrite_for_weight_only_kernels(proto))
             clean_graph(proto.graph)
+        if any(d.group_size for d in dynamic):  # after the MatMulNBits rewrite: its kernel quantizes the inputs
+            done = mark_kernel_inputs(proto, dynamic, paths)
+            self.rewrites = (*self.rewrites, ("per-group int8 inputs multiplied by MatMulNBits at accuracy_level 4 "
+                                              "(int8 x int4 block products)", done))
         if len(self.opsets) > 1:  # "lowest working opset": onnxruntime must accept the file
             staged = workdir / f"staged_opset{opset}.onnx"
             onnx.save_model(proto, str(staged))

@@ -36,6 +36,11 @@ kernel takes them). A layer whose input is quantized to 8 bits keeps its ``Dequa
 fuses it into its integer kernels. ``MatMulNBits`` takes block sizes that are powers of two >= 16; a weight with
 another group size, groups along N, or another consumer (an embedding ``Gather`` sharing it) keeps the
 ``DequantizeLinear`` form, named in an INFO log.
+
+Level 4 is written only where it is what the model computes: a Linear whose input is quantized dynamically to
+symmetric int8 per group of the int4 weight's group size is exported with its input unquantized, and
+:func:`quantize_inputs_in_kernel` then sets its node's level to :data:`INT8_ACCURACY_LEVEL`
+(:mod:`~quark_brevitas.export.dynamic` plans which layers).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from quark_brevitas.export.passes.graph import LAYOUT_OPS, GraphIndex, attr
+from quark_brevitas.export.passes.graph import LAYOUT_OPS, GraphIndex, attr, module_path
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,10 @@ NBITS_OP = "MatMulNBits"
 NBITS_REWRITE = "weight-only Linear layers as MatMulNBits (com.microsoft)"
 #: accuracy_level 1: float32 compute (the quantized model's arithmetic); 4 would quantize the activations to int8.
 FP32_ACCURACY_LEVEL = 1
+#: accuracy_level 4: the kernel quantizes its input to int8 per block of ``block_size`` along K (scale
+#: ``max|a| / 127``, codes ``a * (127 / max|a|)`` rounded half to even) and sums int8 x int4 block products: what a
+#: Linear computes whose input is quantized dynamically, symmetric int8 per group of the weight's group size.
+INT8_ACCURACY_LEVEL = 4
 #: Block size given to per-channel and per-tensor weights (their scale repeats in every block of a column).
 CHANNEL_BLOCK = 128
 _MIN_BLOCK = 16
@@ -262,3 +271,38 @@ def declare_ms_domain(model: onnx.ModelProto) -> None:
     uses = any(node.domain == MS_DOMAIN for node in model.graph.node)
     if uses and not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+
+
+def quantize_inputs_in_kernel(graph: onnx.GraphProto, layers: dict[str, int]) -> dict[str, str]:
+    """Set ``accuracy_level`` 4 on the ``MatMulNBits`` node of every layer in ``layers`` (the node's module path, as
+    :func:`~quark_brevitas.export.passes.graph.module_path` writes it, without the op -> the group size of the
+    layer's int8 input), so that the kernel quantizes the input exactly as the layer's dynamic per-group int8
+    quantizer does (:data:`INT8_ACCURACY_LEVEL`).
+
+    Returns, for every layer that could not be given the level, why not (no ``MatMulNBits`` node: the weight kept
+    its ``DequantizeLinear``; a block size other than the input's group size; a weight of another bit width).
+    """
+    found: dict[str, onnx.NodeProto] = {}
+    for node in graph.node:
+        path, _, op = module_path(node.name).rpartition(".")
+        if path in layers and op in ("MatMul", "Gemm"):
+            found[path] = node
+    problems = {}
+    for path, group_size in layers.items():
+        node = found.get(path)
+        if node is None or node.op_type != NBITS_OP or node.domain != MS_DOMAIN:
+            problems[path] = "its weight is not a MatMulNBits kernel (the weight stayed DequantizeLinear + MatMul)"
+        elif attr(node, "bits", 4) != 4 or attr(node, "block_size", 0) != group_size:
+            problems[path] = (f"its MatMulNBits has {attr(node, 'bits', 4)}-bit blocks of "
+                              f"{attr(node, 'block_size', 0)}, the input groups of {group_size}")
+        else:
+            _set_int_attr(node, "accuracy_level", INT8_ACCURACY_LEVEL)
+    return problems
+
+
+def _set_int_attr(node: onnx.NodeProto, name: str, value: int) -> None:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            attribute.i = value
+            return
+    node.attribute.append(onnx.helper.make_attribute(name, value))

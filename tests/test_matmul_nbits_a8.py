@@ -1,0 +1,202 @@
+"""Int4 per-group weights with int8 inputs quantized dynamically per group of the same size: the inputs quantized by
+explicit ops as Brevitas does, the product by onnxruntime's ``MatMulNBits`` at ``accuracy_level`` 4, whose own
+re-quantization of the quantized input gives back its codes (issue 18, item 4)."""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import transformers
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
+from quark_brevitas.brevitas_adapter import weight_quant_disabled
+from quark_brevitas.export import ExportError, export_onnx_qcdq, run_onnx
+from quark_brevitas.export.passes.nbits import INT8_ACCURACY_LEVEL, nbits_tensors
+from quark_brevitas.types import Dtype, QSchemeType
+
+PG = QSchemeType.per_group
+WEIGHTS = {
+    "int4 sym": lambda g: QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=g),
+    "uint4 asym": lambda g: QTensorConfig(dtype=Dtype.uint4, symmetric=False, qscheme=PG, group_size=g),
+}
+
+
+def _input(group: int) -> QTensorConfig:
+    return QTensorConfig(dtype=Dtype.int8, qscheme=PG, group_size=group, is_dynamic=True)
+
+
+def _quantize(model: nn.Module, weight: QTensorConfig, inputs: QTensorConfig, x: torch.Tensor) -> nn.Module:
+    config = Config(QLayerConfig(weight=weight, input_tensors=inputs), pre_quant_opt_config=[])
+    return ModelQuantizer(config).quantize_model(model, [x])
+
+
+def _levels(path: pathlib.Path) -> list[int]:
+    return [next(a.i for a in node.attribute if a.name == "accuracy_level")
+            for node in onnx.load(str(path)).graph.node if node.op_type == "MatMulNBits"]
+
+
+def _with_level(path: pathlib.Path, level: int, out: pathlib.Path) -> pathlib.Path:
+    proto = onnx.load(str(path))
+    for node in proto.graph.node:
+        for a in node.attribute:
+            if a.name == "accuracy_level":
+                a.i = level
+    onnx.save(proto, str(out))
+    return out
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(18)
+    return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64)).eval()
+
+
+def test_mlas_level_4_quantizes_the_input_per_block_as_the_export_assumes() -> None:
+    """Canary for the arithmetic the export relies on: a MatMulNBits node at level 4 computes (int8 codes of A per
+    block of block_size, scale max|a| / 127, rounded half to even) x (dequantized int4 weight), up to float
+    summation order; at level 1 it computes with A itself."""
+    rng = np.random.default_rng(0)
+    m, k, n, block = 3, 512, 64, 128
+    codes = rng.integers(0, 16, (n, k))
+    scale = rng.uniform(0.01, 0.05, (n, k // block)).astype(np.float32)
+    zero_point = rng.integers(0, 16, (n, k // block))
+    packed, scales, zero_points = nbits_tensors(codes, scale, zero_point, 4, False, block)
+    weight = (codes - np.repeat(zero_point, block, axis=1)) * np.repeat(scale.astype(np.float64), block, axis=1)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    blocks = a.reshape(m, k // block, block)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    a_quantized = (np.round(blocks * (np.float32(127) / amax)) * (amax / np.float32(127))).reshape(m, k)
+    for level, expected in ((INT8_ACCURACY_LEVEL, a_quantized @ weight.T), (1, a.astype(np.float64) @ weight.T)):
+        node = helper.make_node("MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
+                                block_size=block, accuracy_level=level)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [m, k])],
+                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [m, n])],
+                                  [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "S"),
+                                   numpy_helper.from_array(zero_points, "Z")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = session.run(None, {"A": a})[0]
+        assert np.abs(got - expected).max() < 1e-5 * np.abs(expected).max()
+    assert np.abs(a_quantized - a).max() > 1e-3  # the two references differ: the check above tells them apart
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("name", list(WEIGHTS))
+def test_per_group_int8_inputs_are_quantized_inside_matmulnbits(tmp_path: pathlib.Path, name: str,
+                                                                group: int) -> None:
+    x = torch.randn(4, 7, 256, generator=torch.Generator().manual_seed(2))
+    quant = _quantize(_mlp(), WEIGHTS[name](group), _input(group), x)
+    report = export_onnx_qcdq(quant, x, tmp_path / "m.onnx")
+    assert _levels(report.path) == [INT8_ACCURACY_LEVEL, INT8_ACCURACY_LEVEL]
+    ops = {node.op_type for node in onnx.load(str(report.path)).graph.node}
+    assert not ops & {"QuantizeLinear", "DequantizeLinear", "MatMul", "Gemm"}  # codes: Round + Cast to int8
+    with torch.no_grad():
+        reference = quant(x).numpy()
+    scale = np.abs(reference).max()
+    assert np.abs(run_onnx(report.path, x)[0] - reference).max() < 1e-5 * scale
+    # the kernel's own quantization of the quantized input gives back its codes: level 1 computes the same
+    float32 = _with_level(report.path, 1, tmp_path / "level1.onnx")
+    assert np.abs(run_onnx(float32, x)[0] - run_onnx(report.path, x)[0]).max() < 1e-5 * scale
+    with torch.no_grad(), contextlib.ExitStack() as stack:  # and the input quantization is in the file
+        for layer in (quant.get_submodule("0"), quant.get_submodule("2")):
+            stack.enter_context(weight_quant_disabled(layer.input_quant))
+        assert np.abs(quant(x).numpy() - reference).max() > 1e-3 * scale
+
+
+def test_a_last_partial_group_is_quantized_like_pytorch_and_mlas(tmp_path: pathlib.Path) -> None:
+    """688 input features in groups of 128 (the trained Llama's down_proj): the last group is 48 features."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(688, 64)).eval()
+    x = torch.randn(3, 5, 688, generator=torch.Generator().manual_seed(6))
+    x[..., 640:] *= 0.01  # the short group's scale differs from its neighbours': a wrong grouping shows
+    quant = _quantize(model, WEIGHTS["int4 sym"](128), _input(128), x)
+    report = export_onnx_qcdq(quant, x, tmp_path / "m.onnx")
+    assert _levels(report.path) == [INT8_ACCURACY_LEVEL]
+    with torch.no_grad():
+        reference = quant(x).numpy()
+    assert np.abs(run_onnx(report.path, x)[0] - reference).max() < 1e-5 * np.abs(reference).max()
+
+
+def test_the_pinned_check_pins_the_per_group_codes(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deep model whose outputs drift by rounding flips is accepted by pinning every quantizer's codes: the code
+    nodes of the per-group inputs are found and fed PyTorch's codes (first output comparison forced to fail)."""
+    from quark_brevitas.export import orchestrate
+
+    measure = orchestrate.measure
+    calls = []
+
+    def failing_once(*args: object, **kwargs: object) -> object:
+        result = measure(*args, **kwargs)
+        calls.append(result)
+        return result._replace(max_abs_diff=result.tolerance * 2) if len(calls) == 1 else result
+
+    monkeypatch.setattr(orchestrate, "measure", failing_once)
+    x = torch.randn(4, 7, 256, generator=torch.Generator().manual_seed(5))
+    quant = _quantize(_mlp(), WEIGHTS["uint4 asym"](128), _input(128), x)
+    report = export_onnx_qcdq(quant, x, tmp_path / "m.onnx")
+    assert report.verified_by == "pinned"
+    assert "(2 pinned)" in report.tolerance_source and "unpinned" not in report.tolerance_source
+
+
+def test_input_groups_other_than_the_weight_groups_are_an_export_error(tmp_path: pathlib.Path) -> None:
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
+    quant = _quantize(_mlp(), WEIGHTS["int4 sym"](128), _input(64), x)
+    with pytest.raises(ExportError, match=r"0\.input_quant.*MatMulNBits"):
+        export_onnx_qcdq(quant, x, tmp_path / "m.onnx")
+
+
+def test_the_dequantize_form_quantizes_the_inputs_with_standard_ops(tmp_path: pathlib.Path) -> None:
+    """``int4_kernel="dequantize"``: standard ONNX only (explicit per-group quantization, blocked DequantizeLinear,
+    MatMul), still what the model computes."""
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
+    quant = _quantize(_mlp(), WEIGHTS["int4 sym"](128), _input(128), x)
+    report = export_onnx_qcdq(quant, x, tmp_path / "m.onnx", int4_kernel="dequantize")
+    ops = {node.op_type for node in onnx.load(str(report.path)).graph.node}
+    assert "MatMulNBits" not in ops and {"DequantizeLinear", "Gemm", "Round"} <= ops
+    with torch.no_grad():
+        reference = quant(x).numpy()
+    assert np.abs(run_onnx(report.path, x)[0] - reference).max() < 1e-5 * np.abs(reference).max()
+
+
+def test_tiny_llama_with_past_key_values_decodes_like_pytorch(tmp_path: pathlib.Path) -> None:
+    layers, vocab = 2, 64
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, vocab, (2, 10), generator=torch.Generator().manual_seed(6))
+    quant = _quantize(model, WEIGHTS["int4 sym"](32), _input(32), ids)
+    prompt = ids[:, :6]
+    report = export_onnx_qcdq(quant, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)},
+                              tmp_path / "llama.onnx", past_key_values=True)
+    n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert _levels(report.path) == [INT8_ACCURACY_LEVEL] * n_linear  # lm_head included
+    names = [o.name for o in onnx.load(str(report.path)).graph.output]
+    feed = {"input_ids": prompt.numpy(), "attention_mask": np.ones_like(prompt.numpy())}
+    for i in range(layers):
+        for kind in ("key", "value"):
+            feed[f"past_key_values.{i}.{kind}"] = np.zeros((2, 2, 0, 16), np.float32)
+    tokens, mask = prompt, torch.ones_like(prompt)
+    with torch.no_grad():
+        cache = None
+        for _ in range(4):  # prompt, then one token a step (the M=1 kernel), the presents fed back as pasts
+            outputs = dict(zip(names, run_onnx(report.path, feed)))
+            step = quant(input_ids=tokens, attention_mask=mask, use_cache=True,
+                         **({} if cache is None else {"cache": cache}))
+            cache = step.get("cache", step.get("past_key_values"))
+            np.testing.assert_allclose(outputs["logits"], step.logits.numpy(), rtol=0, atol=1e-4)
+            tokens = step.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(tokens)], dim=1)
+            feed = {"input_ids": tokens.numpy(), "attention_mask": mask.numpy()}
+            for i in range(layers):
+                for kind in ("key", "value"):
+                    feed[f"past_key_values.{i}.{kind}"] = outputs[f"present.{i}.{kind}"]
