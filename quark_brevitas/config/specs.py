@@ -95,8 +95,8 @@ class QuantizationSpec:
     - ``narrow_range``: symmetric integer weights only: ``True`` uses the codes ``-(2^(b-1)-1)..2^(b-1)-1``
       with ``scale = max|w| / (2^(b-1)-1)`` (int3: -3..3, 7 codes); ``False`` the full two's-complement
       range ``-2^(b-1)..2^(b-1)-1`` with Quark's ``scale = max|w| / (2^(b-1) - 1/2)`` (int3: -4..3, 8 codes);
-      ``None``: the default for the bit width (:func:`narrow_range_of`; narrow for every width in this release,
-      see :data:`FULL_RANGE_MAX_BITS`).
+      ``None``: the default for the bit width (:func:`narrow_range_of`: full range at 2-4 bits, narrow above, see
+      :data:`FULL_RANGE_MAX_BITS`).
     """
 
     #: Written to files only when set, so that files without the field read as before.
@@ -157,18 +157,20 @@ class QuantizationConfig:
 
 #: Symmetric integer weights of at most this many bits use the full two's-complement range unless the spec says
 #: otherwise (``narrow_range=None``). Measured on the real MiniLM by ``benchmarks/llm_lowbit.py`` (README, Number
-#: formats), the full range is better at 2-4 bits; the default stays narrow (0: no bit width defaults to full) in
-#: this release because changing it changes every stored low-bit result and the tests that pin them: set
-#: ``narrow_range=False`` to use it.
-FULL_RANGE_MAX_BITS = 0
+#: formats): the full range is better at 2, 3 and 4 bits, per channel and per group, rounded to nearest and by
+#: GPTQ; above 4 bits the extra code is worth little and every 8-bit result (weights, and all activations, which
+#: this does not apply to) keeps the symmetric range.
+FULL_RANGE_MAX_BITS = 4
 
 
 def narrow_range_of(spec: QuantizationSpec) -> bool:
     """Whether a symmetric integer weight spec leaves its most negative code unused: ``spec.narrow_range`` when
-    set, otherwise narrow above :data:`FULL_RANGE_MAX_BITS` bits and full range at or below it."""
+    set, otherwise narrow above :data:`FULL_RANGE_MAX_BITS` bits and full range at or below it. The bit width is
+    read after the ``dtype`` short form is spelled out: ``QuantizationSpec(dtype=Dtype.int4)`` still has the
+    default ``bit_width=8`` in its field, and must get the 4-bit default grid."""
     if spec.narrow_range is not None:
         return spec.narrow_range
-    return spec.bit_width > FULL_RANGE_MAX_BITS
+    return spec.resolved().bit_width > FULL_RANGE_MAX_BITS
 
 
 # Quark's Brevitas extension exports both names for the same classes.
