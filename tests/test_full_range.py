@@ -257,3 +257,13 @@ def test_gguf_q4_0_and_compressed_tensors_hold_code_minus_8(tmp_path: Path) -> N
     assert int(codes.min()) == -8
     rebuilt = codes.float() * tensors[prefix + "weight_scale"].repeat_interleave(32, dim=1)
     assert torch.equal(rebuilt, quant.model.layers[1].mlp.down_proj.quant_weight().value.detach())
+
+
+def test_gguf_presets_use_their_types_codes() -> None:
+    """Q4_0 stores -8..7 (llama.cpp puts a block's largest weight on -8), Q8_0 -127..127 (llama.cpp divides by 127),
+    Q4_1 is asymmetric: each preset says so itself, so a change of the default grid cannot move them."""
+    from quark_brevitas.config.presets import get_preset
+
+    grids = {name: [layer.weight.narrow_range for layer in get_preset(name).layer_type_quant_config.values()]
+             for name in ("gguf_q4_0", "gguf_q8_0", "gguf_q4_1")}
+    assert grids == {"gguf_q4_0": [False], "gguf_q8_0": [True], "gguf_q4_1": [None]}
