@@ -68,9 +68,11 @@ def test_quantized_units_are_outermost_layers_and_equalized_wrappers() -> None:
 
 def test_weight_pairs_are_the_float_and_quantized_weights_in_layout() -> None:
     from quark_brevitas.config import QTensorConfig
+    from quark_brevitas.config.specs import narrow_range_of
     from quark_brevitas.types import QSchemeType
 
-    grouped = quant_linear(QTensorConfig(bit_width=4, qscheme=QSchemeType.per_group, group_size=4))
+    spec = QTensorConfig(bit_width=4, qscheme=QSchemeType.per_group, group_size=4)
+    grouped = quant_linear(spec)
     ((float_weight, quant_weight),) = adapter.weight_quantization_pairs(grouped)
     assert float_weight is not None and quant_weight.shape == grouped.weight.shape, \
         "group-wise quant tensors' .value is no longer in the weight's layout"
@@ -78,7 +80,9 @@ def test_weight_pairs_are_the_float_and_quantized_weights_in_layout() -> None:
     import reference as ref
 
     w = grouped.weight.detach()
-    expected = ref.int_qdq(w, ref.group_symmetric_scale(w, 4, 4), 0.0, 4, True, True)
+    narrow = narrow_range_of(spec)  # the default 4-bit grid: full range -8..7 with max / 7.5
+    scale = ref.group_absmax(w, 4) / (7.0 if narrow else 7.5)
+    expected = ref.int_qdq(w, scale, 0.0, 4, True, narrow)
     assert torch.allclose(quant_weight, expected, atol=1e-6), "the quantized weight is not the group-wise qdq"
     with adapter.weight_quant_disabled(grouped.weight_quant):
         assert adapter.weight_quantization_pairs(grouped) == []

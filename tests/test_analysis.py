@@ -36,8 +36,10 @@ from quark_brevitas.cli.digits import DigitsCNN
 from quark_brevitas.errors import ModelError
 from quark_brevitas.types import Dtype, QSchemeType, ScaleType, ZeroPointType
 
-W4_PER_TENSOR_A8 = Config(QLayerConfig(weight=QTensorConfig(bit_width=4), input_tensors=QTensorConfig()),
-                          pre_quant_opt_config=[])
+# The narrow -7..7 grid (narrow_range=True), which this scenario was sized on: with the full -8..7 default, fc2's
+# huge weight costs the rest of the layer a little less and its margin over fc3 is 2.9 dB instead of over 3.
+W4_PER_TENSOR_A8 = Config(QLayerConfig(weight=QTensorConfig(bit_width=4, narrow_range=True),
+                                       input_tensors=QTensorConfig()), pre_quant_opt_config=[])
 SENSITIVE = "fc2"
 
 

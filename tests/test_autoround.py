@@ -103,7 +103,11 @@ def test_learned_rounding_offsets_and_clipping_act_as_defined() -> None:
     with torch.no_grad():
         scale = layer.quant_weight().scale
     assert torch.allclose(scale.expand_as(grid.scale), 0.5 * grid.scale, rtol=1e-5)
-    assert float(clipped.abs().max()) <= 0.5 * float(rounding.weight.abs().max()) + 1e-6
+    # Half the range: the largest code times half the scale (the full grid's -8 reaches 8/7.5 of max|group|).
+    top_code = max(-float(grid.min_int), float(grid.max_int))
+    assert bool((clipped.abs() <= 0.5 * grid.scale.expand_as(clipped) * top_code + 1e-6).all())
+    divisor = float(grid.max_int) + (top_code - float(grid.max_int)) / 2  # min-max divisor: 7.5 full, 7 narrow
+    assert float(clipped.abs().max()) <= 0.5 * float(rounding.weight.abs().max()) * top_code / divisor + 1e-6
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from quark_brevitas.config.specs import narrow_range_of
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.export import export_onnx_qcdq, export_safetensors
 from quark_brevitas.export.qonnx import export_qonnx
-from quark_brevitas.types import QSchemeType, ScaleType
+from quark_brevitas.types import Dtype, QSchemeType, ScaleType
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference as ref  # noqa: E402
@@ -82,17 +82,23 @@ def test_full_range_up_to_4_bits_when_asked(bits: int) -> None:
     assert _layers(quant)[0].quant_weight().int().tolist() == codes
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_the_default_stays_narrow_in_this_release(bits: int) -> None:
-    """narrow_range=None keeps the grid of earlier releases (every stored low-bit result depends on it)."""
-    divisor, codes = HAND[bits, True]
+@pytest.mark.parametrize(("bits", "width"), [(2, {"bit_width": 2}), (3, {"bit_width": 3}), (4, {"bit_width": 4}),
+                                             (4, {"dtype": Dtype.int4})], ids=["int2", "int3", "int4", "dtype_int4"])
+def test_the_default_is_the_full_range_up_to_4_bits(bits: int, width: dict) -> None:
+    """narrow_range=None gives 2-4 bit weights every code (measured better, README Number formats), whether the
+    width is given as ``bit_width`` or as the ``dtype`` short form (whose spec keeps ``bit_width=8`` until
+    resolved)."""
+    divisor, codes = HAND[bits, False]
     row = torch.tensor([1.0, -1.0, 0.5, 0.3]) * divisor
-    quant = _quantize(_one_linear(torch.stack([row, -row])), QTensorConfig(bit_width=bits, qscheme=PC))
+    spec = QTensorConfig(qscheme=PC, **width)
+    assert narrow_range_of(spec) is False
+    quant = _quantize(_one_linear(torch.stack([row, -row])), spec)
     assert _layers(quant)[0].quant_weight().int().tolist() == codes
 
 
 def test_narrow_default_above_4_bits_and_explicit_values_win() -> None:
-    assert [narrow_range_of(QTensorConfig(bit_width=b)) for b in range(2, 9)] == [True] * 7
+    assert [narrow_range_of(QTensorConfig(bit_width=b)) for b in range(2, 9)] == [False] * 3 + [True] * 4
+    assert narrow_range_of(QTensorConfig(dtype=Dtype.int8)) is True
     assert narrow_range_of(QTensorConfig(bit_width=3, narrow_range=True)) is True
     assert narrow_range_of(QTensorConfig(bit_width=8, narrow_range=False)) is False
     row = torch.tensor([1.0, -1.0, 0.5, 0.3]) * 127.5
@@ -171,7 +177,7 @@ def _random_linear(seed: int = 0, shape: tuple[int, int] = (16, 64)) -> nn.Modul
     return nn.Sequential(nn.Linear(shape[1], shape[0]), nn.ReLU(), nn.Linear(shape[0], 8))
 
 
-@pytest.mark.parametrize(("narrow", "low", "high"), [(False, -4, 3), (True, -3, 3), (None, -3, 3)])
+@pytest.mark.parametrize(("narrow", "low", "high"), [(False, -4, 3), (True, -3, 3), (None, -4, 3)])
 def test_integer_weights_hold_every_code(narrow: bool | None, low: int, high: int) -> None:
     quant = _quantize(_random_linear(), QTensorConfig(bit_width=3, qscheme=PG, group_size=16, narrow_range=narrow))
     entries = integer_weights(quant)
@@ -179,7 +185,7 @@ def test_integer_weights_hold_every_code(narrow: bool | None, low: int, high: in
     for entry, layer in zip(entries.values(), _layers(quant), strict=True):
         codes = entry.int_weight
         assert (int(codes.min()), int(codes.max())) == (low, high)
-        assert entry.narrow_range is (narrow is not False)
+        assert entry.narrow_range is (narrow is True)
         assert torch.equal(entry.dequantize(), layer.quant_weight().value.detach())
 
 
@@ -226,18 +232,15 @@ def test_checkpoint_and_config_round_trip(tmp_path: Path) -> None:
 
 def test_gguf_q4_0_and_compressed_tensors_hold_code_minus_8(tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
-    from dataclasses import replace
-
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors.torch import load_file
 
     from quark_brevitas.config.presets import get_preset
     from quark_brevitas.export import export_gguf
 
-    preset = get_preset("gguf_q4_0")  # with the full range asked for (the default grid stays narrow)
-    full = {kind: replace(layer, weight=replace(layer.weight, narrow_range=False))
-            for kind, layer in preset.layer_type_quant_config.items()}
-    quant = ModelQuantizer(replace(preset, layer_type_quant_config=full)).quantize_model(tiny_llama())
+    preset = get_preset("gguf_q4_0")  # GGUF's own Q4_0 grid, -8..7, whatever the default
+    assert [layer.weight.narrow_range for layer in preset.layer_type_quant_config.values()] == [False]
+    quant = ModelQuantizer(preset).quantize_model(tiny_llama())
     down = quant.model.layers[1].mlp.down_proj
     assert int(down.quant_weight().int().min()) == -8
     path = export_gguf(quant, tmp_path / "gguf", model_type="llama")
@@ -254,3 +257,13 @@ def test_gguf_q4_0_and_compressed_tensors_hold_code_minus_8(tmp_path: Path) -> N
     assert int(codes.min()) == -8
     rebuilt = codes.float() * tensors[prefix + "weight_scale"].repeat_interleave(32, dim=1)
     assert torch.equal(rebuilt, quant.model.layers[1].mlp.down_proj.quant_weight().value.detach())
+
+
+def test_gguf_presets_use_their_types_codes() -> None:
+    """Q4_0 stores -8..7 (llama.cpp puts a block's largest weight on -8), Q8_0 -127..127 (llama.cpp divides by 127),
+    Q4_1 is asymmetric: each preset says so itself, so a change of the default grid cannot move them."""
+    from quark_brevitas.config.presets import get_preset
+
+    grids = {name: [layer.weight.narrow_range for layer in get_preset(name).layer_type_quant_config.values()]
+             for name in ("gguf_q4_0", "gguf_q8_0", "gguf_q4_1")}
+    assert grids == {"gguf_q4_0": [False], "gguf_q8_0": [True], "gguf_q4_1": [None]}

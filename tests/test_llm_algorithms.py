@@ -46,6 +46,7 @@ from quark_brevitas.config import (  # noqa: E402
     QuantizationSpec,
     SmoothQuantConfig,
 )
+from quark_brevitas.config.specs import narrow_range_of  # noqa: E402
 from quark_brevitas.errors import ConfigError  # noqa: E402
 from quark_brevitas.hf.structure import model_structure  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
@@ -235,19 +236,26 @@ def test_smoothquant_lowers_the_w8a8_error_on_activation_outliers(batches) -> No
 
 
 # ===================================================================== GPTQ
+def _textbook_scale(work: torch.Tensor, group_size: int) -> torch.Tensor:
+    """INT4_G32's min-max scale per element: ``max|group| / 7`` on the narrow grid, Quark's ``/ 7.5`` on the full
+    one (the default for 4-bit weights), so the textbook follows whichever grid the spec has."""
+    return ref.group_absmax(work, group_size, 1) / (7.0 if narrow_range_of(INT4_G32) else 7.5)
+
+
 def _textbook_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, static: bool) -> torch.Tensor:
-    """GPTQ column by column (Frantar et al., Algorithm 1 without lazy batches), symmetric int4 per group with
-    ``scale = max|group| / 7``: from the weight before GPTQ (static), or from the updated weight when a group's first
-    column is reached."""
+    """GPTQ column by column (Frantar et al., Algorithm 1 without lazy batches), symmetric int4 per group on
+    INT4_G32's grid (:func:`_textbook_scale`): scales from the weight before GPTQ (static), or from the updated
+    weight when a group's first column is reached."""
+    narrow = narrow_range_of(INT4_G32)
     work = weight.clone()
     h = hessian + 0.01 * torch.diag(hessian).mean() * torch.eye(hessian.shape[0])
     factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    scale = ref.group_symmetric_scale(work, 4, group_size)
+    scale = _textbook_scale(work, group_size)
     quantized = torch.zeros_like(work)
     for j in range(work.shape[1]):
         if not static and j % group_size == 0:
-            scale[:, j:j + group_size] = ref.group_symmetric_scale(work, 4, group_size)[:, j:j + group_size]
-        quantized[:, j] = ref.int_qdq(work[:, j], scale[:, j], 0.0, 4, True, True)
+            scale[:, j:j + group_size] = _textbook_scale(work, group_size)[:, j:j + group_size]
+        quantized[:, j] = ref.int_qdq(work[:, j], scale[:, j], 0.0, 4, True, narrow)
         error = (work[:, j] - quantized[:, j]) / factor[j, j]
         work[:, j:] -= error[:, None] * factor[j, j:][None, :]
     return quantized

@@ -34,7 +34,9 @@ from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
 SNAPSHOT = Path(__file__).resolve().parent / "data" / "llm_codes.pt"
 UINT4_G32 = QuantizationSpec(dtype=Dtype.uint4, symmetric=False, qscheme=QSchemeType.per_group, group_size=32)
-INT4_G32 = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32)
+# narrow_range=True: the snapshot was written when -7..7 was the default int4 grid; pinned so that it keeps
+# comparing the same stored codes now that the default is the full range -8..7 (issue 19).
+INT4_G32 = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32, narrow_range=True)
 INT8_CHANNEL = QuantizationSpec(qscheme=QSchemeType.per_channel)
 
 

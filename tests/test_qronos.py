@@ -8,6 +8,7 @@ nearest through Brevitas's own quantized weight.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -68,8 +69,12 @@ def _inputs(tokens: int = 1024, features: int = 96, seed: int = 3) -> torch.Tens
 @pytest.mark.parametrize("act_order", [False, True])
 def test_qronos_is_gptq_when_float_and_quantized_inputs_agree(act_order: bool) -> None:
     """G = H: the first column's target is its float weight and the closed-form re-solve is GPTQ's update for it,
-    so Qronos is GPTQ with Qronos's dampening (alpha times the largest eigenvalue)."""
-    layer = _layer()
+    so Qronos is GPTQ with Qronos's dampening (alpha times the largest eigenvalue).
+
+    On the narrow grid: on the full one (the 4-bit default) each static group's largest weight sits exactly on a
+    rounding tie (max / (max / 7.5) = 7.5), where the two algorithms' last-bit differences pick different codes
+    for 0.56 % of the weights (measured), over this test's 0.5 % allowance."""
+    layer = _layer(spec=dataclasses.replace(INT4_G32, narrow_range=True))
     inputs = _inputs()
     weight, hessian = layer.weight.detach().clone(), inputs.t() @ inputs / len(inputs)
     grid_for = lambda tensor: weight_grid(layer, tensor)  # noqa: E731

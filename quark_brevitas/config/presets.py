@@ -90,10 +90,16 @@ def _bert_w4_g32() -> Config:
 # ---------------------------------------------------------------- GGUF (llama.cpp) block formats
 # Linear layers only, weights in groups of 32 input channels with float16 scales (what GGUF blocks store), so that
 # quark_brevitas.export.export_gguf writes them exactly; add algo_config=[algos.GPTQ()] or [algos.AWQ()] to round
-# them with an algorithm instead of to nearest.
+# them with an algorithm instead of to nearest. Each preset uses the codes its GGUF type has, whatever the default
+# grid for the bit width: Q4_0 all sixteen -8..7 (llama.cpp's quantizer puts each block's largest weight on -8),
+# Q8_0 only -127..127 (llama.cpp divides by 127); Q4_1 is asymmetric (0..15 and an offset).
+_GGUF_NARROW_RANGE = {Dtype.int4: False, Dtype.int8: True, Dtype.uint4: None}
+
+
 def _gguf(dtype: Dtype) -> Callable[[], Config]:
     def build() -> Config:
-        weight = QTensorConfig(dtype=dtype, qscheme=QSchemeType.per_group, group_size=32, scale_type=ScaleType.float16)
+        weight = QTensorConfig(dtype=dtype, qscheme=QSchemeType.per_group, group_size=32, scale_type=ScaleType.float16,
+                               narrow_range=_GGUF_NARROW_RANGE[dtype])
         return _linear_only(QLayerConfig(weight=weight))
 
     return build
@@ -130,9 +136,10 @@ DESCRIPTIONS: dict[str, str] = {
                          "inputs with a scale per token computed at run time",
     "bert_w4_g32": "transformers: Linear layers and int8 embedding tables; int4 weights per group of 32 rounded "
                    "by GPTQ; activations stay float",
-    "gguf_q4_0": "GGUF Q4_0: Linear layers only, int4 symmetric weights per group of 32, float16 scales",
+    "gguf_q4_0": "GGUF Q4_0: Linear layers only, int4 symmetric weights (codes -8..7) per group of 32, float16 scales",
     "gguf_q4_1": "GGUF Q4_1: Linear layers only, uint4 asymmetric weights per group of 32, float16 scales and offsets",
-    "gguf_q8_0": "GGUF Q8_0: Linear layers only, int8 symmetric weights per group of 32, float16 scales",
+    "gguf_q8_0": "GGUF Q8_0: Linear layers only, int8 symmetric weights (codes -127..127) per group of 32, "
+                 "float16 scales",
 }
 
 
