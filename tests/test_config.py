@@ -226,8 +226,8 @@ EXAMPLE_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "co
 
 def test_to_dict_starts_with_the_format_version() -> None:
     data = FULL.to_dict()
-    assert next(iter(data)) == "format_version" and data["format_version"] == FORMAT_VERSION == 2
-    assert FULL.to_yaml().startswith("format_version: 2\n")
+    assert next(iter(data)) == "format_version" and data["format_version"] == FORMAT_VERSION == 3
+    assert FULL.to_yaml().startswith("format_version: 3\n")
 
 
 @pytest.mark.parametrize("version", [None, 1, FORMAT_VERSION], ids=["absent (format 1)", "1", "current"])
@@ -240,9 +240,9 @@ def test_readable_format_versions(version: int | None) -> None:
 
 
 @pytest.mark.parametrize(("version", "fragment"), [
-    (3, "format version 3 is not supported (written by a newer quark_brevitas"),
-    (0, "format version 0 is not supported; this release reads format versions 1, 2"),
-    ("2", "must be an integer format version (1, 2), got '2'"),
+    (4, "format version 4 is not supported (written by a newer quark_brevitas"),
+    (0, "format version 0 is not supported; this release reads format versions 1, 2, 3"),
+    ("2", "must be an integer format version (1, 2, 3), got '2'"),
     (2.0, "got 2.0"),
     (True, "got True"),
     (None, "got None"),

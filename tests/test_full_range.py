@@ -267,3 +267,25 @@ def test_gguf_presets_use_their_types_codes() -> None:
     grids = {name: [layer.weight.narrow_range for layer in get_preset(name).layer_type_quant_config.values()]
              for name in ("gguf_q4_0", "gguf_q8_0", "gguf_q4_1")}
     assert grids == {"gguf_q4_0": [False], "gguf_q8_0": [True], "gguf_q4_1": [None]}
+
+
+def test_version_2_files_keep_the_narrow_grid_they_were_written_with() -> None:
+    """A config (a checkpoint's included) written by to_dict before the full range became the default reads with
+    narrow_range=True where it left the field unset; newer files and hand-written ones (no version) take today's
+    default; an explicit value always wins."""
+    from quark_brevitas.config import FORMAT_VERSION, Config, QuantizationConfig, QuantizationSpec
+    from quark_brevitas.types import Dtype, QSchemeType
+
+    int4 = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32)
+    config = Config(QuantizationConfig(weight=int4), layer_quant_config={
+        "fc": QuantizationConfig(weight=QuantizationSpec(dtype=Dtype.int4, narrow_range=False)),
+        "head": QuantizationConfig(weight=QuantizationSpec())})  # int8: narrow whatever the version
+    written = config.to_dict()
+    assert written["format_version"] == FORMAT_VERSION == 3
+    old = Config.from_dict({**written, "format_version": 2})
+    assert old.global_quant_config.weight.narrow_range is True
+    assert old.layer_quant_config["fc"].weight.narrow_range is False
+    assert old.layer_quant_config["head"].weight.narrow_range is None
+    assert Config.from_dict(written).global_quant_config.weight.narrow_range is None
+    unversioned = {k: v for k, v in written.items() if k != "format_version"}
+    assert Config.from_dict(unversioned).global_quant_config.weight.narrow_range is None

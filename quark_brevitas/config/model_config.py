@@ -22,6 +22,9 @@ from typing import Annotated, Any
 from quark_brevitas.config import algorithms
 from quark_brevitas.config.checks import (
     HIERARCHY_LEVELS,
+    INT,
+    MX,
+    scheme_of,
     verify_algorithms,
     verify_layer_config,
     verify_partial_layer_config,
@@ -29,6 +32,7 @@ from quark_brevitas.config.checks import (
 from quark_brevitas.config.enums import Backend
 from quark_brevitas.config.quark_fields import without_quark_fields
 from quark_brevitas.config.serialization import (
+    VERSION_KEY,
     Polymorphic,
     Text,
     check_fields,
@@ -38,7 +42,7 @@ from quark_brevitas.config.serialization import (
     with_version,
     without_version,
 )
-from quark_brevitas.config.specs import QuantizationConfig
+from quark_brevitas.config.specs import QuantizationConfig, QuantizationSpec, narrow_range_of
 from quark_brevitas.errors import ConfigError
 
 __all__ = [
@@ -53,9 +57,13 @@ __all__ = [
 ]
 
 #: The format version :meth:`Config.to_dict` writes, and the versions :meth:`Config.from_dict` reads
-#: (1: files written before versions were recorded, which carry no ``format_version``).
-FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)
+#: (1: files written before versions were recorded, which carry no ``format_version``; 3: 2-4 bit symmetric int
+#: weights without ``narrow_range`` mean the full range, which version 2 files, written when the narrow grid was the
+#: default, are read as narrow: a checkpoint keeps the codes it was written with).
+FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
+#: The last format version whose unset ``narrow_range`` meant the narrow grid at every width.
+NARROW_DEFAULT_VERSION = 2
 
 
 #: How the fields of the hierarchy and the algorithm lists are written (see :mod:`quark_brevitas.config.serialization`).
@@ -146,10 +154,13 @@ class Config:
     def from_dict(cls, data: dict[str, Any]) -> Config:
         """Build and verify a Config from :meth:`to_dict` output or a config file's content (with or
         without ``format_version``). Errors name the offending path."""
+        version = data.get(VERSION_KEY) if isinstance(data, Mapping) else None
         data = without_version(data, READABLE_FORMAT_VERSIONS)
         if isinstance(data, Mapping):  # files Quark 0.13 writes carry its QConfig fields (quant_method, version, ...)
             data = without_quark_fields(data)
         config = from_plain(Config, data)
+        if version == NARROW_DEFAULT_VERSION:
+            config = _with_narrow_grid(config)
         verify_config(config)
         return config
 
@@ -303,3 +314,18 @@ def verify_config(config: Config) -> None:
         for key, layer in getattr(config, level).items():
             verify_partial_layer_config(layer, key_path(level, key))
     verify_algorithms(config.pre_quant_opt_config, config.algo_config, config)
+
+
+def _with_narrow_grid(config: Config) -> Config:
+    """``config`` with ``narrow_range=True`` on every symmetric int weight spec that leaves it unset and whose default
+    is now the full range: what a version-2 file (a checkpoint's config included) meant when it was written."""
+    def pinned(layer: QuantizationConfig | None) -> QuantizationConfig | None:
+        spec = layer.weight if layer is not None else None
+        if (not isinstance(spec, QuantizationSpec) or spec.narrow_range is not None or not spec.symmetric
+                or spec.quant_type is not INT or scheme_of(spec, "weight") == MX or narrow_range_of(spec)):
+            return layer
+        return replace(layer, weight=replace(spec, narrow_range=True))
+
+    return replace(config, global_quant_config=pinned(config.global_quant_config),
+                   layer_type_quant_config={k: pinned(v) for k, v in config.layer_type_quant_config.items()},
+                   layer_quant_config={k: pinned(v) for k, v in config.layer_quant_config.items()})
