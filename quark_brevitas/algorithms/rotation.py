@@ -11,6 +11,8 @@ weight is rotated too: ``(x @ Q) @ (W @ Q).T == x @ W.T``. Rows are vectors here
   ``b_h @ H``), o_proj's columns of head ``h`` ``-> W_h @ H``; attention mixes tokens, not channels, so it commutes.
 - Online R1 (``online_r1_rotation``) puts an online Hadamard before each layer reading a norm instead (exact in any
   family, post-norm BERT included), with its inverse folded into the layer.
+- Online R2 (``online_r2_rotation``) likewise puts one online Hadamard before o_proj (all heads at once) instead of
+  folding R2 per head into v/o.
 - R4 puts an online Hadamard (:class:`~quark_brevitas.brevitas_adapter.OnlineHadamard`, a module in the model that
   its input quantizer sees rotated and that exports as MatMul nodes) before the down projection, whose weight gets
   ``W -> W @ H``.
@@ -181,8 +183,11 @@ class RotationHandler(AlgorithmHandler):
         with torch.no_grad():
             if folded_r1:
                 _apply_r1(model, sites, _matrix(sites.hidden, algo, "r1", path))
-            if algo.r2 and "r2" not in sites.skipped:  # before the online wrappers: R2 rewrites v_proj in place
+            r2 = algo.r2 and "r2" not in sites.skipped
+            if r2 and not algo.online_r2_rotation:  # before the online wrappers: R2 rewrites v_proj in place
                 _apply_r2(model, sites, _matrix(sites.head_dim, algo, "r2", path))
+            if r2 and algo.online_r2_rotation:
+                _apply_online(model, sites, (sites.roles.o_proj,), algo.rotation_size, path)
             if algo.r1 and "r1" not in sites.skipped and sites.online_r1:
                 _apply_online(model, sites, sites.roles.readers, algo.rotation_size, path)
             if algo.r4:
@@ -204,7 +209,10 @@ class RotationHandler(AlgorithmHandler):
                          f"{sites.final.norm} -> {', '.join(sites.final.readers)} (untied if tied) and per block:")
             lines += [f"  {g.norm} (weight merged, set to 1) -> {', '.join(g.readers)}" for g in sites.block_norms]
             lines.append(f"  writers: {', '.join(sites.roles.writers)}")
-        if algo.r2 and "r2" not in sites.skipped:
+        if algo.r2 and "r2" not in sites.skipped and algo.online_r2_rotation:
+            lines.append(f"R2 (online): Hadamard ({size}) on the input of {sites.roles.o_proj} (all heads together; "
+                         f"the layer moves to {sites.roles.o_proj}.layer behind it), its inverse folded into it")
+        elif algo.r2 and "r2" not in sites.skipped:
             lines.append(f"R2: per head ({sites.head_dim} channels, {'random ' if algo.random_r2 else ''}Hadamard) "
                          f"folded into {sites.roles.v_proj} (outputs) and {sites.roles.o_proj} (inputs)")
         if algo.r4:
