@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's quark_brevitas, not an installed one
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.config import (  # noqa: E402
