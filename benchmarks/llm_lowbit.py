@@ -141,7 +141,8 @@ BEST = "rotation + GPTQ, asymmetric, MSE scales"
 
 FORMATS = [
     Format("int3 g128", 3, 128, ("round to nearest", "round to nearest, MSE scales", "GPTQ", "AWQ", "Qronos",
-                                 "AutoRound", "rotation + GPTQ", BEST)),
+                                 "AutoRound", "rotation + GPTQ", BEST,
+                                 "rotation + AutoRound (MSE clip init), asymmetric")),
     Format("int2 g64", 2, 64, ("round to nearest", "GPTQ", BEST)),
     Format("int4 per-channel", 4, None, ("round to nearest", "GPTQ", "Qronos", BEST)),
     Format("int4 per-channel, int8 per-token act", 4, None,
