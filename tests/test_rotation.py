@@ -320,3 +320,16 @@ def test_online_r2_fields_are_checked_and_written_only_when_set() -> None:
         ModelQuantizer(_config([RotationConfig(online_r2_rotation=True)]))
     with pytest.raises(ConfigError, match=r"random_r2: online R2 rotations are Hadamard matrices"):
         ModelQuantizer(_config([RotationConfig(r2=True, online_r2_rotation=True, random_r2=True)]))
+
+
+def test_online_r2_model_quantizes_saves_and_loads(batches, tmp_path) -> None:
+    """A checkpoint replays the online R2 wrapper: the loaded model computes the saved one's logits exactly."""
+    model = tiny_llama()
+    quantized = ModelQuantizer(_config([RotationConfig(r1=False, r2=True, online_r2_rotation=True)])).quantize_model(
+        model, batches)
+    o_proj = quantized.model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, RotatedInput) and o_proj.layer.input_quant.is_quant_enabled
+    save_quantized(quantized, tmp_path / "ckpt")
+    loaded = load_quantized(tiny_llama(), tmp_path / "ckpt")
+    assert isinstance(loaded.model.layers[0].self_attn.o_proj, RotatedInput)
+    assert torch.equal(logits(loaded, batches[0]), logits(quantized, batches[0]))
