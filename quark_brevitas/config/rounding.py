@@ -10,6 +10,7 @@ and :mod:`quark_brevitas.algorithms.autoround`. Plain data: nothing here imports
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from quark_brevitas.config.algorithms import AlgoConfig, uses_weights, verify_names, verify_quark_name
 from quark_brevitas.config.families import Family
@@ -17,7 +18,10 @@ from quark_brevitas.config.specs import QuantHierarchy, QuantizationSpec
 from quark_brevitas.config.template import register_template_algorithm
 from quark_brevitas.errors import ConfigError
 
-__all__ = ["AutoRoundConfig", "QronosConfig"]
+__all__ = ["CLIP_INITS", "AutoRoundConfig", "QronosConfig"]
+
+#: ``AutoRoundConfig.clip_init``'s values: ``None`` (factors start at 1, Quark's) or ``"mse"`` (searched per group).
+CLIP_INITS = (None, "mse")
 
 
 def _verify_block_fields(algo: QronosConfig | AutoRoundConfig, config: QuantHierarchy, path: str) -> None:
@@ -91,8 +95,13 @@ class AutoRoundConfig(AlgoConfig):
     - ``enable_minmax_tuning``: also learn the clipping factors.
     - ``batch_size``: calibration sequences per step (taken in turn from the block's cached inputs).
     - ``inside_layer_modules`` / ``model_decoder_layers``: as in GPTQConfig (``None``: inferred).
+    - ``clip_init`` (not Quark's): where the clipping factors start. ``None`` (Quark's): at 1 (the min-max grid);
+      ``"mse"``: at each group's factor in [0.5, 1] with the least squared rounding error of its weights (a grid
+      search), so training starts from MSE-clipped rounding, which at 2-3 bits is far closer than min-max (measured
+      in ``benchmarks/llm_lowbit.py``). Needs ``enable_minmax_tuning``.
     """
 
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("clip_init",)
     name: str = "autoround"
     iters: int = 200
     lr: float = 1.0 / 200
@@ -101,10 +110,16 @@ class AutoRoundConfig(AlgoConfig):
     batch_size: int = 8
     inside_layer_modules: list[str] | None = None
     model_decoder_layers: str | None = None
+    clip_init: str | None = None
 
     def verify(self, config: QuantHierarchy, path: str) -> None:
         super().verify(config, path)
         _verify_block_fields(self, config, path)
+        if self.clip_init not in CLIP_INITS:
+            raise ConfigError(f"{path}.clip_init", f"must be one of {list(CLIP_INITS)}, got {self.clip_init!r}")
+        if self.clip_init is not None and not self.enable_minmax_tuning:
+            raise ConfigError(f"{path}.clip_init", f"{self.clip_init!r} needs enable_minmax_tuning=True (there are "
+                                                   "no clipping factors to start otherwise); leave it None")
         if self.iters < 0:
             raise ConfigError(f"{path}.iters", f"must be >= 0 (0: round to nearest), got {self.iters}")
         for field_name in ("lr", "minmax_lr"):
