@@ -120,10 +120,11 @@ class _LinearError:
     def of(cls, calls: list[Any], weight: torch.Tensor) -> _LinearError:
         """From the layer's recorded ``(args, kwargs)`` calls and its float ``[out, in]`` weight."""
         channels = weight.shape[1]
-        gram = torch.zeros(channels, channels, dtype=torch.float64)
+        gram = torch.zeros(channels, channels, dtype=torch.float64, device=weight.device)
         tokens = 0
         for args, kwargs in calls:
-            rows = (args[0] if args else next(iter(kwargs.values()))).detach().reshape(-1, channels).double()
+            rows = (args[0] if args else next(iter(kwargs.values()))).detach().reshape(-1, channels)
+            rows = rows.to(device=gram.device, dtype=torch.float64)
             gram.addmm_(rows.t(), rows)
             tokens += rows.shape[0]
         return cls(gram, tokens, weight)
@@ -131,8 +132,8 @@ class _LinearError:
     def error(self, candidate: torch.Tensor) -> torch.Tensor:
         """Squared error sum and element count of the outputs with ``candidate`` (``[out, in]``) as weight."""
         delta = candidate.double() - self.weight
-        return torch.stack([((delta @ self.gram) * delta).sum(), torch.tensor(float(self.tokens * delta.shape[0]),
-                                                                                dtype=torch.float64)]).float()
+        count = delta.new_tensor(float(self.tokens * delta.shape[0]))
+        return torch.stack([((delta @ self.gram) * delta).sum(), count]).float().cpu()  # beside the CPU sums
 
 
 def clip_search(layer: nn.Module, rows: torch.Tensor, group_size: int, data: CalibrationData) -> torch.Tensor:

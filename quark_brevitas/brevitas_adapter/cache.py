@@ -153,7 +153,7 @@ def columns_in_order(gptq: Any, grid: Any, percdamp: float, c: float) -> None:
     if gptq.use_intermediate_buffer:
         del gptq.B  # free memory, as Brevitas does
     weight = gptq.layer.weight.data
-    hessian = gptq.H[0]
+    hessian = gptq.H[0].to(weight.device)  # Brevitas may keep the Hessian elsewhere (its ``device``)
     dead = torch.diag(hessian) == 0
     hessian[dead, dead] = 1
     weight[:, dead] = 0
