@@ -123,3 +123,19 @@ def test_brevitas_gptq_on_a_fixed_grid_equals_brevitas_column_loop(monkeypatch: 
     assert fast.keys() == slow.keys()
     for name, value in fast.items():
         assert torch.equal(value, slow[name]), name
+
+
+def test_brevitas_gptq_on_float_weights_takes_brevitas_column_loop() -> None:
+    """Minifloat weights have no integer grid: the fixed-grid path steps aside (it raised before) and GPTQ runs."""
+    from quark_brevitas import ModelQuantizer, algos
+    from quark_brevitas.config import Config, QuantizationConfig, QuantizationSpec
+    from quark_brevitas.types import QuantType
+
+    fp8 = QuantizationSpec(quant_type=QuantType.float_quant, bit_width=8, exponent_bit_width=4, mantissa_bit_width=3)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    batches = [torch.randn(32, 16) for _ in range(2)]
+    rtn = ModelQuantizer(Config(QuantizationConfig(weight=fp8), pre_quant_opt_config=[])).quantize_model(model, batches)
+    gptq = ModelQuantizer(Config(QuantizationConfig(weight=fp8), pre_quant_opt_config=[],
+                                 algo_config=[algos.GPTQ()])).quantize_model(model, batches)
+    assert not torch.equal(gptq[0].quant_weight().value, rtn[0].quant_weight().value)  # GPTQ changed the weights

@@ -193,7 +193,11 @@ def fixed_weight_grid(layer: nn.Module) -> WeightGrid | None:
     is initialised (``init_done``; a quantizer whose scale follows the weight's statistics on every call gives
     ``None``) and rounding and clamping are Brevitas's plain ones (:func:`plain_round_and_clamp`), so that
     :meth:`WeightGrid.quantize` gives exactly what the quantizer gives for any weight values. ``None`` otherwise.
-    Brevitas's GPTQ quantizes one column at a time through the whole quantizer; with this grid it need not."""
+    Brevitas's GPTQ quantizes one column at a time through the whole quantizer; with this grid it need not.
+    A layer without an integer weight quantizer (minifloat, MX float weights) gives ``None`` too."""
+    proxy = getattr(layer, "weight_quant", None)
+    if getattr(getattr(proxy, "tensor_quant", None), "int_quant", None) is None:
+        return None
     proxy, int_quant = _int_weight_quant(layer)
     if not plain_round_and_clamp(int_quant.float_to_int_impl, int_quant.tensor_clamp_impl):
         return None
