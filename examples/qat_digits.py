@@ -1,6 +1,7 @@
-"""Quantization-aware training of the digits CNN at 2-bit weights and 4-bit activations (W2A4),
-where post-training quantization alone loses clearly: PTQ accuracy, then QAT accuracy after a few
-epochs, then a verified export.
+"""Quantization-aware training of the digits CNN at ternary weights (2-bit, codes -1..1) and 4-bit activations
+(W2A4), where post-training quantization alone loses clearly: PTQ accuracy, then QAT accuracy after a few
+epochs, then a verified export. (On the default full 2-bit grid, codes -2..1, PTQ alone already reaches 97.3 %
+against the float model's 98.7 %: ternary weights, a common target of 2-bit hardware, are where QAT is needed.)
 
 Run: ``python examples/qat_digits.py`` (about half a minute on a laptop CPU, no download).
 """
@@ -22,9 +23,10 @@ data = load_digits_data()
 float_model = train_digits_cnn(data)
 float_acc = evaluate(float_model, data.test)
 
-# 1. Calibrated start: 2-bit per-channel weights, 4-bit activations (BatchNorm is folded by Preprocess).
+# 1. Calibrated start: ternary per-channel weights (narrow 2-bit grid), 4-bit activations (BatchNorm is folded by
+#    Preprocess).
 config = Config(global_quant_config=QLayerConfig(
-    weight=QTensorConfig(bit_width=2, qscheme=QSchemeType.per_channel),
+    weight=QTensorConfig(bit_width=2, qscheme=QSchemeType.per_channel, narrow_range=True),
     input_tensors=QTensorConfig(bit_width=4),
 ))
 model = ModelQuantizer(config).quantize_model(float_model, data.calib)
