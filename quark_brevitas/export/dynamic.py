@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -225,6 +225,26 @@ def mark_kernel_inputs(model: onnx.ModelProto, plans: Sequence[DynamicInput], la
     return len(layers) - len(problems)
 
 
+@dataclass
+class _LayerNodes:
+    """The nodes and constants one rewrite adds for a layer, named under its quantizer's path (``prefix``), in
+    the order made (the caller inserts ``new`` into the graph)."""
+
+    index: GraphIndex
+    prefix: str
+    new: list[onnx.NodeProto] = field(default_factory=list)
+
+    def op(self, op_type: str, inputs: list[str], hint: str, **attrs: object) -> str:
+        """A new node of ``op_type`` with one output, returned by name."""
+        out = self.index.fresh_name(f"{self.prefix}/{hint}")
+        self.new.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+        return out
+
+    def const(self, value: np.ndarray, hint: str) -> str:
+        """A new initializer holding ``value``, returned by name."""
+        return self.index.add_initializer(value, f"{self.prefix}/{hint}")
+
+
 def _quantize_groups(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput, proxy_path: str) -> None:
     """Quantize the input of ``node`` (MatMul/Gemm) as the layer's per-group int8 quantizer does, in front of it:
     groups of ``plan.group_size`` along the last dimension, scale ``max(max|x|, scaling_min_val) / 127``, codes
@@ -233,15 +253,8 @@ def _quantize_groups(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput
     ``MatMulNBits`` at level 4 re-quantizes such an input to the same codes: ``max|codes * scale|`` is
     ``127 * scale``, so its codes are ``codes * (1 + a few ulp)``, rounded back to ``codes``."""
     graph = index.graph
-    new: list[onnx.NodeProto] = []
-
-    def op(op_type: str, inputs: list[str], hint: str, **attrs: object) -> str:
-        out = index.fresh_name(f"{proxy_path}/{hint}")
-        new.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
-        return out
-
-    def const(value: np.ndarray, hint: str) -> str:
-        return index.add_initializer(value, f"{proxy_path}/{hint}")
+    nodes = _LayerNodes(index, proxy_path)
+    op, const, new = nodes.op, nodes.const, nodes.new
 
     x, group = node.input[0], plan.group_size
     k = int(plan.layer.in_features)
@@ -286,15 +299,8 @@ def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
 def _rewrite(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput, codes: np.ndarray, w_scale: np.ndarray,
              proxy_path: str) -> None:
     graph = index.graph
-    new: list[onnx.NodeProto] = []
-
-    def op(op_type: str, inputs: list[str], hint: str, **attrs: object) -> str:
-        out = index.fresh_name(f"{proxy_path}/{hint}")
-        new.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
-        return out
-
-    def const(value: np.ndarray, hint: str) -> str:
-        return index.add_initializer(value, f"{proxy_path}/{hint}")
+    nodes = _LayerNodes(index, proxy_path)
+    op, const, new = nodes.op, nodes.const, nodes.new
 
     x = node.input[0]
     axes = {"axes": [-1], "keepdims": 1} if plan.per_token else {"keepdims": 0}
