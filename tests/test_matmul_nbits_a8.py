@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 from onnx import TensorProto, helper, numpy_helper
+from onnx_check import assert_decodes_like_pytorch
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
@@ -180,23 +181,4 @@ def test_tiny_llama_with_past_key_values_decodes_like_pytorch(tmp_path: pathlib.
                               tmp_path / "llama.onnx", past_key_values=True)
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert _levels(report.path) == [INT8_ACCURACY_LEVEL] * n_linear  # lm_head included
-    names = [o.name for o in onnx.load(str(report.path)).graph.output]
-    feed = {"input_ids": prompt.numpy(), "attention_mask": np.ones_like(prompt.numpy())}
-    for i in range(layers):
-        for kind in ("key", "value"):
-            feed[f"past_key_values.{i}.{kind}"] = np.zeros((2, 2, 0, 16), np.float32)
-    tokens, mask = prompt, torch.ones_like(prompt)
-    with torch.no_grad():
-        cache = None
-        for _ in range(4):  # prompt, then one token a step (the M=1 kernel), the presents fed back as pasts
-            outputs = dict(zip(names, run_onnx(report.path, feed)))
-            step = quant(input_ids=tokens, attention_mask=mask, use_cache=True,
-                         **({} if cache is None else {"cache": cache}))
-            cache = step.get("cache", step.get("past_key_values"))
-            np.testing.assert_allclose(outputs["logits"], step.logits.numpy(), rtol=0, atol=1e-4)
-            tokens = step.logits[:, -1:].argmax(-1)
-            mask = torch.cat([mask, torch.ones_like(tokens)], dim=1)
-            feed = {"input_ids": tokens.numpy(), "attention_mask": mask.numpy()}
-            for i in range(layers):
-                for kind in ("key", "value"):
-                    feed[f"past_key_values.{i}.{kind}"] = outputs[f"present.{i}.{kind}"]
+    assert_decodes_like_pytorch(report.path, quant, prompt)  # prompt, then one token a step (M=1)
