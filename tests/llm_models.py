@@ -1,4 +1,5 @@
-"""Tiny Hugging Face language models built from transformers configs (nothing is downloaded), and token batches.
+"""Tiny Hugging Face language models built from transformers configs (nothing is downloaded), token batches, and
+the weight-only recipes the LLM algorithm tests share.
 
 The models are a few layers deep and 64 wide, randomly initialised; :func:`with_outliers` scales a few channels of
 every norm so that activations have the outlier channels SmoothQuant and AWQ exist for (as trained LLMs do).
@@ -10,7 +11,19 @@ import torch
 import transformers
 from torch import nn
 
+from quark_brevitas.config import Config, QuantizationConfig, QuantizationSpec
+from quark_brevitas.types import Dtype, QSchemeType
+
 VOCAB = 128
+INT4_G32 = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32)
+UINT4_G32 = QuantizationSpec(dtype=Dtype.uint4, symmetric=False, qscheme=QSchemeType.per_group, group_size=32)
+
+
+def weight_only_config(weight: QuantizationSpec, algo: object = None, exclude: tuple[str, ...] = ("lm_head",)
+                       ) -> Config:
+    """``weight`` on every layer but ``exclude``, no pre-quantization step, ``algo`` (if any) after quantization."""
+    return Config(QuantizationConfig(weight=weight), pre_quant_opt_config=[],
+                  algo_config=[algo] if algo is not None else [], exclude=list(exclude))
 
 #: Quark's scaling layers for Llama, as its documentation writes them (names relative to a decoder layer).
 LLAMA_SCALING_LAYERS = [

@@ -13,7 +13,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from llm_models import relative_error, tiny_bert, tiny_llama, token_batches  # noqa: E402
+from llm_models import (  # noqa: E402
+    INT4_G32,
+    UINT4_G32,
+    relative_error,
+    tiny_bert,
+    tiny_llama,
+    token_batches,
+    weight_only_config,
+)
 
 from quark_brevitas.algorithms import describe_algorithms, handler_for  # noqa: E402
 from quark_brevitas.algorithms.autoround import LearnedRounding  # noqa: E402
@@ -25,20 +33,12 @@ from quark_brevitas.config import (  # noqa: E402
     AutoRoundConfig,
     Config,
     QronosConfig,
-    QuantizationConfig,
     QuantizationSpec,
 )
 from quark_brevitas.errors import ConfigError  # noqa: E402
-from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
+from quark_brevitas.types import QSchemeType  # noqa: E402
 
-INT4_G32 = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32)
-UINT4_G32 = QuantizationSpec(dtype=Dtype.uint4, symmetric=False, qscheme=QSchemeType.per_group, group_size=32)
 INT3_CHANNEL = QuantizationSpec(bit_width=3, qscheme=QSchemeType.per_channel)
-
-
-def _config(weight: QuantizationSpec, algo=None, exclude: tuple[str, ...] = ("lm_head",)) -> Config:
-    return Config(QuantizationConfig(weight=weight), pre_quant_opt_config=[],
-                  algo_config=[algo] if algo is not None else [], exclude=list(exclude))
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,8 @@ def _block_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 @pytest.mark.parametrize("weight", [INT4_G32, UINT4_G32], ids=["int4-g32", "uint4-g32"])
 def test_zero_iterations_is_round_to_nearest_exactly(weight, batches) -> None:
     model = tiny_llama()
-    learned = ModelQuantizer(_config(weight, AutoRoundConfig(iters=0))).quantize_model(model, batches)
-    rounded = ModelQuantizer(_config(weight)).quantize_model(model, batches)
+    learned = ModelQuantizer(weight_only_config(weight, AutoRoundConfig(iters=0))).quantize_model(model, batches)
+    rounded = ModelQuantizer(weight_only_config(weight)).quantize_model(model, batches)
     for a, b in zip(_block_layers(learned), _block_layers(rounded), strict=True):
         assert torch.equal(a.quant_weight().value, b.quant_weight().value)
     with torch.no_grad():
@@ -70,8 +70,8 @@ def test_autoround_beats_rounding_and_sits_on_brevitas_grid(build, weight, clip,
     model = build()
     exclude = ("lm_head",) if build is tiny_llama else ()
     algo = AutoRoundConfig(iters=40, lr=1 / 40, minmax_lr=1 / 40, enable_minmax_tuning=clip, batch_size=2)
-    learned = ModelQuantizer(_config(weight, algo, exclude)).quantize_model(model, batches)
-    rounded = ModelQuantizer(_config(weight, exclude=exclude)).quantize_model(model, batches)
+    learned = ModelQuantizer(weight_only_config(weight, algo, exclude)).quantize_model(model, batches)
+    rounded = ModelQuantizer(weight_only_config(weight, exclude=exclude)).quantize_model(model, batches)
     assert relative_error(learned, model, batches) < 0.8 * relative_error(rounded, model, batches)
     layers = _block_layers(learned)
     assert layers
@@ -112,7 +112,7 @@ def test_learned_rounding_offsets_and_clipping_act_as_defined() -> None:
 
 @pytest.mark.slow
 def test_autoround_block_by_block_and_whole_model_paths_agree(batches) -> None:
-    config = _config(INT4_G32, AutoRoundConfig(iters=10, batch_size=2))
+    config = weight_only_config(INT4_G32, AutoRoundConfig(iters=10, batch_size=2))
     blocks = ModelQuantizer(config).quantize_model(tiny_llama(), batches)
     whole = ModelQuantizer(config).quantize_model(tiny_llama(), batches, blocks=False)
     for (name, a), b in zip(blocks.named_parameters(), whole.parameters(), strict=True):
@@ -123,7 +123,8 @@ def test_autoround_block_by_block_and_whole_model_paths_agree(batches) -> None:
 def test_autoround_survives_a_checkpoint(batches, tmp_path) -> None:
     from quark_brevitas import load_quantized, save_quantized
 
-    quantized = ModelQuantizer(_config(INT4_G32, AutoRoundConfig(iters=10))).quantize_model(tiny_llama(), batches)
+    config = weight_only_config(INT4_G32, AutoRoundConfig(iters=10))
+    quantized = ModelQuantizer(config).quantize_model(tiny_llama(), batches)
     save_quantized(quantized, tmp_path / "ckpt")
     loaded = load_quantized(tiny_llama(), tmp_path / "ckpt")
     with torch.no_grad():
@@ -134,7 +135,7 @@ def test_autoround_config_has_quarks_defaults_and_round_trips() -> None:
     algo = AutoRoundConfig()
     assert (algo.name, algo.iters, algo.lr, algo.enable_minmax_tuning, algo.minmax_lr, algo.batch_size) == \
         ("autoround", 200, 1 / 200, True, 1 / 200, 8)
-    config = _config(INT4_G32, AutoRoundConfig(iters=50, enable_minmax_tuning=False,
+    config = weight_only_config(INT4_G32, AutoRoundConfig(iters=50, enable_minmax_tuning=False,
                                                inside_layer_modules=["mlp.down_proj"]))
     data = config.to_dict()
     assert data["algo_config"][0]["name"] == "autoround"
@@ -152,11 +153,11 @@ def test_autoround_config_has_quarks_defaults_and_round_trips() -> None:
 ])
 def test_autoround_config_errors_name_the_field(algo, message) -> None:
     with pytest.raises(ConfigError, match=message):
-        ModelQuantizer(_config(INT4_G32, algo))
+        ModelQuantizer(weight_only_config(INT4_G32, algo))
 
 
 def test_plan_describes_autoround() -> None:
-    lines = describe_algorithms(_config(INT4_G32, AutoRoundConfig(iters=7)), tiny_llama())
+    lines = describe_algorithms(weight_only_config(INT4_G32, AutoRoundConfig(iters=7)), tiny_llama())
     assert "algo_config[0] AutoRoundConfig:" in lines
     assert any("min/max clipping" in line and "7 steps" in line and "mlp.down_proj" in line for line in lines)
 
@@ -176,7 +177,7 @@ class _DoublingData(BlockInputs):
 
 @pytest.mark.parametrize("algo", [QronosConfig(), AutoRoundConfig(iters=6, batch_size=2)], ids=["qronos", "autoround"])
 def test_statistics_are_reduced_over_processes_without_changing_the_result(algo, batches) -> None:
-    model = ModelQuantizer(_config(INT4_G32)).quantize_model(tiny_llama(layers=1), batches)
+    model = ModelQuantizer(weight_only_config(INT4_G32)).quantize_model(tiny_llama(layers=1), batches)
     plain = copy.deepcopy(model)
     handler = handler_for(algo)
     block = model.get_submodule("model.layers.0")
@@ -218,10 +219,10 @@ def test_mse_clip_init_starts_from_a_smaller_rounding_error_on_the_grid_it_ends_
 
 
 def test_clip_init_is_checked_and_serialised_only_when_set() -> None:
-    assert "clip_init" not in _config(INT4_G32, AutoRoundConfig()).to_dict()["algo_config"][0]
-    config = _config(INT4_G32, AutoRoundConfig(clip_init="mse"))
+    assert "clip_init" not in weight_only_config(INT4_G32, AutoRoundConfig()).to_dict()["algo_config"][0]
+    config = weight_only_config(INT4_G32, AutoRoundConfig(clip_init="mse"))
     assert Config.from_dict(config.to_dict()) == config
     with pytest.raises(ConfigError, match=r"algo_config\[0\].clip_init: must be one of \[None, 'mse'\]"):
-        ModelQuantizer(_config(INT4_G32, AutoRoundConfig(clip_init="max")))
+        ModelQuantizer(weight_only_config(INT4_G32, AutoRoundConfig(clip_init="max")))
     with pytest.raises(ConfigError, match=r"algo_config\[0\].clip_init: 'mse' needs enable_minmax_tuning=True"):
-        ModelQuantizer(_config(INT4_G32, AutoRoundConfig(clip_init="mse", enable_minmax_tuning=False)))
+        ModelQuantizer(weight_only_config(INT4_G32, AutoRoundConfig(clip_init="mse", enable_minmax_tuning=False)))

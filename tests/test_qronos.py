@@ -15,7 +15,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from llm_models import relative_error, tiny_bert, tiny_llama, token_batches  # noqa: E402
+from llm_models import (  # noqa: E402
+    INT4_G32,
+    UINT4_G32,
+    relative_error,
+    tiny_bert,
+    tiny_llama,
+    token_batches,
+    weight_only_config,
+)
 
 from quark_brevitas.algorithms import describe_algorithms  # noqa: E402
 from quark_brevitas.algorithms.gptq import gptq_columns  # noqa: E402
@@ -32,16 +40,9 @@ from quark_brevitas.config import (  # noqa: E402
     QuantizationSpec,
 )
 from quark_brevitas.errors import ConfigError  # noqa: E402
-from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
+from quark_brevitas.types import QSchemeType  # noqa: E402
 
-INT4_G32 = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32)
-UINT4_G32 = QuantizationSpec(dtype=Dtype.uint4, symmetric=False, qscheme=QSchemeType.per_group, group_size=32)
 INT3_G32 = QuantizationSpec(bit_width=3, qscheme=QSchemeType.per_group, group_size=32)
-
-
-def _config(weight: QuantizationSpec, algo=None, exclude: tuple[str, ...] = ("lm_head",)) -> Config:
-    return Config(QuantizationConfig(weight=weight), pre_quant_opt_config=[],
-                  algo_config=[algo] if algo is not None else [], exclude=list(exclude))
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +126,8 @@ def test_qronos_corrects_the_error_of_quantized_inputs() -> None:
 def test_qronos_beats_rounding_and_sits_on_brevitas_grid(build, weight, batches) -> None:
     model = build()
     exclude = ("lm_head",) if build is tiny_llama else ()
-    quantized = ModelQuantizer(_config(weight, QronosConfig(), exclude)).quantize_model(model, batches)
-    rounded = ModelQuantizer(_config(weight, exclude=exclude)).quantize_model(model, batches)
+    quantized = ModelQuantizer(weight_only_config(weight, QronosConfig(), exclude)).quantize_model(model, batches)
+    rounded = ModelQuantizer(weight_only_config(weight, exclude=exclude)).quantize_model(model, batches)
     assert relative_error(quantized, model, batches) < 0.8 * relative_error(rounded, model, batches)
     layers = [m for n, m in quantized.named_modules() if isinstance(m, QuantLayer) and ".layer" in n]
     assert layers
@@ -136,7 +137,7 @@ def test_qronos_beats_rounding_and_sits_on_brevitas_grid(build, weight, batches)
 
 @pytest.mark.slow
 def test_qronos_block_by_block_and_whole_model_paths_agree(batches) -> None:
-    config = _config(INT4_G32, QronosConfig())
+    config = weight_only_config(INT4_G32, QronosConfig())
     blocks = ModelQuantizer(config).quantize_model(tiny_llama(), batches)
     whole = ModelQuantizer(config).quantize_model(tiny_llama(), batches, blocks=False)
     for (name, a), b in zip(blocks.named_parameters(), whole.parameters(), strict=True):
@@ -147,7 +148,7 @@ def test_qronos_block_by_block_and_whole_model_paths_agree(batches) -> None:
 def test_qronos_survives_a_checkpoint(batches, tmp_path) -> None:
     from quark_brevitas import load_quantized, save_quantized
 
-    quantized = ModelQuantizer(_config(INT4_G32, QronosConfig())).quantize_model(tiny_llama(), batches)
+    quantized = ModelQuantizer(weight_only_config(INT4_G32, QronosConfig())).quantize_model(tiny_llama(), batches)
     save_quantized(quantized, tmp_path / "ckpt")
     loaded = load_quantized(tiny_llama(), tmp_path / "ckpt")
     with torch.no_grad():
@@ -157,7 +158,7 @@ def test_qronos_survives_a_checkpoint(batches, tmp_path) -> None:
 def test_qronos_with_explicit_layers_rounds_only_those(batches) -> None:
     model = tiny_llama()
     algo = QronosConfig(inside_layer_modules=["mlp.down_proj"], model_decoder_layers="model.layers")
-    quantized = ModelQuantizer(_config(INT4_G32, algo)).quantize_model(copy.deepcopy(model), batches)
+    quantized = ModelQuantizer(weight_only_config(INT4_G32, algo)).quantize_model(copy.deepcopy(model), batches)
     for name, layer in quantized.named_modules():
         if isinstance(layer, QuantLayer) and name != "lm_head":
             changed = not torch.equal(layer.weight, model.get_submodule(name).weight)
@@ -169,7 +170,7 @@ def test_qronos_config_has_quarks_defaults_and_round_trips() -> None:
     algo = QronosConfig()
     assert (algo.name, algo.block_size, algo.desc_act, algo.static_groups, algo.alpha, algo.beta) == \
         ("qronos", 128, True, True, 1e-3, 1e4)
-    config = _config(INT4_G32, QronosConfig(alpha=0.01, inside_layer_modules=["mlp.down_proj"],
+    config = weight_only_config(INT4_G32, QronosConfig(alpha=0.01, inside_layer_modules=["mlp.down_proj"],
                                             model_decoder_layers="model.layers"))
     data = config.to_dict()
     assert data["algo_config"][0]["name"] == "qronos"
@@ -187,7 +188,7 @@ def test_qronos_config_has_quarks_defaults_and_round_trips() -> None:
 ])
 def test_qronos_config_errors_name_the_field(algo, message) -> None:
     with pytest.raises(ConfigError, match=message):
-        ModelQuantizer(_config(INT4_G32, algo))
+        ModelQuantizer(weight_only_config(INT4_G32, algo))
 
 
 def test_at_most_one_rounding_algorithm() -> None:
@@ -199,7 +200,7 @@ def test_at_most_one_rounding_algorithm() -> None:
 
 
 def test_plan_and_template_know_qronos_and_autoround() -> None:
-    config = _config(INT4_G32, QronosConfig())
+    config = weight_only_config(INT4_G32, QronosConfig())
     lines = describe_algorithms(config, tiny_llama())
     assert "algo_config[0] QronosConfig:" in lines
     assert any("self_attn.q_proj" in line and "input's error" in line for line in lines)
