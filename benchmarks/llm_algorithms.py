@@ -28,6 +28,7 @@ from tables import format_table
 
 from quark_brevitas import ModelQuantizer, algos
 from quark_brevitas.config import AWQConfig, Config, GPTQConfig, QuantizationConfig, QuantizationSpec, SmoothQuantConfig
+from quark_brevitas.hf.lm import mean_pooled, sentence_batches
 from quark_brevitas.types import Dtype, QSchemeType
 
 W4_G128 = QuantizationSpec(dtype=Dtype.uint4, symmetric=False, qscheme=QSchemeType.per_group, group_size=128)
@@ -102,20 +103,11 @@ def minilm_accuracy() -> None:
     sentences = stdlib_sentences(384)
     calib_text, test_text = sentences[:128], sentences[128:]
 
-    def batches(texts: list[str]) -> list[dict]:
-        return [dict(tokenizer(texts[i:i + 16], padding="max_length", truncation=True, max_length=64,
-                               return_tensors="pt")) for i in range(0, len(texts), 16)]
-
-    calib, test = batches(calib_text), batches(test_text)
+    calib, test = sentence_batches(tokenizer, calib_text), sentence_batches(tokenizer, test_text)
 
     def embeddings(m: torch.nn.Module) -> torch.Tensor:
-        out = []
         with torch.no_grad():
-            for batch in test:
-                hidden = m(**batch).last_hidden_state
-                mask = batch["attention_mask"].unsqueeze(-1).float()
-                out.append((hidden * mask).sum(1) / mask.sum(1))
-        return torch.cat(out)
+            return torch.cat([mean_pooled(m(**batch).last_hidden_state, batch["attention_mask"]) for batch in test])
 
     reference = embeddings(model)
     cases = [

@@ -29,6 +29,7 @@ from tables import format_table
 from quark_brevitas import ModelQuantizer
 from quark_brevitas.algorithms import apply_algorithm
 from quark_brevitas.config import Config, GPTQConfig, QuantizationConfig, QuantizationSpec, RotationConfig
+from quark_brevitas.hf.lm import mean_pooled, sentence_batches
 from quark_brevitas.types import Dtype, QSchemeType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -84,20 +85,11 @@ def minilm() -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModel.from_pretrained(path).eval()
 
-    def batches(texts: list[str]) -> list[dict]:
-        return [dict(tokenizer(texts[i:i + 16], padding="max_length", truncation=True, max_length=64,
-                               return_tensors="pt")) for i in range(0, len(texts), 16)]
-
-    calib, test = batches(CALIBRATION), batches(HELD_OUT)
+    calib, test = sentence_batches(tokenizer, CALIBRATION), sentence_batches(tokenizer, HELD_OUT)
 
     def embeddings(m: torch.nn.Module) -> torch.Tensor:
-        out = []
         with torch.no_grad():
-            for batch in test:
-                hidden = m(**batch).last_hidden_state
-                mask = batch["attention_mask"].unsqueeze(-1).float()
-                out.append((hidden * mask).sum(1) / mask.sum(1))
-        return torch.cat(out)
+            return torch.cat([mean_pooled(m(**batch).last_hidden_state, batch["attention_mask"]) for batch in test])
 
     reference = embeddings(model)
     rows = []
