@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from quark_brevitas.brevitas_adapter import (
     init_weight_scales,
     keep_quantizers_float32,
 )
+from quark_brevitas.calibration.data import model_device_dtype
 from quark_brevitas.config import Config, QuantizationConfig
 from quark_brevitas.errors import ConfigError, ModelError
 from quark_brevitas.quantizers import build_quantizer
@@ -409,9 +409,7 @@ class LayerwiseBackend:
                     kwargs = float32_quantizer_kwargs(kwargs)
                 new = ModuleToModuleByInstance(old, mapping.quant_class, **kwargs).init_new_module(old, name=row.name)
                 adopt_parameters(new, old)  # tied weights stay tied (quark_brevitas.algorithms.ties)
-                device = _tensor_device(old)
-                if device is not None:  # Brevitas builds the quantizers' state on the CPU: move it to the layer's
-                    new.to(device)
+                new.to(model_device_dtype(old)[0])  # Brevitas builds the quantizers' state on the CPU
                 if half:
                     keep_quantizers_float32(new)
                 if row.name == "":
@@ -425,11 +423,6 @@ class LayerwiseBackend:
         logger.log(logging.DEBUG if prefix else logging.INFO, "Quantized %d layers%s; kept in float: %s", len(targets),
                    f" of {prefix}" if prefix else "", ", ".join(kept) if kept else "none")
         return model
-
-
-def _tensor_device(module: nn.Module) -> torch.device | None:
-    """The device of the module's first parameter or buffer (``None`` for a module without tensors)."""
-    return next((t.device for t in itertools.chain(module.parameters(), module.buffers())), None)
 
 
 def _floating_dtype(model: nn.Module) -> torch.dtype | None:
