@@ -20,7 +20,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llm_models import logits, tiny_llama, token_batches  # noqa: E402
+from llm_models import INT4_G32, logits, tiny_llama, token_batches, weight_only_config  # noqa: E402
 from test_llm_codes_snapshot import RECIPES  # noqa: E402
 
 from quark_brevitas import ModelExporter, ModelQuantizer, load_quantized, save_quantized  # noqa: E402
@@ -32,11 +32,9 @@ from quark_brevitas.config import (  # noqa: E402
     GPTQConfig,
     QronosConfig,
     QuantizationConfig,
-    QuantizationSpec,
     RotationConfig,
 )
 from quark_brevitas.config.presets import get_preset  # noqa: E402
-from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
@@ -128,11 +126,9 @@ def test_qat_steps_on_cuda_lower_the_loss(digits_model: nn.Module, digits_data: 
 def test_gptqconfig_block_by_block_on_cuda(dtype: torch.dtype) -> None:
     """GPTQConfig W4 g32 on the tiny Llama: the GPU's codes are the CPU's up to rounding-boundary ties."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    weight = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32)
 
     def config() -> Config:
-        return Config(QuantizationConfig(weight=weight), pre_quant_opt_config=[],
-                      algo_config=[GPTQConfig(sym=True, group_size=32)], exclude=["lm_head"])
+        return weight_only_config(INT4_G32, GPTQConfig(sym=True, group_size=32))
 
     batches = token_batches()
     cpu = ModelQuantizer(config()).quantize_model(tiny_llama(2).to(dtype), batches)
@@ -149,8 +145,7 @@ def test_gptqconfig_block_by_block_on_cuda(dtype: torch.dtype) -> None:
 
 
 def _w4_g32(*algos: Any, pre: list[Any] | None = None) -> Config:
-    weight = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32)
-    return Config(QuantizationConfig(weight=weight), pre_quant_opt_config=pre or [], algo_config=list(algos),
+    return Config(QuantizationConfig(weight=INT4_G32), pre_quant_opt_config=pre or [], algo_config=list(algos),
                   exclude=["lm_head"])
 
 
