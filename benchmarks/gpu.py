@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, args.vocab, (8, args.seq), generator=generator) for _ in range(args.rows // 8)]
     held_out = torch.randint(0, args.vocab, (4, args.seq), generator=generator).to(device)
-    reference = _logits(build_model(args), held_out)
-    params = sum(p.numel() for p in build_model(args).parameters()) / 1e9
+    float_model = build_model(args)
+    reference = _logits(float_model, held_out)
+    params = sum(p.numel() for p in float_model.parameters()) / 1e9
+    del float_model
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"Llama {args.hidden} wide, {args.blocks} blocks, {params:.2f} B parameters, {args.dtype} on {name}; "
           f"calibration {args.rows} x {args.seq} tokens; W4 per group 128, lm_head float\n")
