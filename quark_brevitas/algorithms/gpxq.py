@@ -22,7 +22,16 @@ from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, SavedStructure, register
 from quark_brevitas.algorithms.gptq import warn_few_samples
 from quark_brevitas.blocks.capture import UntilStopped
-from quark_brevitas.brevitas_adapter import QuantLayer, a2gpfq_available, a2gpfq_mode, gpfq_mode, gptq_mode
+from quark_brevitas.brevitas_adapter import (
+    LayerOutputs,
+    QuantLayer,
+    a2gpfq_available,
+    a2gpfq_mode,
+    gpfq_mode,
+    gptq_mode,
+    gpxq_update,
+    layer_outputs_remembered,
+)
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import UnsupportedAlgorithmError
 
@@ -30,12 +39,25 @@ from quark_brevitas.errors import UnsupportedAlgorithmError
 _FLOAT_WEIGHT_COPY = "weight_orig"
 
 
-def _run(mode: Any, data: CalibrationData, name: str, counts: _SampleCounts) -> None:
-    for _ in tqdm(range(mode.num_layers), desc=f"{name} layers", leave=False, disable=None):
-        counts.this_pass.clear()
-        # A model that is one layer has the GPxQ hook on its root, outside Brevitas's catch in forward().
-        data.forward(UntilStopped(mode.model), name, on_output=counts.batch_done)
-        mode.update()
+def _run(mode: Any, data: CalibrationData, name: str, counts: _SampleCounts, memo: LayerOutputs | None) -> None:
+    """One pass over ``data`` per group of layers the context optimises together, until every layer is done
+    (at most one pass per layer, as Brevitas runs it). With ``memo``, layers already optimised return the
+    outputs they computed in an earlier pass instead of computing them again."""
+    left = mode.num_layers
+    with tqdm(total=left, desc=f"{name} layers", leave=False, disable=None) as progress:
+        for _ in range(mode.num_layers):
+            if left <= 0:
+                break
+            counts.this_pass.clear()
+            if memo is not None:
+                memo.new_pass()
+            # A model that is one layer has the GPxQ hook on its root, outside Brevitas's catch in forward().
+            data.forward(UntilStopped(mode.model), name, on_output=counts.batch_done)
+            done = gpxq_update(mode)
+            if memo is not None:
+                memo.forget(done)  # their weights changed
+            left -= len(done)
+            progress.update(len(done))
 
 
 def _features_and_samples(layer: nn.Module, inputs: tuple[Any, ...]) -> tuple[int, int] | None:
@@ -103,6 +125,10 @@ def _drop_float_weight_copies(model: nn.Module) -> None:
 
 
 class _GPxQHandler(AlgorithmHandler):
+    #: Whether layers already optimised return the outputs of an earlier pass (:func:`layer_outputs_remembered`):
+    #: GPTQ's passes compute every layer in one state; GPFQ's run each batch with and without quantization.
+    remembers_outputs = False
+
     def mode(self, algo: Any, model: nn.Module) -> Any:
         raise NotImplementedError
 
@@ -110,8 +136,9 @@ class _GPxQHandler(AlgorithmHandler):
         model.eval()
         # The counting hooks come after the mode's setup, which warns about hooks it finds; prepended, they still
         # see each layer's input before the mode's hook stops the pass.
-        with torch.no_grad(), self.mode(algo, model) as mode, _SampleCounts().counting(model, algo.name) as counts:
-            _run(mode, data, algo.name, counts)
+        with torch.no_grad(), self.mode(algo, model) as mode, _SampleCounts().counting(model, algo.name) as counts, \
+                (layer_outputs_remembered(model) if self.remembers_outputs else contextlib.nullcontext()) as memo:
+            _run(mode, data, algo.name, counts, memo)
         _drop_float_weight_copies(model)
         return model
 
@@ -130,6 +157,8 @@ class _GPxQHandler(AlgorithmHandler):
 @register(algos.GPTQ)
 class GPTQHandler(_GPxQHandler):
     """GPTQ with float inputs to each layer."""
+
+    remembers_outputs = True
 
     def mode(self, algo: Any, model: nn.Module) -> Any:
         return gptq_mode(model, act_order=algo.act_order)

@@ -92,6 +92,11 @@ from quark_brevitas.brevitas_adapter.introspection import (  # noqa: E402
     weight_quant_disabled,
     weight_quantization_pairs,
 )
+from quark_brevitas.brevitas_adapter.memo import (  # noqa: E402
+    LAYER_OUTPUT_BUDGET,
+    LayerOutputs,
+    layer_outputs_remembered,
+)
 from quark_brevitas.brevitas_adapter.modes import (  # noqa: E402
     a2gpfq_available,
     a2gpfq_mode,
@@ -102,6 +107,7 @@ from quark_brevitas.brevitas_adapter.modes import (  # noqa: E402
     full_state_dict,
     gpfq_mode,
     gptq_mode,
+    gpxq_update,
     ignore_missing_keys,
     load_quant_model_mode,
     norm_correction_mode,
@@ -132,6 +138,9 @@ from quark_brevitas.brevitas_adapter.structure import (  # noqa: E402
 register_pickling()  # torch.save(model) says what to use instead of a PicklingError
 
 __all__ = [
+    "LAYER_OUTPUT_BUDGET",
+    "LayerOutputs",
+    "layer_outputs_remembered",
     "gptq_class_checking_once",
     "weights_quantized_once",
     "FLOAT8_DTYPES",
@@ -168,6 +177,7 @@ __all__ = [
     "generative_quantizers",
     "gpfq_mode",
     "gptq_mode",
+    "gpxq_update",
     "gpxq_optimizers",
     "groupwise_parts",
     "hadamard_supported",

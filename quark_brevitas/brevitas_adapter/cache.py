@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from brevitas.graph.gpxq import LayerHandler
 from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer
+from brevitas.utils.torch_utils import StopFwdException
 from torch import nn
 
 from quark_brevitas.brevitas_adapter.grids import fixed_weight_grid
 
-__all__ = ["gptq_class_checking_once", "weights_quantized_once"]
+__all__ = ["gptq_class_checking_once", "quant_layers", "shared_input_gptq_mode", "weights_quantized_once"]
 
 #: The instance attribute that shadows the class's ``quant_weight`` while a cache is active.
 _ATTRIBUTE = "quant_weight"
@@ -66,7 +69,7 @@ class _CachedQuantWeight:
         return self.value
 
 
-def _quant_layers(model: nn.Module) -> Iterator[QuantWeightBiasInputOutputLayer]:
+def quant_layers(model: nn.Module) -> Iterator[QuantWeightBiasInputOutputLayer]:
     """The quantized layers of ``model``, without walking into them (a Brevitas layer's quantizers are deep
     module trees, and the walk happens once per pass)."""
     stack = [model]
@@ -83,7 +86,7 @@ def weights_quantized_once(model: nn.Module) -> Iterator[None]:
     """While the context lasts (one calibration pass), each quantized layer of ``model`` quantizes its weight
     once and reuses it until the weight or its quantizer changes. Nested contexts share the outer cache."""
     installed = []
-    for module in _quant_layers(model):
+    for module in quant_layers(model):
         if _ATTRIBUTE not in module.__dict__:
             object.__setattr__(module, _ATTRIBUTE, _CachedQuantWeight(module))
             installed.append(module)
@@ -126,6 +129,17 @@ def gptq_class_checking_once() -> type:
                 return super().get_quant_weights(i, i1, permutation_list, with_quant_history)
             finally:
                 proxy.__dict__.pop("modules", None)
+
+        def update_batch(self, module: nn.Module, inputs: Any, current_layer: Any) -> Any:
+            if self.disable_pre_forward_hook or not isinstance(current_layer, SharedInputPass):
+                return super().update_batch(module, inputs, current_layer)
+            if not current_layer.admits(self.name, inputs):
+                raise StopFwdException
+            self.compute_iterative_covariance(module, inputs, current_layer)
+            if current_layer.complete_after(self.name):
+                current_layer.anchor = None  # this call ends here
+                raise StopFwdException
+            return None
 
         def single_layer_update(self, percdamp: float = .01, c: float = 1e4) -> None:
             grid = _column_grid(self.layer, self.groups, False)
@@ -177,17 +191,25 @@ def columns_in_order(gptq: Any, grid: Any, percdamp: float, c: float) -> None:
     dtype = weight.dtype
     work = weight[:, perm]  # a copy, in the weight's dtype as Brevitas keeps it
     scale, zero_point = grid.scale[:, perm], grid.zero_point[:, perm]
+    same_dtype = dtype == gptq.dtype
     for i1 in range(0, columns, gptq.blocksize):
         i2 = min(i1 + gptq.blocksize, columns)
-        error_block = torch.zeros_like(work[:, i1:i2], dtype=gptq.dtype)
+        block = work[:, i1:i2]
+        error_block = torch.zeros_like(block, dtype=gptq.dtype)
         h_inv_block = h_inv[i1:i2, i1:i2]
+        # Views of every column made once per block (one call each instead of one per column): the loop is
+        # Python-bound, a few microseconds per tensor operation. The outer product error x row is computed by
+        # broadcasting: each element is one product, as in Brevitas's (rows x 1) @ (1 x k) matmul.
+        weights, errors = block.unbind(1), error_block.unbind(1)
+        scales, zero_points = scale[:, i1:i2].unbind(1), zero_point[:, i1:i2].unbind(1)
+        diagonal = h_inv_block.diagonal().unbind(0)
         for i in range(i2 - i1):
-            w = work[:, i1 + i]
-            q = grid.quantize_values(w, scale[:, i1 + i], zero_point[:, i1 + i]).to(gptq.dtype)
-            w = w.to(gptq.dtype)
-            error = (w - q) / h_inv_block[i, i]
-            error_block[:, i] = error
-            work[:, i1 + i:i2] -= error.unsqueeze(1).matmul(h_inv_block[i, i:].unsqueeze(0)).to(dtype)
+            w = weights[i]
+            q = grid.quantize_values(w, scales[i], zero_points[i])
+            error = (w - q if same_dtype else w.to(gptq.dtype) - q.to(gptq.dtype)) / diagonal[i]
+            errors[i].copy_(error)
+            update = error.unsqueeze(1) * h_inv_block[i, i:]
+            block[:, i:].sub_(update if same_dtype else update.to(dtype))
         work[:, i2:] -= error_block.matmul(h_inv[i1:i2, i2:]).to(dtype)
     weight[:, perm] = work.to(dtype)
 
@@ -204,3 +226,78 @@ def _column_grid(layer: nn.Module, groups: int, with_quant_history: bool) -> Any
 
 def _no_modules() -> Iterator[nn.Module]:
     return iter(())
+
+
+# ===================================================================== GPTQ: layers reading one input share a pass
+@dataclass
+class SharedInputPass(LayerHandler):
+    """Brevitas's record of the layers a GPTQ pass reaches, extended so that one pass serves every layer that
+    reads the same input tensor (attention's q/k/v, an MLP's gate/up): Brevitas stops each pass at the first
+    layer not yet optimised, so a block of six Linear layers took six passes (and the passes for k and v
+    recomputed q and q, k). Their Hessians are what separate passes would collect, bit for bit: a layer
+    whose input tensor already existed when the pass's first layer ran (the same object, not modified in
+    place since) cannot depend on any weight optimised in this pass.
+
+    The first layer a call reaches sets ``anchor`` (its input); later layers join while their input is that
+    tensor. In the pass's first call the group is found (``members``, in call order) and the call stops at
+    the first layer with another input; later calls stop after the last member (``complete_after``).
+    """
+
+    anchor: Any = None
+    members: list[str] = field(default_factory=list)
+    decided: bool = False
+
+    def admits(self, name: str, inputs: Any) -> bool:
+        """Whether layer ``name``'s call with ``inputs`` belongs to this pass's group (then its Hessian grows)."""
+        value = inputs[0] if isinstance(inputs, tuple) and inputs else None
+        if self.anchor is None:  # the first layer this call reaches: Brevitas's layer of the pass
+            self.anchor = (value, getattr(value, "_version", None))
+        elif not (isinstance(value, torch.Tensor) and value is self.anchor[0]
+                  and value._version == self.anchor[1]) or (self.decided and name not in self.members):
+            self.decided = self.decided or bool(self.members)
+            self.anchor = None  # this call ends here
+            return False
+        if not self.decided and name not in self.members:
+            self.members.append(name)
+        return True
+
+    def complete_after(self, name: str) -> bool:
+        return self.decided and name == self.members[-1]
+
+    def call_started(self) -> None:
+        self.anchor = None
+
+    def call_ended(self) -> None:
+        """A call that ran to its end (no layer after the group) also fixes the group."""
+        self.anchor = None
+        self.decided = self.decided or bool(self.members)
+
+    def pass_ended(self) -> None:
+        self.anchor, self.decided = None, False
+        self.members.clear()
+
+
+def shared_input_gptq_mode() -> type:
+    """Brevitas's ``gptq_mode`` whose passes each optimise every not yet optimised layer that reads the pass's
+    first input (:class:`SharedInputPass`), with Brevitas's per-layer arithmetic: fewer passes, same weights
+    (the caller counts the optimised layers with :func:`~quark_brevitas.brevitas_adapter.gpxq_update` and stops
+    when none is left)."""
+    from brevitas.graph.gptq import gptq_mode
+
+    class SharedInputGPTQMode(gptq_mode):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.current_layer = SharedInputPass()
+
+        def catch_stopfwd(self, *args: Any, **kwargs: Any) -> Any:
+            self.current_layer.call_started()
+            try:
+                return super().catch_stopfwd(*args, **kwargs)
+            finally:
+                self.current_layer.call_ended()
+
+        def update(self) -> None:
+            super().update()
+            self.current_layer.pass_ended()
+
+    return SharedInputGPTQMode

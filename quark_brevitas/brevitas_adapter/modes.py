@@ -34,6 +34,7 @@ __all__ = [
     "full_state_dict",
     "gpfq_mode",
     "gptq_mode",
+    "gpxq_update",
     "ignore_missing_keys",
     "load_quant_model_mode",
     "norm_correction_mode",
@@ -151,14 +152,21 @@ def token_reduced_equalization(model: nn.Module) -> Any:
 
 
 def gptq_mode(model: nn.Module, *, act_order: bool) -> Any:
-    """Brevitas's GPTQ context (float inputs to each layer). GPTQ does not need the float copy of each
-    weight that Brevitas's GPxQ base class keeps by default, so none is made."""
-    from brevitas.graph.gptq import gptq_mode as mode
+    """Brevitas's GPTQ context (float inputs to each layer), one pass for the layers that share an input
+    (:func:`~quark_brevitas.brevitas_adapter.cache.shared_input_gptq_mode`). GPTQ does not need the float copy
+    of each weight that Brevitas's GPxQ base class keeps by default, so none is made."""
+    from quark_brevitas.brevitas_adapter.cache import gptq_class_checking_once, shared_input_gptq_mode
 
-    from quark_brevitas.brevitas_adapter.cache import gptq_class_checking_once
+    return shared_input_gptq_mode()(model, act_order=act_order, use_quant_activations=False,
+                                    create_weight_orig=False, gptq_class=gptq_class_checking_once())
 
-    return mode(model, act_order=act_order, use_quant_activations=False, create_weight_orig=False,
-                gptq_class=gptq_class_checking_once())
+
+def gpxq_update(mode: Any) -> list[nn.Module]:
+    """Optimise the layers a GPxQ context's last pass reached (Brevitas's ``update``); returns them (one per
+    pass in Brevitas's own contexts, a group sharing an input in :func:`gptq_mode`'s)."""
+    layers = [mode.gpxq_layers[name].layer for name in sorted(mode.current_layer.layer_names)]
+    mode.update()
+    return layers
 
 
 def gpfq_mode(model: nn.Module, *, act_order: bool) -> Any:

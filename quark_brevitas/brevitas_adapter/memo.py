@@ -1,0 +1,133 @@
+"""Brevitas door (issue 20): a quantized layer's output remembered across GPTQ passes while nothing it depends on
+changed.
+
+Brevitas's GPTQ optimises the layers of a block one group at a time, each after a pass over the calibration data
+that stops at it: the pass for a block's last Linear recomputes every layer before it, which GPTQ finished
+passes ago (on MiniLM the repeated layers were a third of the passes' arithmetic). :class:`LayerOutputs` wraps
+each quantized layer's ``forward`` while a GPTQ run lasts and, for the ``k``-th call of a layer in a pass, returns
+the output of its ``k``-th call in an earlier pass when
+
+- the input is equal, element for element (``torch.equal``; inputs recomputed upstream are new tensors),
+- the layer was not optimised since (the caller :meth:`~LayerOutputs.forget`\\ s the layers it optimises: GPTQ
+  writes weights through ``.data``, which no version counter sees),
+- its quantizers are switched on or off as then, it is in the same mode (``training``), and neither the stored
+  input nor the stored output was modified in place since (their version counters).
+
+Otherwise the layer runs, and its output is kept while the kept tensors stay within ``budget_bytes`` (then later
+calls simply run: the cache trades memory for time, never results). Only calls with one tensor argument and no
+gradients are remembered. Part of the one door to Brevitas internals; re-exported by
+:mod:`quark_brevitas.brevitas_adapter`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer
+from torch import nn
+
+from quark_brevitas.brevitas_adapter.cache import quant_layers
+
+__all__ = ["LAYER_OUTPUT_BUDGET", "LayerOutputs", "layer_outputs_remembered"]
+
+#: Bytes of inputs and outputs :func:`layer_outputs_remembered` keeps by default (512 MiB).
+LAYER_OUTPUT_BUDGET = 512 * 2**20
+
+
+class _Entry(NamedTuple):
+    state: tuple[bool, ...]
+    input: torch.Tensor
+    input_version: int
+    output: torch.Tensor
+    output_version: int
+    nbytes: int
+
+
+def _state(layer: QuantWeightBiasInputOutputLayer) -> tuple[bool, ...]:
+    """What a layer's output depends on besides its input and weights: which quantizers are on, and its mode."""
+    return (layer.training, *(bool(getattr(getattr(layer, name, None), "is_quant_enabled", False))
+                              for name in ("weight_quant", "input_quant", "output_quant", "bias_quant")))
+
+
+class LayerOutputs:
+    """The remembered outputs of the quantized layers of a model (see the module docstring)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.used = 0
+        self.entries: dict[nn.Module, list[_Entry | None]] = {}
+        self.calls: dict[nn.Module, int] = {}
+
+    def new_pass(self) -> None:
+        """The next calls start a new pass over the data: call ``k`` of a layer is matched with its call ``k``."""
+        self.calls.clear()
+
+    def forget(self, layers: Iterable[nn.Module]) -> None:
+        """Drop what ``layers`` computed: their weights are about to change."""
+        for layer in layers:
+            for entry in self.entries.pop(layer, []):
+                self.used -= entry.nbytes if entry is not None else 0
+
+    def call(self, layer: QuantWeightBiasInputOutputLayer, forward: Any, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+        value = args[0] if len(args) == 1 else None
+        if kwargs or not isinstance(value, torch.Tensor) or torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        ordinal = self.calls.get(layer, 0)
+        self.calls[layer] = ordinal + 1
+        entries = self.entries.setdefault(layer, [])
+        entry = entries[ordinal] if ordinal < len(entries) else None
+        state = _state(layer)
+        if entry is not None and self._matches(entry, state, value):
+            return entry.output
+        output = forward(value)
+        if entry is not None:
+            self.used -= entry.nbytes
+            entries[ordinal] = None
+        nbytes = value.numel() * value.element_size() + (
+            output.numel() * output.element_size() if isinstance(output, torch.Tensor) else 0)
+        if type(output) is torch.Tensor and self.used + nbytes <= self.budget:
+            entries.extend([None] * (ordinal + 1 - len(entries)))
+            entries[ordinal] = _Entry(state, value, value._version, output, output._version, nbytes)
+            self.used += nbytes
+        return output
+
+    @staticmethod
+    def _matches(entry: _Entry, state: tuple[bool, ...], value: torch.Tensor) -> bool:
+        return (entry.state == state and entry.input._version == entry.input_version
+                and entry.output._version == entry.output_version and entry.input.shape == value.shape
+                and entry.input.dtype == value.dtype and entry.input.device == value.device
+                and (entry.input is value or torch.equal(entry.input, value)))
+
+
+def _remembering(memo: LayerOutputs, layer: QuantWeightBiasInputOutputLayer, forward: Any) -> Any:
+    """``layer.forward`` through ``memo``, with the original's signature (Brevitas's equalization wrapper binds
+    the arguments of its layer's ``forward``)."""
+
+    @functools.wraps(forward)
+    def remembering(*args: Any, **kwargs: Any) -> Any:
+        return memo.call(layer, forward, args, kwargs)
+
+    return remembering
+
+
+@contextlib.contextmanager
+def layer_outputs_remembered(model: nn.Module, budget_bytes: int = LAYER_OUTPUT_BUDGET) -> Iterator[LayerOutputs]:
+    """While the context lasts, the quantized layers of ``model`` return remembered outputs where they can
+    (:class:`LayerOutputs`); the caller marks passes (``new_pass``) and the layers it changes (``forget``)."""
+    memo = LayerOutputs(budget_bytes)
+    installed = []
+    for layer in quant_layers(model):
+        if "forward" not in layer.__dict__:
+            object.__setattr__(layer, "forward", _remembering(memo, layer, layer.forward))
+            installed.append(layer)
+    try:
+        yield memo
+    finally:
+        for layer in installed:
+            layer.__dict__.pop("forward", None)
+        memo.entries.clear()
