@@ -1,0 +1,193 @@
+"""Brevitas's GPTQ (algos.GPTQ) with fewer passes and fewer layer computations, same weights (issue 20).
+
+- Layers that read the same input tensor (q/k/v, gate/up) collect their Hessians in one pass
+  (``brevitas_adapter.cache.SharedInputPass``): the weights equal those of Brevitas's own one-layer-per-pass
+  ``gptq_mode``, bit for bit.
+- Layers already optimised return the output they computed in an earlier pass while their input is equal
+  (``brevitas_adapter.memo.LayerOutputs``): never a stale output (weights changed, input changed, output modified
+  in place, quantizers switched), bounded memory.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from llm_models import tiny_bert, tiny_llama, token_batches  # noqa: E402
+
+from quark_brevitas import ModelQuantizer, algos  # noqa: E402
+from quark_brevitas.algorithms import gpxq  # noqa: E402
+from quark_brevitas.brevitas_adapter import LayerOutputs, layer_outputs_remembered, quantization_disabled  # noqa: E402
+from quark_brevitas.calibration.data import BlockInputs, CalibrationData  # noqa: E402
+from quark_brevitas.config import Config, QuantizationConfig, QuantizationSpec  # noqa: E402
+from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
+
+INT4_CHANNEL = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_channel)
+
+
+def _brevitas_sequential(model: nn.Module, *, act_order: bool) -> object:
+    """Brevitas's own gptq_mode: one layer per pass (the same per-layer GPTQ class as ours)."""
+    from brevitas.graph.gptq import gptq_mode
+
+    from quark_brevitas.brevitas_adapter import gptq_class_checking_once
+
+    return gptq_mode(model, act_order=act_order, use_quant_activations=False, create_weight_orig=False,
+                     gptq_class=gptq_class_checking_once())
+
+
+def _gptq(model: nn.Module, batches: list, act_order: bool, monkeypatch: pytest.MonkeyPatch | None = None,
+          exclude: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], int]:
+    """GPTQ's weights and its number of passes over a block's data."""
+    passes = [0]
+
+    def counting(original: object) -> object:
+        def counted(self: CalibrationData, model: nn.Module, desc: str, **kwargs: object) -> int:
+            passes[0] += desc == "GPTQ"
+            return original(self, model, desc, **kwargs)
+
+        return counted
+
+    with pytest.MonkeyPatch.context() as patch:
+        for owner in (BlockInputs, CalibrationData):  # block by block, whole model
+            patch.setattr(owner, "forward", counting(owner.forward))
+        if monkeypatch is not None:  # the reference: Brevitas's sequence, nothing remembered
+            patch.setattr(gpxq, "gptq_mode", _brevitas_sequential)
+            patch.setattr(gpxq.GPTQHandler, "remembers_outputs", False)
+        torch.set_num_threads(1)
+        config = Config(QuantizationConfig(weight=INT4_CHANNEL), pre_quant_opt_config=[],
+                        algo_config=[algos.GPTQ(act_order=act_order)], exclude=list(exclude))
+        quant = ModelQuantizer(config).quantize_model(model, batches)
+    weights = {name: p.detach().clone() for name, p in quant.named_parameters() if name.endswith("weight")}
+    return weights, passes[0]
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_shared_input_passes_give_brevitas_sequential_weights(family: str, act_order: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    build = {"llama": lambda: tiny_llama(2), "bert": lambda: tiny_bert(2)}[family]
+    batches = token_batches(3) if family == "llama" else [{"input_ids": b} for b in token_batches(3)]
+    exclude = ("lm_head",) if family == "llama" else ()
+    ours, our_passes = _gptq(build(), batches, act_order, exclude=exclude)
+    reference, reference_passes = _gptq(build(), batches, act_order, monkeypatch, exclude=exclude)
+    assert ours.keys() == reference.keys()
+    for name, value in ours.items():
+        assert torch.equal(value, reference[name]), name
+    # Llama block: q/k/v, o, gate/up, down (4 passes, 7 layers); BERT block: q/k/v, o, intermediate, output (4, 6).
+    layers = 7 if family == "llama" else 6
+    assert reference_passes == 2 * layers + (1 if family == "bert" else 0)  # BERT's pooler is a unit of its own
+    assert our_passes == 2 * 4 + (1 if family == "bert" else 0)
+
+
+class _Twice(nn.Module):
+    """Two layers on the same tensor object; when ``in_place``, the first's output is added to it in place before
+    the second reads it, so the second's input depends on the first's weights (one group would be wrong)."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + 0
+        y = self.first(h)
+        if self.in_place:
+            h.add_(y)
+        return y + self.second(h)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_an_input_changed_in_place_is_not_shared(in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    batches = [torch.randn(64, 16) for _ in range(3)]
+
+    def build() -> nn.Module:
+        torch.manual_seed(1)
+        return _Twice(in_place)
+
+    ours, our_passes = _gptq(build(), batches, False)
+    reference, reference_passes = _gptq(build(), batches, False, monkeypatch)
+    for name, value in ours.items():
+        assert torch.equal(value, reference[name]), name
+    assert reference_passes == 2 and our_passes == (2 if in_place else 1)
+
+
+# ===================================================================== the memo itself
+def _layer() -> nn.Module:
+
+    config = Config(QuantizationConfig(weight=INT4_CHANNEL), pre_quant_opt_config=[])
+    torch.manual_seed(0)
+    return ModelQuantizer(config).quantize_model(nn.Sequential(nn.Linear(8, 4)), [torch.randn(4, 8)])
+
+
+def _runs(layer: nn.Module) -> list[int]:
+    """Counts the real computations of ``layer`` (its class's forward)."""
+    count = [0]
+    original = type(layer).forward
+
+    def counted(self: nn.Module, *args: object, **kwargs: object) -> object:
+        count[0] += 1
+        return original(self, *args, **kwargs)
+
+    type(layer).forward = counted  # restored by the caller's monkeypatch
+    return count
+
+
+def test_memo_returns_earlier_outputs_only_while_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _layer()
+    layer = model[0]
+    monkeypatch.setattr(type(layer), "forward", type(layer).forward)
+    runs = _runs(layer)
+    x = torch.randn(5, 8)
+    with torch.no_grad(), layer_outputs_remembered(model) as memo:
+        first = model(x)
+        memo.new_pass()
+        assert torch.equal(model(x.clone()), first) and runs[0] == 1  # equal input: remembered
+        memo.new_pass()
+        assert not torch.equal(model(x + 1), first) and runs[0] == 2  # another input: computed
+        memo.new_pass()
+        model(x + 1)
+        assert runs[0] == 2
+        memo.forget([layer])
+        layer.weight.data.mul_(2)  # GPTQ writes through .data: only forget() can tell
+        memo.new_pass()
+        doubled = model(x + 1)
+        assert runs[0] == 3
+        memo.new_pass()
+        doubled.add_(1)  # the remembered output modified in place downstream: not reused
+        model(x + 1)
+        assert runs[0] == 4
+        memo.new_pass()
+        with quantization_disabled(model):  # quantizers switched off: another output
+            float_out = model(x + 1)
+        assert runs[0] == 5
+        assert torch.allclose(float_out, nn.functional.linear(x + 1, layer.weight, layer.bias))
+    with torch.no_grad():
+        model(x + 1)
+    assert runs[0] == 6 and "forward" not in layer.__dict__  # the context is gone
+
+
+def test_memo_stays_within_its_budget_and_skips_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _layer()
+    layer = model[0]
+    monkeypatch.setattr(type(layer), "forward", type(layer).forward)
+    runs = _runs(layer)
+    x = torch.randn(5, 8)
+    one_call = x.numel() * 4 + 5 * 4 * 4
+    with torch.no_grad(), layer_outputs_remembered(model, budget_bytes=one_call) as memo:
+        model(x)
+        model(x + 1)  # the second call's entry does not fit
+        assert memo.used == one_call
+        memo.new_pass()
+        model(x)
+        model(x + 1)
+        assert runs[0] == 3
+    with layer_outputs_remembered(model) as memo:
+        model(x).sum().backward()  # training path: never remembered
+        assert memo.used == 0 and isinstance(memo, LayerOutputs)
