@@ -404,7 +404,7 @@ class Breakdown:
             (qronos, "qronos_columns", "arithmetic"), (qronos._CrossPass, "add", "arithmetic"),
             (qronos._CrossPass, "add_float", "arithmetic"), (cache, "columns_in_order", "arithmetic"),
             (smoothquant, "smoothing_scales", "arithmetic"),
-            (brevitas_gptq.GPTQ, "update_batch", "arithmetic"),
+            (brevitas_gptq.GPTQ, "compute_iterative_covariance", "arithmetic"),
             (brevitas_gptq.GPTQ, "single_layer_update", "arithmetic")]:
             setattr(owner, name, self.wrap(getattr(owner, name), category))
 

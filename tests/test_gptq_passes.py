@@ -191,3 +191,14 @@ def test_memo_stays_within_its_budget_and_skips_gradients(monkeypatch: pytest.Mo
     with layer_outputs_remembered(model) as memo:
         model(x).sum().backward()  # training path: never remembered
         assert memo.used == 0 and isinstance(memo, LayerOutputs)
+
+
+def test_memo_budget_zero_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from quark_brevitas.brevitas_adapter import memo as memo_module
+
+    model = _layer()
+    monkeypatch.setattr(memo_module, "LAYER_OUTPUT_BUDGET", 0)
+    x = torch.randn(5, 8)
+    with torch.no_grad(), layer_outputs_remembered(model) as memo:
+        model(x)
+        assert memo.used == 0 and memo.budget == 0

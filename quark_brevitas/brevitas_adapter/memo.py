@@ -34,7 +34,8 @@ from quark_brevitas.brevitas_adapter.cache import quant_layers
 
 __all__ = ["LAYER_OUTPUT_BUDGET", "LayerOutputs", "layer_outputs_remembered"]
 
-#: Bytes of inputs and outputs :func:`layer_outputs_remembered` keeps by default (512 MiB).
+#: Bytes of inputs and outputs :func:`layer_outputs_remembered` keeps at most unless told otherwise (512 MiB; read
+#: at each call, so a user short of memory can lower it, 0 turning the memo off).
 LAYER_OUTPUT_BUDGET = 512 * 2**20
 
 
@@ -116,10 +117,11 @@ def _remembering(memo: LayerOutputs, layer: QuantWeightBiasInputOutputLayer, for
 
 
 @contextlib.contextmanager
-def layer_outputs_remembered(model: nn.Module, budget_bytes: int = LAYER_OUTPUT_BUDGET) -> Iterator[LayerOutputs]:
+def layer_outputs_remembered(model: nn.Module, budget_bytes: int | None = None) -> Iterator[LayerOutputs]:
     """While the context lasts, the quantized layers of ``model`` return remembered outputs where they can
-    (:class:`LayerOutputs`); the caller marks passes (``new_pass``) and the layers it changes (``forget``)."""
-    memo = LayerOutputs(budget_bytes)
+    (:class:`LayerOutputs`, keeping at most ``budget_bytes``, by default :data:`LAYER_OUTPUT_BUDGET`); the caller
+    marks passes (``new_pass``) and the layers it changes (``forget``)."""
+    memo = LayerOutputs(LAYER_OUTPUT_BUDGET if budget_bytes is None else budget_bytes)
     installed = []
     for layer in quant_layers(model):
         if "forward" not in layer.__dict__:
