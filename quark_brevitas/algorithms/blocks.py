@@ -75,6 +75,18 @@ class BlockwiseHandler(AlgorithmHandler):
             return tuple(ScalingGroup.from_quark(entry) for entry in algo.scaling_layers)
         return infer_scaling_layers(block)[0]
 
+    def sequential_layers(self, algo: Any, block: nn.Module, name: str) -> tuple[str, dict[str, nn.Module],
+                                                                                dict[str, int]]:
+        """``(where, layers, input features per layer)`` of a block that a GPTQ-like algorithm optimises layer
+        group by layer group (``inside_layer_modules``, or every quantized Linear), the block set to eval mode;
+        ``where`` names the block in messages."""
+        from quark_brevitas.algorithms.scaling import linear_weight
+
+        where = f"decoder layer {name!r}" if name else type(block).__name__
+        block.eval()
+        layers = self.quantized_layers(algo, block, where, algo.inside_layer_modules, "inside_layer_modules")
+        return where, layers, {n: int(linear_weight(m).shape[1]) for n, m in layers.items()}
+
     def quantized_layers(self, algo: Any, block: nn.Module, where: str, names: list[str] | None = None,
                          field: str = "") -> dict[str, nn.Module]:
         """The Linear-like layers of ``block`` with an integer weight quantizer (or those ``names``, which must be

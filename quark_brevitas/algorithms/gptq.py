@@ -252,6 +252,14 @@ class HessianPass:
         if self.group is not None and all(self.this_batch.get(n, 0) >= c for n, c in self.calls_per_batch.items()):
             raise StopFwdException
 
+    def averaged(self, data: CalibrationData, name: str, *sums: dict[str, torch.Tensor]
+                 ) -> tuple[int, list[torch.Tensor]]:
+        """``(samples, [Hessian, *sums])`` of layer ``name`` over every process (summed, then divided by the samples
+        of all processes): ``sums`` are further per-layer sums collected alongside (Qronos's cross products)."""
+        count = torch.tensor(float(self.counts[name]))
+        data.all_reduce(count, "sum")
+        return int(count), [data.all_reduce(tensors[name], "sum") / count for tensors in (self.hessians, *sums)]
+
     def batch_done(self, _index: int, _output: Any) -> None:
         if self.group is None and self.first_calls:
             first = self.first_calls[0][1]
@@ -302,10 +310,7 @@ class GPTQConfigHandler(BlockwiseHandler):
         return result.loss
 
     def apply_block(self, algo: Any, block: nn.Module, data: CalibrationData, name: str) -> nn.Module:
-        where = f"decoder layer {name!r}" if name else type(block).__name__
-        block.eval()
-        remaining = self.quantized_layers(algo, block, where, algo.inside_layer_modules, "inside_layer_modules")
-        features = {n: int(linear_weight(m).shape[1]) for n, m in remaining.items()}
+        where, remaining, features = self.sequential_layers(algo, block, name)
         start = time.perf_counter()
         samples: dict[str, int] = {}
         with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False):
@@ -317,10 +322,7 @@ class GPTQConfigHandler(BlockwiseHandler):
                 if not collected.group:
                     raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
                 for layer_name in collected.group:
-                    count = torch.tensor(float(collected.counts[layer_name]))
-                    data.all_reduce(count, "sum")
-                    hessian = data.all_reduce(collected.hessians[layer_name], "sum") / count
-                    samples[layer_name] = int(count)
+                    samples[layer_name], (hessian,) = collected.averaged(data, layer_name)
                     loss = self._quantize(algo, layer_name, remaining.pop(layer_name), hessian)
                     logger.debug("GPTQConfig %s.%s: loss %.4g", name, layer_name, loss)
                 if remaining and not algo.true_sequential:

@@ -199,10 +199,7 @@ class QronosConfigHandler(GPTQConfigHandler):
         return result.loss
 
     def apply_block(self, algo: Any, block: nn.Module, data: CalibrationData, name: str) -> nn.Module:
-        where = f"decoder layer {name!r}" if name else type(block).__name__
-        block.eval()
-        remaining = self.quantized_layers(algo, block, where, algo.inside_layer_modules, "inside_layer_modules")
-        features = {n: int(linear_weight(m).shape[1]) for n, m in remaining.items()}
+        where, remaining, features = self.sequential_layers(algo, block, name)
         float_block = copy.deepcopy(block)  # the block in float, original weights (see _FloatThenQuantized)
         done: dict[str, nn.Module] = {}
         start = time.perf_counter()
@@ -217,11 +214,7 @@ class QronosConfigHandler(GPTQConfigHandler):
                 if not collected.group:
                     raise ModelError(f"QronosConfig on {where}: none of {', '.join(remaining)} was called")
                 for layer_name in collected.group:
-                    count = torch.tensor(float(collected.counts[layer_name]))
-                    data.all_reduce(count, "sum")
-                    hessian = data.all_reduce(collected.hessians[layer_name], "sum") / count
-                    cross = data.all_reduce(collected.crosses[layer_name], "sum") / count
-                    samples[layer_name] = int(count)
+                    samples[layer_name], (hessian, cross) = collected.averaged(data, layer_name, collected.crosses)
                     done[layer_name] = remaining.pop(layer_name)
                     loss = self._round(algo, done[layer_name], hessian, cross)
                     logger.debug("QronosConfig %s.%s: loss %.4g", name, layer_name, loss)
