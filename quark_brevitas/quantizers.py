@@ -54,6 +54,7 @@ from brevitas.quant.float_quant_ocp import (
 )
 from torch import nn
 
+from quark_brevitas.brevitas_adapter import RECIPROCAL_INT8_LETS
 from quark_brevitas.brevitas_adapter import generative_quantizers as bq_gen
 from quark_brevitas.config.checks import (
     BIAS_BIT_WIDTHS,
@@ -344,6 +345,8 @@ def build_quantizer(spec: QuantizationSpec | None, role: str) -> Any:
         lets["mantissa_bit_width"] = spec.mantissa_bit_width
     if scheme in (PER_GROUP, MX):
         lets["group_size"] = spec.group_size
+    if _is_reciprocal_int8(spec, kind, scheme):
+        lets.update(RECIPROCAL_INT8_LETS)
     if kind == "weight" and spec.quant_type is INT and spec.symmetric and scheme != MX:
         lets.update(_range_lets(spec))
     if kind == "weight" and spec.param_type is ParamType.stats:
@@ -357,6 +360,16 @@ def build_quantizer(spec: QuantizationSpec | None, role: str) -> Any:
     if spec.percentile is not None:
         lets.update(_percentile_lets(spec))
     return base.let(**lets)
+
+
+def _is_reciprocal_int8(spec: QuantizationSpec, kind: str, scheme: str) -> bool:
+    """Dynamic symmetric int8 per-group activations with float scales compute their codes as onnxruntime's
+    ``MatMulNBits`` at accuracy level 4 does, ``round(x * (127 / max|x|))`` rather than Brevitas's
+    ``round(x / (max|x| / 127))`` (the two differ only at near-ties, about twice per million elements): what the
+    deployment runtime computes, so the export feeds the raw input to that kernel
+    (:mod:`quark_brevitas.brevitas_adapter.reciprocal`, README "W4 + int8 inputs per group")."""
+    return (kind == "act" and scheme == PER_GROUP and spec.quant_type is INT and spec.symmetric
+            and spec.bit_width == 8 and spec.scale_type is ScaleType.float)
 
 
 def _range_lets(spec: QuantizationSpec) -> dict[str, Any]:
