@@ -57,10 +57,10 @@ from torch import nn
 
 from quark_brevitas.brevitas_adapter import (
     injector_value,
-    uses_reciprocal_codes,
     is_dynamic_activation,
     is_float_quantizer,
     is_groupwise,
+    uses_reciprocal_codes,
     weight_quant_disabled,
 )
 from quark_brevitas.export.errors import ExportError
