@@ -275,6 +275,23 @@ def test_the_dequantize_form_quantizes_the_inputs_with_standard_ops(tmp_path: pa
     assert np.abs(run_onnx(report.path, x)[0] - reference).max() < 1e-5 * np.abs(reference).max()
 
 
+@pytest.mark.parametrize("int4_kernel", ["dequantize", "matmulnbits"])
+def test_explicit_and_fused_forms_compute_the_codes_at_near_ties(tmp_path: pathlib.Path, int4_kernel: str) -> None:
+    """The rows where Brevitas's ``x / scale`` and MLAS's reciprocal round differently, through a whole layer: the
+    explicit ops of ``int4_kernel="dequantize"`` (standard ONNX) compute the reciprocal codes as the model does, and
+    so does the fused kernel; one flipped code would move an output by about ``scale * |w|`` (1e-3 here)."""
+    block = 32
+    x = torch.from_numpy(_adversarial_rows(block, np.random.default_rng(7))[0][:3])  # random, near ties, exact ties
+    torch.manual_seed(3)
+    quant = _quantize(nn.Sequential(nn.Linear(4 * block, 16)).eval(), WEIGHTS["int4 sym"](block), _input(block), x)
+    report = export_onnx_qcdq(quant, x, tmp_path / "m.onnx", int4_kernel=int4_kernel)
+    assert ("Round" in _op_counts(report.path)) == (int4_kernel == "dequantize")
+    with torch.no_grad():
+        reference = quant(x).numpy()
+    per_row = np.abs(run_onnx(report.path, x)[0] - reference).max(-1) / np.abs(reference).max(-1)
+    assert per_row.max() < 2e-6, per_row
+
+
 def test_tiny_llama_with_past_key_values_decodes_like_pytorch(tmp_path: pathlib.Path) -> None:
     layers, vocab = 2, 64
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
