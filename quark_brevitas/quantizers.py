@@ -12,7 +12,9 @@ once the model is planned. A spec's ``dtype`` short form is spelled out first
 The *scheme* column refines ``qscheme``: ``per_group`` with float scales, ``mx`` (``per_group`` with
 ``scale_type=pof2``: one power-of-two scale per block chosen by the OCP MX rule, shared exponent
 ``floor(log2(max|block|)) - emax(element)``), and for activations ``dynamic_per_tensor`` /
-``dynamic_per_token`` (``is_dynamic=True``). Per-group activations are always dynamic.
+``dynamic_per_token`` (``is_dynamic=True``). Per-group activations are always dynamic; symmetric int8 ones compute
+their codes as onnxruntime's int8 ``MatMulNBits`` kernel does, ``round(x * (127 / max|x|))`` (see
+:func:`_is_reciprocal_int8`).
 
 Weight quantizers use ``ScalingImplType.PARAMETER_FROM_STATS`` (and a parameter zero point for
 asymmetric weights): the scale is computed once from the float weight and then kept as a
