@@ -11,11 +11,15 @@ ONNX rows (this file), measured in one run:
   weights as onnxruntime's ``MatMulNBits`` with our codes and scales (``int4_kernel="matmulnbits"``, the default);
 * **onnxruntime MatMulNBitsQuantizer**: onnxruntime's own quantizer (RTN, block size 128, its defaults: asymmetric,
   no accuracy level = float32) run on the float ONNX file of the same run;
-* **ours W4 g128 + A8 g128, MatMulNBits level 4**: the same int4 weights (RTN and GPTQ) with every Linear input
-  quantized dynamically to symmetric int8 per group of 128 input features (``input_tensors=QTensorConfig(dtype=int8,
-  qscheme=per_group, group_size=128, is_dynamic=True)``): what ``MatMulNBits`` computes at ``accuracy_level=4``
-  (MLAS quantizes the input per block of ``block_size``: scale ``max|a| / 127``, int8 x int4 block products), so
-  the export writes that level and verifies the file against this quantized model like every other;
+* **onnxruntime MatMulNBitsQuantizer ... accuracy_level 4**: the same quantizer asked for ``accuracy_level=4``
+  (int8 inputs per block, the kernel of the W4 + A8 rows), so our W4 + A8 file meets onnxruntime's own file on
+  the same kernel;
+* **ours W4 g128 + A8 g128, MatMulNBits level 4, fused**: the same int4 weights (RTN and GPTQ) with every Linear
+  input quantized dynamically to symmetric int8 per group of 128 input features (``input_tensors=QTensorConfig(
+  dtype=int8, qscheme=per_group, group_size=128, is_dynamic=True)``), whose codes are MLAS's (``x * (127 / max|x|)``
+  rounded half to even, scale ``max|x| / 127``): what ``MatMulNBits`` computes at ``accuracy_level=4``, so the
+  export feeds the raw float input to that kernel (no quantization ops in the file) and verifies the file against
+  this quantized model like every other;
 * for comparison only, the weight-only file edited to ``accuracy_level=4`` (onnxruntime quantizes the activations
   on the fly: the speed of the row above, but no longer what the weight-only model computes, so the export never
   writes it).
@@ -60,8 +64,11 @@ PROMPT, NEW_TOKENS = 128, 128
 #: The comparison row of a file edited to accuracy_level 4 (not what the export writes: not exact).
 LEVEL4 = "{} edited to accuracy_level 4 (not exact)"
 #: The rows of the recipes with int8 inputs per group of 128 (MatMulNBits at accuracy_level 4, exact).
-A8_ROWS = {"ours RTN W4 g128 + A8 g128, MatMulNBits level 4": "rtn_w4_g128",
-           "ours GPTQ W4 g128 + A8 g128, MatMulNBits level 4": "gptq_w4_g128"}
+A8_ROWS = {"ours RTN W4 g128 + A8 g128, MatMulNBits level 4, fused": "rtn_w4_g128",
+           "ours GPTQ W4 g128 + A8 g128, MatMulNBits level 4, fused": "gptq_w4_g128"}
+#: onnxruntime's own quantizer, as it writes by default (float32 arithmetic) and asked for accuracy_level 4.
+ORT_ROWS = {"onnxruntime MatMulNBitsQuantizer (RTN, asym, g128)": None,
+            "onnxruntime MatMulNBitsQuantizer (RTN, asym, g128), accuracy_level 4": 4}
 
 
 @dataclass
@@ -102,15 +109,22 @@ def export_decoder(model: torch.nn.Module, path: Path, example: dict[str, torch.
     return path
 
 
-def ort_quantizer_file(float_file: Path, path: Path) -> Path:
-    """onnxruntime's own MatMulNBitsQuantizer (RTN, block 128, its defaults) applied to our float ONNX file."""
+def ort_quantizer_file(float_file: Path, path: Path, accuracy_level: int | None = None) -> Path:
+    """onnxruntime's own MatMulNBitsQuantizer (RTN, block 128, its defaults; ``accuracy_level`` if given) applied
+    to our float ONNX file."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    quantizer = MatMulNBitsQuantizer(onnx.load(str(float_file)), block_size=BLOCK)
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(float_file)), block_size=BLOCK, accuracy_level=accuracy_level)
     quantizer.process()
     onnx.save_model(quantizer.model.model, str(path))
     return path
+
+
+def ort_files(float_file: Path, work: Path, prefix: str) -> dict[str, Path]:
+    """The rows of :data:`ORT_ROWS`: onnxruntime's quantizer files made from ``float_file``."""
+    return {name: ort_quantizer_file(float_file, work / f"{prefix}_ort_rtn{'' if level is None else level}.onnx",
+                                     level) for name, level in ORT_ROWS.items()}
 
 
 def with_accuracy_level(path: Path, level: int, out: Path) -> Path:
@@ -264,9 +278,7 @@ def section_perplexity(work: Path, eval_sequences: int, calib_sequences: int, gp
         return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
 
     float_file = export_decoder(fresh(), work / "trained_float.onnx", example)
-    files = {"float ONNX": float_file,
-             "onnxruntime MatMulNBitsQuantizer (RTN, asym, g128)": ort_quantizer_file(
-                 float_file, work / "trained_ort_rtn.onnx")}
+    files = {"float ONNX": float_file, **ort_files(float_file, work, "trained")}
     recipes = {"ours RTN W4 g128, MatMulNBits": "rtn_w4_g128"}
     if gptq:
         recipes["ours GPTQ W4 g128, MatMulNBits"] = "gptq_w4_g128"
@@ -296,9 +308,7 @@ def section_speed(work: Path, threads: list[int], repeats: int, new_tokens: int,
     float_state = {name: value.clone() for name, value in model.state_dict().items()}
     example = _prompt(8, llm.VOCAB)
     float_file = export_decoder(model, work / "speed_float.onnx", example)
-    files = {"float ONNX": float_file,
-             "onnxruntime MatMulNBitsQuantizer (RTN, asym, g128)": ort_quantizer_file(
-                 float_file, work / "speed_ort_rtn.onnx")}
+    files = {"float ONNX": float_file, **ort_files(float_file, work, "speed")}
     quant = quantize(model, "rtn_w4_g128", [_prompt(32, llm.VOCAB, seed=1)])
     ours = export_decoder(quant, work / "speed_ours.onnx", example)
     del quant, model

@@ -12,7 +12,9 @@ once the model is planned. A spec's ``dtype`` short form is spelled out first
 The *scheme* column refines ``qscheme``: ``per_group`` with float scales, ``mx`` (``per_group`` with
 ``scale_type=pof2``: one power-of-two scale per block chosen by the OCP MX rule, shared exponent
 ``floor(log2(max|block|)) - emax(element)``), and for activations ``dynamic_per_tensor`` /
-``dynamic_per_token`` (``is_dynamic=True``). Per-group activations are always dynamic.
+``dynamic_per_token`` (``is_dynamic=True``). Per-group activations are always dynamic; symmetric int8 ones compute
+their codes as onnxruntime's int8 ``MatMulNBits`` kernel does, ``round(x * (127 / max|x|))`` (see
+:func:`_is_reciprocal_int8`).
 
 Weight quantizers use ``ScalingImplType.PARAMETER_FROM_STATS`` (and a parameter zero point for
 asymmetric weights): the scale is computed once from the float weight and then kept as a
@@ -54,6 +56,7 @@ from brevitas.quant.float_quant_ocp import (
 )
 from torch import nn
 
+from quark_brevitas.brevitas_adapter import RECIPROCAL_INT8_LETS
 from quark_brevitas.brevitas_adapter import generative_quantizers as bq_gen
 from quark_brevitas.config.checks import (
     BIAS_BIT_WIDTHS,
@@ -344,6 +347,8 @@ def build_quantizer(spec: QuantizationSpec | None, role: str) -> Any:
         lets["mantissa_bit_width"] = spec.mantissa_bit_width
     if scheme in (PER_GROUP, MX):
         lets["group_size"] = spec.group_size
+    if _is_reciprocal_int8(spec, kind, scheme):
+        lets.update(RECIPROCAL_INT8_LETS)
     if kind == "weight" and spec.quant_type is INT and spec.symmetric and scheme != MX:
         lets.update(_range_lets(spec))
     if kind == "weight" and spec.param_type is ParamType.stats:
@@ -357,6 +362,16 @@ def build_quantizer(spec: QuantizationSpec | None, role: str) -> Any:
     if spec.percentile is not None:
         lets.update(_percentile_lets(spec))
     return base.let(**lets)
+
+
+def _is_reciprocal_int8(spec: QuantizationSpec, kind: str, scheme: str) -> bool:
+    """Dynamic symmetric int8 per-group activations with float scales compute their codes as onnxruntime's
+    ``MatMulNBits`` at accuracy level 4 does, ``round(x * (127 / max|x|))`` rather than Brevitas's
+    ``round(x / (max|x| / 127))`` (the two differ only at near-ties, about twice per million elements): what the
+    deployment runtime computes, so the export feeds the raw input to that kernel
+    (:mod:`quark_brevitas.brevitas_adapter.reciprocal`, README "W4 + int8 inputs per group")."""
+    return (kind == "act" and scheme == PER_GROUP and spec.quant_type is INT and spec.symmetric
+            and spec.bit_width == 8 and spec.scale_type is ScaleType.float)
 
 
 def _range_lets(spec: QuantizationSpec) -> dict[str, Any]:

@@ -19,7 +19,8 @@ Submodules, one concept each:
 - :mod:`.distributed`: sharded calibration data and combining statistics across processes;
 - :mod:`.precision`: float32 quantizers for half-precision models;
 - :mod:`.mse`: sampled MSE calibration of activation quantizers;
-- :mod:`.rotation`: Hadamard rotations from Brevitas's blocks and the online rotation module.
+- :mod:`.rotation`: Hadamard rotations from Brevitas's blocks and the online rotation module;
+- :mod:`.reciprocal`: dynamic int8 per-group codes as onnxruntime's MLAS computes them (``x * (127 / max|x|)``).
 """
 
 import warnings
@@ -122,6 +123,12 @@ from quark_brevitas.brevitas_adapter.precision import (  # noqa: E402
     float32_quantizer_kwargs,
     keep_quantizers_float32,
 )
+from quark_brevitas.brevitas_adapter.reciprocal import (  # noqa: E402
+    RECIPROCAL_INT8_LETS,
+    ReciprocalIntQuant,
+    reciprocal_codes,
+    uses_reciprocal_codes,
+)
 from quark_brevitas.brevitas_adapter.rotation import (  # noqa: E402
     OnlineHadamard,
     RotatedInput,
@@ -149,6 +156,8 @@ __all__ = [
     "SUPPORTED_BREVITAS",
     "EqualizedModule",
     "OnlineHadamard",
+    "RECIPROCAL_INT8_LETS",
+    "ReciprocalIntQuant",
     "RotatedInput",
     "IntWeightFormat",
     "QuantLayer",
@@ -201,6 +210,7 @@ __all__ = [
     "quantized_units",
     "quantizer_kind",
     "quantizer_names",
+    "reciprocal_codes",
     "require_equal_shares",
     "require_onnxoptimizer",
     "reset_export_mode",
@@ -213,6 +223,7 @@ __all__ = [
     "swap_parameter",
     "symbolic_trace",
     "weight_grid",
+    "uses_reciprocal_codes",
     "weight_quant_disabled",
     "weight_quantization_pairs",
     "wrap_equalized",

@@ -24,14 +24,23 @@ verification (:mod:`quark_brevitas.export.pinned`) pins it like a static quantiz
 A Linear input quantized dynamically to symmetric int8 **per group** of G input features, in front of an int4
 weight quantized per group of the same G input features, is what onnxruntime's ``MatMulNBits`` computes at
 ``accuracy_level`` 4, several times faster than at level 1 (MLAS quantizes its input per block of ``block_size``
-along K: scale ``max|a| / 127``, codes ``a * (127 / max|a|)`` rounded half to even, int8 x int4 block products
-scaled by both scales). Such a layer's input is quantized by explicit ops as Brevitas computes it
-(:func:`_quantize_groups`: the code node is pinned by the pinned verification like any dynamic quantizer), the
-weight becomes ``MatMulNBits`` (:mod:`~quark_brevitas.export.passes.nbits`) and :func:`mark_kernel_inputs` sets
-its level to 4. The kernel's own quantization of the already quantized input gives back the same codes (its
-maximum is ``127 * scale``), so the file computes what the model computes, up to float summation order; MLAS's
-reciprocal (``a * (127 / max|a|)`` rather than ``a / (max|a| / 127)``, which round differently about twice per
-million elements) never meets a raw input.
+along K: ``amax = max|a|``, scale ``amax / 127``, codes ``a * (127 / amax)`` rounded half to even, int8 x int4
+block products scaled by both scales). The weight becomes ``MatMulNBits``
+(:mod:`~quark_brevitas.export.passes.nbits`) and :func:`mark_kernel_inputs` sets its level to 4. Two forms:
+
+* **fused** (:attr:`DynamicInput.fused`): the quantizer computes MLAS's codes itself (the default for such inputs,
+  :mod:`quark_brevitas.brevitas_adapter.reciprocal`), so the raw float input goes into the kernel and the file
+  holds no quantization op for it: same op counts as the float file apart from ``MatMul`` -> ``MatMulNBits``.
+  A layer whose weight does not become a matching ``MatMulNBits`` (another group size, ``int4_kernel="dequantize"``)
+  gets the explicit ops below instead. The pinned verification cannot pin codes computed inside a kernel, so it
+  runs the file with those explicit ops in front of every fused kernel (:func:`pinnable`): the kernel's
+  quantization of an already quantized input gives back the same codes, so that graph computes what the file
+  computes, with code nodes to pin.
+* **explicit**: the input is quantized by ops computing the quantizer's codes (:func:`_quantize_groups`: MLAS's
+  reciprocal for the default quantizer, Brevitas's ``x / scale`` for one built otherwise; the code node is pinned
+  by the pinned verification like any dynamic quantizer) in front of the level-4 kernel. The kernel's own
+  quantization of the already quantized input gives back the same codes (its maximum is ``127 * scale``), so the
+  file computes what the model computes, up to float summation order.
 """
 
 from __future__ import annotations
@@ -51,11 +60,12 @@ from quark_brevitas.brevitas_adapter import (
     is_dynamic_activation,
     is_float_quantizer,
     is_groupwise,
+    uses_reciprocal_codes,
     weight_quant_disabled,
 )
 from quark_brevitas.export.errors import ExportError
 from quark_brevitas.export.passes.graph import GraphIndex, attr, module_path, topological_sort
-from quark_brevitas.export.passes.nbits import quantize_inputs_in_kernel
+from quark_brevitas.export.passes.nbits import INT8_ACCURACY_LEVEL, NBITS_OP, quantize_inputs_in_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +84,8 @@ class DynamicInput:
     per_token: bool
     signed: bool
     group_size: int = 0  # > 0: int8 per group of the input features, quantized inside MatMulNBits (accuracy level 4)
+    fused: bool = False  # the quantizer computes MLAS's codes: the raw input goes into MatMulNBits, no explicit ops
+    reciprocal: bool = False  # the quantizer's codes are round(x * (127 / max|x|)) (explicit ops compute them so)
 
     @property
     def fmt(self) -> str:
@@ -141,7 +153,8 @@ def plan_dynamic(model: nn.Module, proxy_names: Sequence[str]) -> list[DynamicIn
                               "bias scale would change with every input; export with bias=None (float bias)")
         group_size = kernel_group_size(layer, proxy) or 0
         per_token = group_size > 0 or injector_value(proxy, "stats_reduce_dim") is not None  # else over everything
-        plans.append(DynamicInput(layer, name, per_token, bool(proxy.is_signed), group_size))
+        reciprocal = group_size > 0 and uses_reciprocal_codes(proxy)
+        plans.append(DynamicInput(layer, name, per_token, bool(proxy.is_signed), group_size, reciprocal, reciprocal))
     return plans
 
 
@@ -196,7 +209,8 @@ def insert_dynamic_quantization(model: onnx.ModelProto, plans: Sequence[DynamicI
         node = next((n for n in graph.node if n.op_type in ("MatMul", "Gemm") and
                      module_path(n.name) in (f"{path}.MatMul", f"{path}.Gemm")), None)
         if plan.group_size and node is not None:
-            _quantize_groups(index, node, plan, "/" + path + "/input_quant")
+            if not plan.fused:  # fused: the raw input goes into the kernel (mark_kernel_inputs)
+                _quantize_groups(index, node, plan, "/" + path + "/input_quant")
             count += 1
             continue
         weight = _weight(index, node) if node is not None else None
@@ -214,15 +228,43 @@ def insert_dynamic_quantization(model: onnx.ModelProto, plans: Sequence[DynamicI
 
 def mark_kernel_inputs(model: onnx.ModelProto, plans: Sequence[DynamicInput], layer_paths: dict[int, str]) -> int:
     """Give the ``MatMulNBits`` of every per-group int8 input of ``plans`` accuracy level 4 (run after the
-    weight-only kernel rewrite; see the module docstring). Returns how many layers got it; a layer whose weight did
-    not become a matching ``MatMulNBits`` keeps its float product of the quantized input (still what the model
-    computes, only slower), named in an INFO log."""
-    layers = {layer_paths[id(plan.layer)]: plan.group_size for plan in plans if plan.group_size}
-    problems = quantize_inputs_in_kernel(model.graph, layers)
+    weight-only kernel rewrite; see the module docstring). Returns how many layers got it. A layer whose weight did
+    not become a matching ``MatMulNBits`` keeps a float product of the quantized input (still what the model
+    computes, only slower), named in an INFO log; a fused one gets its explicit quantization ops here."""
+    grouped = {layer_paths[id(plan.layer)]: plan for plan in plans if plan.group_size}
+    problems = quantize_inputs_in_kernel(model.graph, {path: plan.group_size for path, plan in grouped.items()})
     for path, why in sorted(problems.items()):
+        if grouped[path].fused:
+            _quantize_in_front(model.graph, path, grouped[path])
         logger.info("layer '%s': its per-group int8 input is quantized by explicit ops and multiplied in float32 "
                     "(not MatMulNBits at accuracy level 4): %s", path, why)
-    return len(layers) - len(problems)
+    return len(grouped) - len(problems)
+
+
+def fused_layers(model: onnx.ModelProto, plans: Sequence[DynamicInput], layer_paths: dict[int, str]) -> list[str]:
+    """The module paths of the fused layers of ``plans`` whose ``MatMulNBits`` at level 4 takes the raw input."""
+    kernels = {module_path(node.name).rpartition(".")[0] for node in model.graph.node if node.op_type == NBITS_OP
+               and attr(node, "accuracy_level", 0) == INT8_ACCURACY_LEVEL}
+    return [layer_paths[id(plan.layer)] for plan in plans if plan.fused and layer_paths[id(plan.layer)] in kernels]
+
+
+def pinnable(model: onnx.ModelProto, plans: Sequence[DynamicInput], layer_paths: dict[int, str]) -> onnx.ModelProto:
+    """A copy of ``model`` with the explicit quantization ops of every fused layer in front of its kernel (the
+    graph the pinned verification runs, see the module docstring): the kernel re-quantizes the quantized input to
+    the same codes, so the copy computes what ``model`` computes, and its code nodes can be pinned."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    by_path = {layer_paths[id(plan.layer)]: plan for plan in plans}
+    for path in fused_layers(model, plans, layer_paths):
+        _quantize_in_front(copy.graph, path, by_path[path], ops=(NBITS_OP,))
+    return copy
+
+
+def _quantize_in_front(graph: onnx.GraphProto, path: str, plan: DynamicInput,
+                       ops: Sequence[str] = ("MatMul", "Gemm")) -> None:
+    """Explicit quantization ops (:func:`_quantize_groups`) in front of the product node of layer ``path``."""
+    node = next(n for n in graph.node if n.op_type in ops and module_path(n.name).rpartition(".")[0] == path)
+    _quantize_groups(GraphIndex(graph), node, plan, "/" + path + "/input_quant")
 
 
 @dataclass
@@ -246,10 +288,12 @@ class _LayerNodes:
 
 
 def _quantize_groups(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput, proxy_path: str) -> None:
-    """Quantize the input of ``node`` (MatMul/Gemm) as the layer's per-group int8 quantizer does, in front of it:
-    groups of ``plan.group_size`` along the last dimension, scale ``max(max|x|, scaling_min_val) / 127``, codes
-    ``round(x / scale)`` (int8, half to even; the code node named for the pinned verification), dequantized back;
-    a last partial group is the rest of the features (zero padding, as MLAS's last short block).
+    """Quantize the input of ``node`` (MatMul/Gemm/MatMulNBits) as the layer's per-group int8 quantizer does, in
+    front of it: groups of ``plan.group_size`` along the last dimension, ``amax = max|x|``, codes rounded half to
+    even (int8; the code node named for the pinned verification), dequantized back with the scale ``amax / 127``.
+    Codes ``x * (127 / amax)`` (0 where that reciprocal is not finite) for a reciprocal quantizer
+    (``plan.reciprocal``, MLAS's arithmetic), else ``x / scale`` with ``amax`` clamped at ``scaling_min_val`` first
+    (Brevitas's). A last partial group is the rest of the features (zero padding, as MLAS's last short block).
     ``MatMulNBits`` at level 4 re-quantizes such an input to the same codes: ``max|codes * scale|`` is
     ``127 * scale``, so its codes are ``codes * (1 + a few ulp)``, rounded back to ``codes``."""
     graph = index.graph
@@ -266,17 +310,30 @@ def _quantize_groups(index: GraphIndex, node: onnx.NodeProto, plan: DynamicInput
     grouped = op("Reshape", [padded, const(np.array([-1, n_groups, group], np.int64), "groups")], "grouped")
     amax = op("ReduceMax", [op("Abs", [grouped], "abs"), const(np.array([-1], np.int64), "group_axis")], "max_abs",
               keepdims=1)
-    min_val = injector_value(plan.layer.input_quant, "scaling_min_val")
+    qmax = const(np.array(127.0, np.float32), "qmax")
+    min_val = None if plan.reciprocal else injector_value(plan.layer.input_quant, "scaling_min_val")
     if min_val is not None:
         amax = op("Max", [amax, const(np.array(float(min_val), np.float32), "scaling_min_val")], "clamped")
-    scale = op("Div", [amax, const(np.array(127.0, np.float32), "qmax")], "scale")
+
+    def per_element(per_group: str, hint: str) -> str:
+        """A per-group tensor repeated for every element of its group, in the input's layout."""
+        expanded = op("Reshape", [op("Expand", [per_group, const(np.array([1, 1, group], np.int64), "group_shape")],
+                                     f"{hint}_expanded"), op("Shape", [padded], f"{hint}_shape")], hint)
+        if padded == x:
+            return expanded
+        return op("Slice", [expanded, const(np.array([0], np.int64), "start"), const(np.array([k], np.int64), "end"),
+                            const(np.array([-1], np.int64), "slice_axis")], f"{hint}_k")
+
     # every element's scale in the input's layout: codes there are PyTorch's (the pinned check feeds them)
-    scale = op("Reshape", [op("Expand", [scale, const(np.array([1, 1, group], np.int64), "group_shape")],
-                              "expanded"), op("Shape", [padded], "shape")], "element_scale")
-    if padded != x:
-        scale = op("Slice", [scale, const(np.array([0], np.int64), "start"), const(np.array([k], np.int64), "end"),
-                             const(np.array([-1], np.int64), "slice_axis")], "element_scale_k")
-    rounded = op("Round", [op("Div", [x, scale], "x_over_scale")], "round")
+    scale = per_element(op("Div", [amax, qmax], "scale"), "element_scale")
+    if plan.reciprocal:
+        inverse = op("Div", [qmax, amax], "inverse")
+        inverse = op("Where", [op("IsInf", [inverse], "overflow"), const(np.array(0.0, np.float32), "zero"),
+                               inverse], "finite_inverse")
+        unrounded = op("Mul", [x, per_element(inverse, "element_inverse")], "x_times_inverse")
+    else:
+        unrounded = op("Div", [x, scale], "x_over_scale")
+    rounded = op("Round", [unrounded], "round")
     code_name = index.fresh_name(f"{proxy_path}/{CODE_NODE}")
     new.append(helper.make_node("Cast", [rounded], [code_name], name=code_name, to=TensorProto.INT8))
     node.input[0] = op("Mul", [op("Cast", [code_name], "codes_float", to=TensorProto.FLOAT), scale], "quantized")

@@ -118,6 +118,11 @@ class ExportFormat(abc.ABC, Generic[ReportT]):
         """Execute an in-memory variant of the file on named feeds (named outputs), as :meth:`run` does."""
         raise NotImplementedError
 
+    def pinnable(self, proto: onnx.ModelProto) -> onnx.ModelProto:
+        """The graph the pinned check runs: ``proto`` itself unless the format computes some activation codes
+        inside a kernel, where it can add ops computing the same codes in front of it to pin them."""
+        return proto
+
     def recover(self, proto: onnx.ModelProto, mismatch: ExportMismatchError) -> bool:
         """After a failed verification: change ``proto`` so that it may pass (``True``: it is saved and
         verified once more) or give up (``False``)."""
@@ -205,7 +210,8 @@ def _verify(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference
             result = measure(reference, fmt.run(path, example), path, tolerance)
 
         def pin(tol: float) -> PinnedSummary:
-            return check_pinned(proto, exported, example, names.inputs, reference.outputs, tol, path, fmt.run_proto)
+            return check_pinned(fmt.pinnable(proto), exported, example, names.inputs, reference.outputs, tol, path,
+                                fmt.run_proto)
 
         return accept(result, path, pin if fmt.can_pin else None)
     except ExportMismatchError as exc:

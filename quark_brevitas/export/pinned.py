@@ -264,6 +264,13 @@ def _codes(values: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, dtype:
     return np.clip(codes, info.min, info.max).astype(dtype)
 
 
+def _in_steps(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``values / scale`` in float64, 0 where the scale is 0 (an all-zero group of a dynamic quantizer that does not
+    clamp its scale, :mod:`quark_brevitas.brevitas_adapter.reciprocal`: its codes are 0)."""
+    values, scale = np.broadcast_arrays(values.astype(np.float64), scale.astype(np.float64))
+    return np.divide(values, scale, out=np.zeros_like(values), where=scale != 0)
+
+
 def _apply_clips(codes: np.ndarray, clips: Sequence[onnx.NodeProto], index: GraphIndex) -> np.ndarray:
     for clip in clips:
         low = index.const(clip.input[1]) if len(clip.input) > 1 and clip.input[1] else None
@@ -383,8 +390,8 @@ def check_pinned(proto: onnx.ModelProto, model: nn.Module, args: tuple[torch.Ten
             unsigned_file = not _is_signed(site.quantize)
             if call.signed and unsigned_file:  # symmetric codes stored as uint8 with zero point 128
                 zero_point = zero_point + 128.0
-            inputs = call.inputs.astype(np.float64) / call.scale.astype(np.float64) + zero_point.astype(np.float64)
-            values = _codes(call.values / call.scale.astype(np.float64), np.ones((), np.float64), zero_point,
+            inputs = _in_steps(call.inputs, call.scale) + zero_point.astype(np.float64)
+            values = _codes(_in_steps(call.values, call.scale), np.ones((), np.float64), zero_point,
                             np.uint8 if unsigned_file else np.int8)
             if site.zero_point and not call.signed and call.zero_point is not None \
                     and site.zero_point not in zero_points and site.zero_point in shapes:

@@ -34,8 +34,10 @@ from quark_brevitas.export.blocked import (
 from quark_brevitas.export.dynamic import (
     DynamicInput,
     float_inputs,
+    fused_layers,
     insert_dynamic_quantization,
     mark_kernel_inputs,
+    pinnable,
     plan_dynamic,
 )
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
@@ -143,6 +145,7 @@ class QCDQFormat(ExportFormat[ExportReport]):
         self.opsets: list[int] = []
         self.plans: list[PlannedWeight] = []
         self.dynamic: list[DynamicInput] = []
+        self.written_dynamic: tuple[list[DynamicInput], dict[int, str]] = ([], {})  # of the file written
         self.packed = 0
         self.model_modules: dict[str, nn.Module] = {}
         self.chosen_opset = 0
@@ -208,8 +211,9 @@ class QCDQFormat(ExportFormat[ExportReport]):
         if dynamic:
             done = insert_dynamic_quantization(proto, dynamic, paths)
             grouped = sum(1 for d in dynamic if d.group_size)
+            fused = sum(1 for d in dynamic if d.fused)
             counts = (("Linear inputs quantized dynamically (MatMulInteger)", done - grouped),
-                      ("Linear inputs quantized dynamically per group (in front of MatMulNBits)", grouped))
+                      ("Linear inputs quantized dynamically per group (in front of MatMulNBits)", grouped - fused))
             self.rewrites = (*self.rewrites, *((what, n) for what, n in counts if n))
         clean_graph(proto.graph)
         if plans:
@@ -234,13 +238,23 @@ class QCDQFormat(ExportFormat[ExportReport]):
             clean_graph(proto.graph)
         if any(d.group_size for d in dynamic):  # after the MatMulNBits rewrite: its kernel quantizes the inputs
             done = mark_kernel_inputs(proto, dynamic, paths)
-            self.rewrites = (*self.rewrites, ("per-group int8 inputs multiplied by MatMulNBits at accuracy_level 4 "
-                                              "(int8 x int4 block products)", done))
+            fused = len(fused_layers(proto, dynamic, paths))
+            counts = (("per-group int8 inputs multiplied by MatMulNBits at accuracy_level 4 "
+                       "(int8 x int4 block products)", done),
+                      ("of them quantized inside the kernel (raw float input, no quantization ops)", fused))
+            self.rewrites = (*self.rewrites, *((what, n) for what, n in counts if n))
+        self.written_dynamic = (dynamic, paths)
         if len(self.opsets) > 1:  # "lowest working opset": onnxruntime must accept the file
             staged = workdir / f"staged_opset{opset}.onnx"
             onnx.save_model(proto, str(staged))
             create_ort_session(staged)
         return proto
+
+    def pinnable(self, proto: onnx.ModelProto) -> onnx.ModelProto:
+        """Per-group int8 inputs quantized inside ``MatMulNBits`` get their explicit quantization ops for the pinned
+        run (:func:`quark_brevitas.export.dynamic.pinnable`: the same function, with code nodes to pin)."""
+        dynamic, paths = self.written_dynamic
+        return pinnable(proto, dynamic, paths) if any(d.fused for d in dynamic) else proto
 
     def check_written(self, proto: onnx.ModelProto, path: pathlib.Path) -> None:
         try:

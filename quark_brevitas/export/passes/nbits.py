@@ -40,7 +40,8 @@ another group size, groups along N, or another consumer (an embedding ``Gather``
 Level 4 is written only where it is what the model computes: a Linear whose input is quantized dynamically to
 symmetric int8 per group of the int4 weight's group size is exported with its input unquantized, and
 :func:`quantize_inputs_in_kernel` then sets its node's level to :data:`INT8_ACCURACY_LEVEL`
-(:mod:`~quark_brevitas.export.dynamic` plans which layers).
+(:mod:`~quark_brevitas.export.dynamic` plans which layers, and whether the raw input goes into the kernel, which then
+computes the quantizer's codes itself, or explicit ops quantize it first).
 """
 
 from __future__ import annotations
