@@ -239,3 +239,25 @@ def test_tiny_llama_decoder_with_past_key_values_decodes_like_pytorch(tmp_path: 
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert len(_nodes(report.path, "MatMulNBits")) == n_linear  # lm_head included
     assert_decodes_like_pytorch(report.path, quant, prompt)  # prompt, then one token a step (M=1)
+
+
+@pytest.mark.parametrize("int4_kernel", ["matmulnbits", "dequantize"])
+def test_lm_head_tied_to_the_embedding_keeps_the_lookup_float(tmp_path: pathlib.Path, int4_kernel: str) -> None:
+    """``tie_word_embeddings``: the quantized lm_head and the float embedding share one parameter. The export used to
+    write the quantized values into that parameter, so the file's embedding looked up quantized rows (logits off
+    by 0.05-0.07, the export refused by its own verification)."""
+    vocab = 64
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, vocab, (2, 10), generator=torch.Generator().manual_seed(6))
+    quant = _quantize(model, SPECS["int4 sym"](32), ids)
+    assert quant.lm_head.weight is quant.model.embed_tokens.weight and type(quant.lm_head).__name__ == "QuantLinear"
+    float_table = quant.model.embed_tokens.weight.detach().clone()
+    prompt = ids[:, :6]
+    report = export_onnx_qcdq(quant, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)},
+                              tmp_path / "tied.onnx", past_key_values=True, int4_kernel=int4_kernel)
+    assert torch.equal(quant.model.embed_tokens.weight, float_table)  # the model is as it was
+    assert quant.lm_head.weight is quant.model.embed_tokens.weight
+    assert_decodes_like_pytorch(report.path, quant, prompt)

@@ -212,17 +212,20 @@ def plan_weights(model: nn.Module, names: Sequence[str]) -> list[PlannedWeight]:
 
 @contextlib.contextmanager
 def float_weights(plans: Sequence[PlannedWeight]) -> Iterator[None]:
-    """While exporting: each planned layer computes with its quantized weight as a plain float tensor."""
+    """While exporting: each planned layer computes with its quantized weight as a plain float tensor.
+
+    The layer gets a parameter of its own for that time (its original is put back afterwards) rather than new
+    values in its parameter: a weight tied to an embedding (``tie_word_embeddings``) must stay float in the
+    embedding's lookup, as PyTorch computes it."""
     with contextlib.ExitStack() as stack:
         for plan in plans:
-            stack.callback(_restore_weight, plan.layer, plan.layer.weight.data)
-            plan.layer.weight.data = torch.from_numpy(plan.values.copy()).to(plan.layer.weight.dtype)
+            original = plan.layer._parameters["weight"]
+            stack.callback(plan.layer._parameters.__setitem__, "weight", original)
+            plan.layer._parameters["weight"] = nn.Parameter(
+                torch.from_numpy(plan.values.copy()).to(device=original.device, dtype=original.dtype),
+                requires_grad=False)
             stack.enter_context(weight_quant_disabled(plan.layer.weight_quant))
         yield
-
-
-def _restore_weight(layer: nn.Module, data: torch.Tensor) -> None:
-    layer.weight.data = data
 
 
 def four_bit_tensor(name: str, code_type: int, codes: np.ndarray) -> TensorProto:
