@@ -62,7 +62,7 @@ SPEED_WIDTH, SPEED_INTERMEDIATE, SPEED_BLOCKS, SPEED_HEADS = 1024, 2816, 8, 16
 BLOCK = 128
 PROMPT, NEW_TOKENS = 128, 128
 #: The comparison row of a file edited to accuracy_level 4 (not what the export writes: not exact).
-LEVEL4 = "{} edited to accuracy_level 4 (not exact)"
+LEVEL4 = "ours W4 g128 weight-only file edited to accuracy_level 4 (not exact)"
 #: The rows of the recipes with int8 inputs per group of 128 (MatMulNBits at accuracy_level 4, exact).
 A8_ROWS = {"ours RTN W4 g128 + A8 g128, MatMulNBits level 4, fused": "rtn_w4_g128",
            "ours GPTQ W4 g128 + A8 g128, MatMulNBits level 4, fused": "gptq_w4_g128"}
@@ -285,7 +285,7 @@ def section_perplexity(work: Path, eval_sequences: int, calib_sequences: int, gp
     for name, recipe in recipes.items():
         files[name] = export_decoder(quantize(fresh(), recipe, calib), work / f"trained_{recipe}.onnx", example)
     last = list(recipes)[-1]
-    files[LEVEL4.format(last)] = with_accuracy_level(files[last], 4, work / "trained_level4.onnx")
+    files[LEVEL4] = with_accuracy_level(files[last], 4, work / "trained_level4.onnx")  # GPTQ's when it ran
     for name, recipe in A8_ROWS.items():
         if recipe in recipes.values():
             files[name] = export_decoder(quantize(fresh(), recipe, calib, int8_inputs=True),
@@ -314,9 +314,7 @@ def section_speed(work: Path, threads: list[int], repeats: int, new_tokens: int,
     del quant, model
     for name in ("ours RTN W4 g128, MatMulNBits", "ours GPTQ W4 g128, MatMulNBits"):
         files[name] = ours  # GPTQ changes the codes, not the kernels or the file's size
-    level4 = with_accuracy_level(ours, 4, work / "speed_level4.onnx")
-    for name in ("ours RTN W4 g128, MatMulNBits", "ours GPTQ W4 g128, MatMulNBits"):
-        files[LEVEL4.format(name)] = level4
+    files[LEVEL4] = with_accuracy_level(ours, 4, work / "speed_level4.onnx")
     model = transformers.LlamaForCausalLM(config).eval()
     model.load_state_dict(float_state)
     quant = quantize(model, "rtn_w4_g128", [_prompt(32, llm.VOCAB, seed=1)], int8_inputs=True)
