@@ -177,6 +177,19 @@ def test_llama_exported_from_input_ids_alone_gets_an_attention_mask_input(tmp_pa
     assert verify_onnx(quant, {"input_ids": longer}, report.path).max_abs_diff <= report.tolerance
 
 
+def test_llama_given_positional_input_ids_is_told_to_pass_a_dict(tmp_path: pathlib.Path) -> None:
+    """A positional example gets no mask added (that would rename the graph's inputs): transformers' mask code then
+    fails in the exporter, and the error now says which example form works instead of ending at aten::diff."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+    quant = ModelQuantizer(_w8a8()).quantize_model(_llama(), [{"input_ids": ids}])
+    with pytest.raises(ExportError, match=r"LlamaForCausalLM takes input_ids and attention_mask and was given "
+                                          r"positional tensors: give the example as a dict") as caught:
+        export_onnx_qcdq(quant, (ids,), tmp_path / "llama.onnx")
+    assert caught.value.__cause__ is not None  # the exporter's own failure stays attached
+    assert not (tmp_path / "llama.onnx").exists()
+
+
 def test_attention_mask_is_added_only_where_it_means_no_mask() -> None:
     llama = _llama()
     ids = torch.zeros(2, 5, dtype=torch.long)

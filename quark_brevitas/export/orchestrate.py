@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from quark_brevitas.brevitas_adapter import require_onnxoptimizer, reset_export_mode
+from quark_brevitas.calibration.data import takes
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.args import (
     Example,
@@ -172,7 +173,7 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
 
         out_dir = out_path.parent
         before = set(os.listdir(out_dir)) if out_dir.is_dir() else set()
-        with tempfile.TemporaryDirectory(prefix=fmt.temp_prefix) as tmp:
+        with tempfile.TemporaryDirectory(prefix=fmt.temp_prefix) as tmp, _keyword_hint(model, inputs):
             proto = fmt.write(flat, inputs, names, pathlib.Path(tmp))
         fmt.check_written(proto, out_path)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -182,6 +183,23 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
             logger.warning("files appeared in %s during export (not written by this export): %s", out_dir, stray)
         result = _verify(fmt, proto, reference, flat, inputs.tensors, names, out_path, tol)
     return fmt.report(proto, out_path, result, names)
+
+
+@contextlib.contextmanager
+def _keyword_hint(model: nn.Module, inputs: Example) -> Iterator[None]:
+    """An exporter failure on a Hugging Face model given positional tensors says how to give the example: transformers
+    builds its masks along paths the TorchScript exporter cannot write when no ``attention_mask`` comes with
+    ``input_ids`` (5.x: ``aten::diff``), and only a keyword example gets one added (:func:`with_attention_mask`).
+    Refusals of the format itself (raised without an underlying exception) pass unchanged."""
+    try:
+        yield
+    except ExportError as exc:
+        hugging_face = takes(model, "input_ids") and takes(model, "attention_mask")
+        if inputs.keyword or exc.__cause__ is None or not hugging_face:
+            raise
+        raise ExportError(f"{exc}. {type(model).__name__} takes input_ids and attention_mask and was given positional "
+                          "tensors: give the example as a dict, e.g. {'input_ids': ids, 'attention_mask': mask} or "
+                          "the tokenizer's output") from exc
 
 
 def _require_brevitas_exporter() -> None:

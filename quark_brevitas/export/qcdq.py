@@ -175,19 +175,21 @@ class QCDQFormat(ExportFormat[ExportReport]):
         """Try the candidate opsets in turn; the first that exports (and, if there is a choice, loads in
         onnxruntime) wins."""
         errors: list[str] = []
+        last: ExportError | None = None
         for candidate in self.opsets:
             try:
                 proto = self._write_at(candidate, model, example, names, workdir)
             except ExportError as exc:
                 errors.append(f"opset {candidate}: {exc}")
                 logger.debug("export attempt at opset %d failed: %s", candidate, exc)
+                last = exc
                 continue
             self.chosen_opset = candidate
             return proto
         formats = sorted({q.fmt for q in self.quantizers}) or ["float"]
         raise ExportError(
             f"cannot export {', '.join(formats)} to {target('/'.join(map(str, self.opsets)))}: " + "; ".join(errors)
-        )
+        ) from (last.__cause__ if last is not None else None)
 
     def _write_at(self, opset: int, model: nn.Module, example: Example, names: GraphNames,
                   workdir: pathlib.Path) -> onnx.ModelProto:
