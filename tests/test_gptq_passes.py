@@ -202,3 +202,19 @@ def test_memo_budget_zero_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     with torch.no_grad(), layer_outputs_remembered(model) as memo:
         model(x)
         assert memo.used == 0 and memo.budget == 0
+
+
+def test_memo_keeps_nothing_new_in_a_last_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _layer()
+    layer = model[0]
+    monkeypatch.setattr(type(layer), "forward", type(layer).forward)
+    runs = _runs(layer)
+    x = torch.randn(5, 8)
+    with torch.no_grad(), layer_outputs_remembered(model) as memo:
+        memo.new_pass(keep_new=False)
+        model(x)
+        assert memo.used == 0
+        memo.new_pass()
+        model(x)
+        model(x)
+        assert runs[0] == 3 and memo.used > 0  # kept now (the second call is call 1 of the pass: a new entry)

@@ -50,7 +50,7 @@ def _run(mode: Any, data: CalibrationData, name: str, counts: _SampleCounts, mem
                 break
             counts.this_pass.clear()
             if memo is not None:
-                memo.new_pass()
+                memo.new_pass(keep_new=left > 1)  # a pass for the last layer feeds no later pass
             # A model that is one layer has the GPxQ hook on its root, outside Brevitas's catch in forward().
             data.forward(UntilStopped(mode.model), name, on_output=counts.batch_done)
             done = gpxq_update(mode)

@@ -62,10 +62,13 @@ class LayerOutputs:
         self.used = 0
         self.entries: dict[nn.Module, list[_Entry | None]] = {}
         self.calls: dict[nn.Module, int] = {}
+        self.keep_new = True
 
-    def new_pass(self) -> None:
-        """The next calls start a new pass over the data: call ``k`` of a layer is matched with its call ``k``."""
+    def new_pass(self, *, keep_new: bool = True) -> None:
+        """The next calls start a new pass over the data: call ``k`` of a layer is matched with its call ``k``.
+        ``keep_new=False``: the caller's last pass, whose new outputs nothing would reuse (they are not kept)."""
         self.calls.clear()
+        self.keep_new = keep_new
 
     def forget(self, layers: Iterable[nn.Module]) -> None:
         """Drop what ``layers`` computed: their weights are about to change."""
@@ -91,7 +94,7 @@ class LayerOutputs:
             entries[ordinal] = None
         nbytes = value.numel() * value.element_size() + (
             output.numel() * output.element_size() if isinstance(output, torch.Tensor) else 0)
-        if type(output) is torch.Tensor and self.used + nbytes <= self.budget:
+        if self.keep_new and type(output) is torch.Tensor and self.used + nbytes <= self.budget:
             entries.extend([None] * (ordinal + 1 - len(entries)))
             entries[ordinal] = _Entry(state, value, value._version, output, output._version, nbytes)
             self.used += nbytes
