@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ pytest.importorskip("compressed_tensors")
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from consumer import run_consumer  # noqa: E402
 from torch import nn  # noqa: E402
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
@@ -89,38 +88,17 @@ def _logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits.float()
 
 
-_CONSUMER = textwrap.dedent("""
-    import sys
-    try:
-        import quark_brevitas  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        raise SystemExit("quark_brevitas is importable in the consumer process")
-    import torch
-    from transformers import AutoModelForCausalLM
-    tokens = torch.load(sys.argv[1])
-    result = {}
+_CONSUMER = """
     for folder in sys.argv[3:]:
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
         with torch.no_grad():
             result[folder] = model(tokens).logits.float()
-    assert "quark_brevitas" not in sys.modules
-    torch.save(result, sys.argv[2])
-""")
+"""
 
 
 def _consumer_logits(folders: list[Path], tokens: torch.Tensor, work: Path) -> dict[str, torch.Tensor]:
     """Load every folder with transformers in a fresh process that cannot import quark_brevitas."""
-    script, inputs, outputs = work / "consumer.py", work / "tokens.pt", work / "logits.pt"
-    script.write_text(_CONSUMER)
-    torch.save(tokens, inputs)
-    env = {"PYTHONPATH": str(SITE_PACKAGES), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
-    run = subprocess.run([sys.executable, "-S", str(script), str(inputs), str(outputs), *map(str, folders)],
-                         cwd=work, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return torch.load(outputs)
+    return run_consumer(_CONSUMER, folders, tokens, work, python=sys.executable, pythonpath=str(SITE_PACKAGES))
 
 
 @pytest.fixture(scope="module")

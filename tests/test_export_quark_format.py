@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from consumer import run_consumer  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -317,27 +317,14 @@ def test_streamed_checkpoint_writes_the_same_tensors_block_by_block(tmp_path: Pa
 
 
 # ===================================================================== optional: amd-quark's own importer
-_CONSUMER = textwrap.dedent("""
-    import sys
-    try:
-        import quark_brevitas  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        raise SystemExit("quark_brevitas is importable in the consumer process")
-    import torch
-    from transformers import AutoModelForCausalLM
-    tokens = torch.load(sys.argv[1])
-    result = {}
+_CONSUMER = """
     for folder in sys.argv[3:]:
         model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
         kinds = sorted({type(m).__name__ for name, m in model.named_modules() if name.endswith("down_proj")})
         with torch.no_grad():
             result[folder] = (model.eval()(tokens).logits.float(), kinds,
                               sorted(info["missing_keys"]) + sorted(info["unexpected_keys"]))
-    assert "quark_brevitas" not in sys.modules
-    torch.save(result, sys.argv[2])
-""")
+"""
 
 
 #: Asymmetric static inputs: Quark's fake-quantizer rounds ``x / s`` and adds the zero point, Brevitas rounds
@@ -379,16 +366,8 @@ def quark_python() -> tuple[str, str]:
 def test_amd_quarks_importer_loads_our_folders_and_computes_our_logits(quark_python, written, tmp_path: Path) -> None:
     python, path = quark_python
     tokens = _tokens(7)[0]
-    script, inputs, outputs = tmp_path / "consumer.py", tmp_path / "tokens.pt", tmp_path / "logits.pt"
-    script.write_text(_CONSUMER)
-    torch.save(tokens, inputs)
-    env = {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/"),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
     folders = [folder for _, folder in written.values()]
-    run = subprocess.run([python, "-S", str(script), str(inputs), str(outputs), *map(str, folders)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
-    assert run.returncode == 0, run.stderr[-3000:]
-    theirs = torch.load(outputs)
+    theirs = run_consumer(_CONSUMER, folders, tokens, tmp_path, python=python, pythonpath=path, timeout=1200)
     for name, (model, folder) in written.items():
         logits, kinds, bad_keys = theirs[str(folder)]
         assert kinds == ["QParamsLinear"] and bad_keys == [], (name, kinds, bad_keys)

@@ -126,24 +126,25 @@ def _layer() -> nn.Module:
     return ModelQuantizer(config).quantize_model(nn.Sequential(nn.Linear(8, 4)), [torch.randn(4, 8)])
 
 
-def _runs(layer: nn.Module) -> list[int]:
-    """Counts the real computations of ``layer`` (its class's forward)."""
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> tuple[nn.Module, list[int]]:
+    """A one-layer quantized model and the count of its layer's real computations (its class's forward)."""
+    model = _layer()
+    layer_class = type(model[0])
+    original = layer_class.forward
     count = [0]
-    original = type(layer).forward
 
-    def counted(self: nn.Module, *args: object, **kwargs: object) -> object:
+    def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
         count[0] += 1
         return original(self, *args, **kwargs)
 
-    type(layer).forward = counted  # restored by the caller's monkeypatch
-    return count
+    monkeypatch.setattr(layer_class, "forward", forward)
+    return model, count
 
 
-def test_memo_returns_earlier_outputs_only_while_valid(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _layer()
+def test_memo_returns_earlier_outputs_only_while_valid(counted: tuple[nn.Module, list[int]]) -> None:
+    model, runs = counted
     layer = model[0]
-    monkeypatch.setattr(type(layer), "forward", type(layer).forward)
-    runs = _runs(layer)
     x = torch.randn(5, 8)
     with torch.no_grad(), layer_outputs_remembered(model) as memo:
         first = model(x)
@@ -173,11 +174,8 @@ def test_memo_returns_earlier_outputs_only_while_valid(monkeypatch: pytest.Monke
     assert runs[0] == 6 and "forward" not in layer.__dict__  # the context is gone
 
 
-def test_memo_stays_within_its_budget_and_skips_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _layer()
-    layer = model[0]
-    monkeypatch.setattr(type(layer), "forward", type(layer).forward)
-    runs = _runs(layer)
+def test_memo_stays_within_its_budget_and_skips_gradients(counted: tuple[nn.Module, list[int]]) -> None:
+    model, runs = counted
     x = torch.randn(5, 8)
     one_call = x.numel() * 4 + 5 * 4 * 4
     with torch.no_grad(), layer_outputs_remembered(model, budget_bytes=one_call) as memo:
@@ -204,11 +202,8 @@ def test_memo_budget_zero_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
         assert memo.used == 0 and memo.budget == 0
 
 
-def test_memo_keeps_nothing_new_in_a_last_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _layer()
-    layer = model[0]
-    monkeypatch.setattr(type(layer), "forward", type(layer).forward)
-    runs = _runs(layer)
+def test_memo_keeps_nothing_new_in_a_last_pass(counted: tuple[nn.Module, list[int]]) -> None:
+    model, runs = counted
     x = torch.randn(5, 8)
     with torch.no_grad(), layer_outputs_remembered(model) as memo:
         memo.new_pass(keep_new=False)
