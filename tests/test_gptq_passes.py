@@ -32,19 +32,23 @@ INT4_CHANNEL = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_channe
 
 
 def _brevitas_sequential(model: nn.Module, *, act_order: bool) -> object:
-    """Brevitas's own gptq_mode: one layer per pass (the same per-layer GPTQ class as ours)."""
+    """Brevitas's own gptq_mode and GPTQ class: one layer per pass, Brevitas's Hessians and column loop."""
     from brevitas.graph.gptq import gptq_mode
 
-    from quark_brevitas.brevitas_adapter import gptq_class_checking_once
-
-    return gptq_mode(model, act_order=act_order, use_quant_activations=False, create_weight_orig=False,
-                     gptq_class=gptq_class_checking_once())
+    return gptq_mode(model, act_order=act_order, use_quant_activations=False, create_weight_orig=False)
 
 
 def _gptq(model: nn.Module, batches: list, act_order: bool, monkeypatch: pytest.MonkeyPatch | None = None,
-          exclude: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], int]:
-    """GPTQ's weights and its number of passes over a block's data."""
-    passes = [0]
+          exclude: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], int, int]:
+    """GPTQ's weights, its number of passes over a block's data and of inputs it turned into Hessian products."""
+    from brevitas.graph.gpxq import GPxQ
+
+    passes, products = [0], [0]
+    process_input = GPxQ.process_input
+
+    def processed(self: GPxQ, inputs: object) -> object:
+        products[0] += 1
+        return process_input(self, inputs)
 
     def counting(original: object) -> object:
         def counted(self: CalibrationData, model: nn.Module, desc: str, **kwargs: object) -> int:
@@ -56,6 +60,7 @@ def _gptq(model: nn.Module, batches: list, act_order: bool, monkeypatch: pytest.
     with pytest.MonkeyPatch.context() as patch:
         for owner in (BlockInputs, CalibrationData):  # block by block, whole model
             patch.setattr(owner, "forward", counting(owner.forward))
+        patch.setattr(GPxQ, "process_input", processed)
         if monkeypatch is not None:  # the reference: Brevitas's sequence, nothing remembered
             patch.setattr(gpxq, "gptq_mode", _brevitas_sequential)
             patch.setattr(gpxq.GPTQHandler, "remembers_outputs", False)
@@ -64,7 +69,7 @@ def _gptq(model: nn.Module, batches: list, act_order: bool, monkeypatch: pytest.
                         algo_config=[algos.GPTQ(act_order=act_order)], exclude=list(exclude))
         quant = ModelQuantizer(config).quantize_model(model, batches)
     weights = {name: p.detach().clone() for name, p in quant.named_parameters() if name.endswith("weight")}
-    return weights, passes[0]
+    return weights, passes[0], products[0]
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -74,8 +79,9 @@ def test_shared_input_passes_give_brevitas_sequential_weights(family: str, act_o
     build = {"llama": lambda: tiny_llama(2), "bert": lambda: tiny_bert(2)}[family]
     batches = token_batches(3) if family == "llama" else [{"input_ids": b} for b in token_batches(3)]
     exclude = ("lm_head",) if family == "llama" else ()
-    ours, our_passes = _gptq(build(), batches, act_order, exclude=exclude)
-    reference, reference_passes = _gptq(build(), batches, act_order, monkeypatch, exclude=exclude)
+    ours, our_passes, our_products = _gptq(build(), batches, act_order, exclude=exclude)
+    reference, reference_passes, reference_products = _gptq(build(), batches, act_order, monkeypatch,
+                                                            exclude=exclude)
     assert ours.keys() == reference.keys()
     for name, value in ours.items():
         assert torch.equal(value, reference[name]), name
@@ -83,6 +89,10 @@ def test_shared_input_passes_give_brevitas_sequential_weights(family: str, act_o
     layers = 7 if family == "llama" else 6
     assert reference_passes == 2 * layers + (1 if family == "bert" else 0)  # BERT's pooler is a unit of its own
     assert our_passes == 2 * 4 + (1 if family == "bert" else 0)
+    # One Hessian product per batch for the layers of a group (q/k/v: one instead of three; gate/up: one).
+    blocks, batches_per_pass = 2, 3
+    assert reference_products == blocks * batches_per_pass * layers + (batches_per_pass if family == "bert" else 0)
+    assert our_products == blocks * batches_per_pass * 4 + (batches_per_pass if family == "bert" else 0)
 
 
 class _Twice(nn.Module):
@@ -111,8 +121,8 @@ def test_an_input_changed_in_place_is_not_shared(in_place: bool, monkeypatch: py
         torch.manual_seed(1)
         return _Twice(in_place)
 
-    ours, our_passes = _gptq(build(), batches, False)
-    reference, reference_passes = _gptq(build(), batches, False, monkeypatch)
+    ours, our_passes, _ = _gptq(build(), batches, False)
+    reference, reference_passes, _ = _gptq(build(), batches, False, monkeypatch)
     for name, value in ours.items():
         assert torch.equal(value, reference[name]), name
     assert reference_passes == 2 and our_passes == (2 if in_place else 1)

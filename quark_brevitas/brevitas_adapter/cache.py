@@ -21,6 +21,7 @@ Part of the one door to Brevitas internals; re-exported by :mod:`quark_brevitas.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +142,32 @@ def gptq_class_checking_once() -> type:
                 raise StopFwdException
             return None
 
+        def compute_iterative_covariance(self, module: nn.Module, inputs: Any, current_layer: Any) -> None:
+            """Brevitas's running Hessian, with the outer product of a batch shared by the layers of a
+            :class:`SharedInputPass` that read the same raw input unquantized (their processed inputs, and so
+            their products, are equal): Brevitas's operations on the same values otherwise."""
+            if not isinstance(current_layer, SharedInputPass) or not _shares_products(self.layer):
+                return super().compute_iterative_covariance(module, inputs, current_layer)
+            current_layer.layer_names.add(self.name)
+            anchor = current_layer.anchor  # set by admits(), which also dropped any product of an earlier anchor
+            key = (id(anchor[0]), anchor[1], self.nsamples, self.dtype, int(self.columns))
+            if current_layer.product is not None and current_layer.product[0] == key:
+                batch_size, product = current_layer.product[1:]
+            else:
+                processed = self.process_input(inputs)
+                batch_size = processed.shape[-1]
+                processed = math.sqrt(2 / (self.nsamples + batch_size)) * processed.to(self.dtype)
+                product = processed.bmm(processed.transpose(2, 1))
+                current_layer.product = (key, batch_size, product)
+            self.H *= self.nsamples / (self.nsamples + batch_size)
+            self.nsamples += batch_size
+            if self.use_intermediate_buffer:
+                self.B.copy_(product)
+                self.H += self.B
+            else:
+                self.H += product
+            return None
+
         def single_layer_update(self, percdamp: float = .01, c: float = 1e4) -> None:
             grid = _column_grid(self.layer, self.groups, False)
             if grid is None or hasattr(self.layer, "allocate_params") or any(
@@ -246,12 +273,15 @@ class SharedInputPass(LayerHandler):
     anchor: Any = None
     members: list[str] = field(default_factory=list)
     decided: bool = False
+    #: ``(key, batch size, product)`` of the last outer product (the call's input, the Hessian's state).
+    product: Any = None
 
     def admits(self, name: str, inputs: Any) -> bool:
         """Whether layer ``name``'s call with ``inputs`` belongs to this pass's group (then its Hessian grows)."""
         value = inputs[0] if isinstance(inputs, tuple) and inputs else None
         if self.anchor is None:  # the first layer this call reaches: Brevitas's layer of the pass
             self.anchor = (value, getattr(value, "_version", None))
+            self.product = None  # a product belongs to one anchor (ids of freed tensors are reused)
         elif not (isinstance(value, torch.Tensor) and value is self.anchor[0]
                   and value._version == self.anchor[1]) or (self.decided and name not in self.members):
             self.decided = self.decided or bool(self.members)
@@ -265,16 +295,23 @@ class SharedInputPass(LayerHandler):
         return self.decided and name == self.members[-1]
 
     def call_started(self) -> None:
-        self.anchor = None
+        self.anchor = self.product = None
 
     def call_ended(self) -> None:
         """A call that ran to its end (no layer after the group) also fixes the group."""
-        self.anchor = None
+        self.anchor = self.product = None
         self.decided = self.decided or bool(self.members)
 
     def pass_ended(self) -> None:
-        self.anchor, self.decided = None, False
+        self.anchor, self.product, self.decided = None, None, False
         self.members.clear()
+
+
+def _shares_products(layer: nn.Module) -> bool:
+    """Whether a layer's processed GPTQ input is a function of its raw input alone: a Linear whose input
+    quantizer is off (GPTQ's passes run with activation quantization off)."""
+    input_quant = getattr(layer, "input_quant", None)
+    return isinstance(layer, nn.Linear) and not getattr(input_quant, "is_quant_enabled", False)
 
 
 def shared_input_gptq_mode() -> type:
