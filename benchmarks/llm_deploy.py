@@ -54,6 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import llamacpp  # noqa: E402
 import llm  # noqa: E402  (the trained Llama, its tokens and its recipes)
 from llm_deploy_hf import section_formats  # noqa: E402
 from tables import format_table  # noqa: E402
@@ -80,6 +81,8 @@ class Row:
     speed_size_mb: float | None = None
     perplexity: float | None = None
     tokens_per_s: dict[int, float] = field(default_factory=dict)
+    #: The row its tokens/s are compared with (the float file of the same runtime).
+    baseline: str = "float ONNX"
 
 
 ROWS: dict[str, Row] = {}
@@ -342,16 +345,28 @@ def section_speed(work: Path, threads: list[int], repeats: int, new_tokens: int,
                          ", ".join(f"{s:.1f}" for s in samples[path]))
             for name in names:
                 add_row(name, speed_size_mb=_mb(path)).tokens_per_s[n_threads] = median
+    reason = llamacpp.missing()
+    if reason is not None:
+        print(f"llama.cpp tokens/s: skipped: {reason}")
+        return
+    from quark_brevitas import ModelQuantizer
+    from quark_brevitas.config.presets import get_preset
+
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.load_state_dict(float_state)
+    quant = ModelQuantizer(get_preset("gguf_q4_0")).quantize_model(model, None)
+    rows = llamacpp.speed_rows(model, quant, work, prompt[0].tolist(), new_tokens, threads, repeats)
+    for name, (path, speeds) in rows.items():
+        add_row(name, speed_size_mb=_mb(path), baseline="float GGUF (F32), llama.cpp").tokens_per_s.update(speeds)
 
 
 def render(threads: list[int]) -> str:
     header = ["format", "file MB (trained 4x256)", "file MB (1024 x 8)", "perplexity (trained)",
               *[f"tokens/s, {t} thread{'s' if t > 1 else ''}" for t in threads]]
-    float_speed = ROWS["float ONNX"].tokens_per_s if "float ONNX" in ROWS else {}
-
     def speed(row: Row, t: int) -> str:
         if t not in row.tokens_per_s:
             return "-"
+        float_speed = ROWS[row.baseline].tokens_per_s if row.baseline in ROWS else {}
         ratio = f" ({row.tokens_per_s[t] / float_speed[t]:.2f}x)" if t in float_speed else ""
         return f"{row.tokens_per_s[t]:.1f}{ratio}"
 

@@ -12,18 +12,19 @@ computes when it loads each file, on the trained Llama.
   transformers loading the file (``from_pretrained(dir, gguf_file=...)``, which dequantizes to float).
 * **compressed-tensors** W4 per group of 128, symmetric (GPTQ, RTN) and asymmetric (RTN): transformers loading
   our folder (the ``compressed-tensors`` package decompresses it).
-* llama.cpp tokens/s only where ``llama-cpp-python`` is installed.
+* the same GGUF files in llama.cpp (perplexity of what llama.cpp computes), where ``llama-cpp-python`` is
+  installed (:mod:`llamacpp`; its tokens/s rows come with the speed section).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import llamacpp
 import llm
 import torch
 
@@ -131,12 +132,15 @@ def section_formats(work: Path, eval_sequences: int, calib_sequences: int, gptq:
     if gptq:
         gguf_recipes.update({"GGUF Q4_0, ours GPTQ": (True, False), "GGUF Q4_0, ours GPTQ, MSE scales": (True, True)})
     ours_file = None
+    gguf_files: dict[str, Path] = {}
     for name, (use_gptq, mse) in gguf_recipes.items():
         quant = ModelQuantizer(_gguf_config(use_gptq, mse)).quantize_model(fresh(), calib if use_gptq else None)
         path = export_gguf(quant, work / name.replace(" ", "_").replace(",", ""))
         ours_file = ours_file or path
+        gguf_files[name] = path
         row(name, path, _gguf_loaded(path), quant)
     rtn = gguf_package_q4_0(ours_file, fresh(), work / "gguf_package_q4_0")
+    gguf_files["GGUF Q4_0, gguf package RTN (llama.cpp quantize)"] = rtn
     row("GGUF Q4_0, gguf package RTN (llama.cpp quantize)", rtn, _gguf_loaded(rtn))
 
     ct_recipes = {"compressed-tensors W4 g128 sym, ours RTN": "rtn_w4_g128",
@@ -148,5 +152,11 @@ def section_formats(work: Path, eval_sequences: int, calib_sequences: int, gptq:
         path = export_safetensors(quant, work / f"ct_{recipe}")
         row(name, path, transformers.AutoModelForCausalLM.from_pretrained(path).eval(), quant)
 
-    if importlib.util.find_spec("llama_cpp") is None:
-        print("llama.cpp tokens/s: skipped: llama-cpp-python not installed")
+    reason = llamacpp.missing()
+    if reason is not None:
+        print(f"llama.cpp perplexity: skipped: {reason}")
+        return
+    for name, path in gguf_files.items():
+        ppl = llamacpp.perplexity(path, evaluation)
+        add_row(f"{name}, in llama.cpp", size_mb=_size_mb(path), perplexity=ppl)
+        logging.info("%s in llama.cpp: perplexity %.4f", name, ppl)

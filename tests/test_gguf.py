@@ -191,6 +191,27 @@ def test_tokenizer_is_written_and_read_back(tmp_path: Path) -> None:
     assert loaded(text)["input_ids"][-len(fast(text)["input_ids"]):] == fast(text)["input_ids"]
 
 
+def test_token_list_is_padded_to_the_embedding_rows(tmp_path: Path) -> None:
+    """llama.cpp sizes the embedding from the token list and refused our file when the tokenizer had fewer tokens
+    than the model's vocab_size (the test tokenizer: 61 of 128; Qwen2: 151,665 of 151,936): unused ids are written
+    as ``[PAD<id>]`` tokens of type UNUSED, as llama.cpp's converter does; more tokens than rows is refused."""
+    fast = _bpe_tokenizer(tmp_path / "tok")
+    assert len(fast) < VOCAB
+    quant = ModelQuantizer(get_preset("gguf_q8_0")).quantize_model(tiny_llama())
+    fields = gguf.GGUFReader(str(export_gguf(quant, tmp_path / "out", tokenizer_path=tmp_path / "tok"))).fields
+    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in fields["tokenizer.ggml.tokens"].data]
+    types = [int(fields["tokenizer.ggml.token_type"].parts[i][0]) for i in fields["tokenizer.ggml.token_type"].data]
+    assert len(tokens) == len(types) == VOCAB
+    assert tokens[len(fast):] == [f"[PAD{i}]" for i in range(len(fast), VOCAB)]
+    unused = int(gguf.TokenType.UNUSED)
+    assert set(types[len(fast):]) == {unused} and unused not in types[:len(fast)]
+    small = transformers.LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=4)
+    narrow = ModelQuantizer(get_preset("gguf_q8_0")).quantize_model(transformers.LlamaForCausalLM(small).eval())
+    with pytest.raises(ExportError, match=r"token ids up to 60, but the model's embedding has 32 rows"):
+        export_gguf(narrow, tmp_path / "narrow", tokenizer_path=tmp_path / "tok")
+
+
 # ===================================================================== GPT-2 and tied heads
 def _gpt2_config(exclude: list[str] | None = None) -> Config:
     """The gguf_q4_0 preset's layer config for GPT-2's Conv1D projections too (the preset covers nn.Linear only)."""
@@ -323,3 +344,26 @@ def test_streamed_checkpoint_gives_the_in_memory_files_tensors(tmp_path: Path) -
         assert np.array_equal(np.asarray(written[name].data), np.asarray(tensor.data)), name
     assert sum(t.tensor_type.name == "Q4_1" for t in written.values()) == 15
     assert not list(tmp_path.glob(".streamed.blocks-*"))  # the spilled blocks are gone
+
+
+# ===================================================================== optional: llama.cpp itself
+@pytest.mark.parametrize("preset", sorted(TYPES))
+def test_llama_cpp_loads_our_file_and_computes_the_quantized_model(preset: str, tmp_path: Path) -> None:
+    """llama.cpp (llama-cpp-python, the optional extra [llamacpp]) reads the file, tokenizer included, and its logits
+    follow the quantized model's: not bit for bit, because llama.cpp's quantized products also quantize the
+    activations (8 bits per block of 32), so the check is the relative error and the predicted tokens."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the extra [llamacpp])")
+    _bpe_tokenizer(tmp_path / "tok")
+    quant = _quantize(tiny_llama(kv_heads=2), get_preset(preset))
+    path = export_gguf(quant, tmp_path / "out", tokenizer_path=tmp_path / "tok")
+    tokens = token_batches(1, seed=3)[0][0]
+    runner = llama_cpp.Llama(model_path=str(path), n_ctx=len(tokens), logits_all=True, n_threads=1, verbose=False)
+    runner.eval(tokens.tolist())
+    theirs = torch.tensor(np.asarray(runner.scores[:len(tokens)]), dtype=torch.float32)
+    with torch.no_grad():
+        ours, float_logits = quant(tokens[None]).logits[0], tiny_llama(kv_heads=2)(tokens[None]).logits[0]
+    error, float_error = (float((logits - ours).norm() / ours.norm()) for logits in (theirs, float_logits))
+    assert error < 0.05, error  # tiny_llama's outlier channels make llama.cpp's 8-bit activations cost ~2 %
+    if preset != "gguf_q8_0":  # 4-bit weights: far closer to ours than the float model is (Q8_0 is near float)
+        assert error < 0.25 * float_error, (error, float_error)
+    assert float((theirs.argmax(-1) == ours.argmax(-1)).float().mean()) >= 0.9

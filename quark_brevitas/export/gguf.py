@@ -241,9 +241,14 @@ def _special_ids(path: Path, vocab: dict[str, int]) -> dict[str, int]:
     return found
 
 
-def _add_tokenizer(writer: Any, gguf: Any, path: Path, pre: str) -> None:
+def _add_tokenizer(writer: Any, gguf: Any, path: Path, pre: str, vocab_size: int | None) -> None:
     """A byte-level BPE tokenizer (tokenizer.json) as llama.cpp's ``gpt2`` tokenizer: tokens by id, their
-    types (added special tokens are control tokens), merges and the special token ids."""
+    types (added special tokens are control tokens), merges and the special token ids.
+
+    llama.cpp sizes the embedding from the token list and refuses a file whose table has another number of rows,
+    so ids the tokenizer does not use, up to the model's ``vocab_size`` (models pad their vocabulary: Qwen2's
+    151,936 rows for 151,665 tokens), are written as unused ``[PAD<id>]`` tokens, as llama.cpp's own converter
+    writes them."""
     data = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
     model = data.get("model", {})
     if model.get("type") != "BPE":
@@ -255,15 +260,21 @@ def _add_tokenizer(writer: Any, gguf: Any, path: Path, pre: str) -> None:
         vocab.setdefault(added["content"], added["id"])
         if added.get("special"):
             special.add(added["id"])
-    tokens = [""] * (max(vocab.values()) + 1)
+    used = max(vocab.values()) + 1
+    if vocab_size is not None and used > vocab_size:
+        raise ExportError(f"tokenizer {str(path / 'tokenizer.json')!r} has token ids up to {used - 1}, but the model's "
+                          f"embedding has {vocab_size} rows (config.vocab_size): give the model's own tokenizer")
+    count = max(used, vocab_size or 0)
+    tokens: list[str | None] = [None] * count
     for token, index in vocab.items():
         tokens[index] = token
+    types = [gguf.TokenType.UNUSED if token is None else gguf.TokenType.CONTROL if i in special
+             else gguf.TokenType.NORMAL for i, token in enumerate(tokens)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-                            for i in range(len(tokens))])
+    writer.add_token_list([f"[PAD{i}]" if token is None else token for i, token in enumerate(tokens)])
+    writer.add_token_types(types)
     writer.add_token_merges(merges)
     ids = _special_ids(path, vocab)
     for role, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
@@ -435,7 +446,8 @@ def write_gguf(plan: GGUFPlan, config: Any, tensors: list[GGUFTensor], output_di
         writer = gguf.GGUFWriter(str(work / GGUF_FILE_NAME), plan.family.arch)
         _add_architecture(writer, config, plan.family_name, plan.family)
         if plan.tokenizer_dir is not None:
-            _add_tokenizer(writer, gguf, plan.tokenizer_dir, plan.family.tokenizer_pre)
+            _add_tokenizer(writer, gguf, plan.tokenizer_dir, plan.family.tokenizer_pre,
+                           _config_value(config, "vocab_size", default=None))
         for tensor in tensors:
             raw = None if tensor.qtype == "F32" else gguf.GGMLQuantizationType[tensor.qtype]
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=raw)
