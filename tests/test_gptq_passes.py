@@ -223,3 +223,22 @@ def test_memo_keeps_nothing_new_in_a_last_pass(counted: tuple[nn.Module, list[in
         model(x)
         model(x)
         assert runs[0] == 3 and memo.used > 0  # kept now (the second call is call 1 of the pass: a new entry)
+
+
+@pytest.mark.parametrize("offload", [None, "disk"])
+def test_offloading_activations_turns_the_memo_off(offload: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user who offloads the cached activations to disk asked for memory: GPTQ keeps no layer outputs then."""
+    from quark_brevitas.brevitas_adapter import LAYER_OUTPUT_BUDGET
+
+    budgets: list[int] = []
+    original = LayerOutputs.__init__
+
+    def recorded(self: LayerOutputs, budget_bytes: int) -> None:
+        budgets.append(budget_bytes)
+        original(self, budget_bytes)
+
+    monkeypatch.setattr(LayerOutputs, "__init__", recorded)
+    config = Config(QuantizationConfig(weight=INT4_CHANNEL), pre_quant_opt_config=[], algo_config=[algos.GPTQ()],
+                    exclude=["lm_head"])
+    ModelQuantizer(config).quantize_model(tiny_llama(2), token_batches(2), offload=offload)
+    assert budgets == [0 if offload else LAYER_OUTPUT_BUDGET] * 2  # one GPTQ run per block

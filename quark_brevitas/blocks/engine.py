@@ -41,6 +41,7 @@ from quark_brevitas.blocks.protocol import UnitQuantizer
 from quark_brevitas.blocks.sources import BlockSource, SoloLayer
 from quark_brevitas.blocks.stack import outside_layers
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory, detached
+from quark_brevitas.brevitas_adapter import layer_output_budget
 from quark_brevitas.calibration.data import BlockInputs, CalibrationData
 from quark_brevitas.errors import ModelError
 
@@ -266,7 +267,10 @@ class BlockwiseEngine:
         logger.info("Block %d/%d (%s)", index + 1, len(self.stack), name)
         block = self.source.load(index, self.stack[index])
         self.stack[index] = block
-        block = self._quantizer().quantize_unit(block, name, self._block_inputs(hidden, name))
+        # Offloaded activations: the user asked for memory, so the algorithms keep no layer outputs in memory.
+        budget = layer_output_budget(0) if self.stores.directory is not None else contextlib.nullcontext()
+        with budget:
+            block = self._quantizer().quantize_unit(block, name, self._block_inputs(hidden, name))
         self.stack[index] = block
         return self._propagate(index, block, hidden)
 

@@ -96,6 +96,7 @@ from quark_brevitas.brevitas_adapter.introspection import (  # noqa: E402
 from quark_brevitas.brevitas_adapter.memo import (  # noqa: E402
     LAYER_OUTPUT_BUDGET,
     LayerOutputs,
+    layer_output_budget,
     layer_outputs_remembered,
 )
 from quark_brevitas.brevitas_adapter.modes import (  # noqa: E402
@@ -147,6 +148,7 @@ register_pickling()  # torch.save(model) says what to use instead of a PicklingE
 __all__ = [
     "LAYER_OUTPUT_BUDGET",
     "LayerOutputs",
+    "layer_output_budget",
     "layer_outputs_remembered",
     "gptq_class_checking_once",
     "weights_quantized_once",

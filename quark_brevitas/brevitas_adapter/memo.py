@@ -22,6 +22,7 @@ gradients are remembered. Part of the one door to Brevitas internals; re-exporte
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
@@ -32,11 +33,25 @@ from torch import nn
 
 from quark_brevitas.brevitas_adapter.cache import quant_layers
 
-__all__ = ["LAYER_OUTPUT_BUDGET", "LayerOutputs", "layer_outputs_remembered"]
+__all__ = ["LAYER_OUTPUT_BUDGET", "LayerOutputs", "layer_output_budget", "layer_outputs_remembered"]
 
 #: Bytes of inputs and outputs :func:`layer_outputs_remembered` keeps at most unless told otherwise (512 MiB; read
 #: at each call, so a user short of memory can lower it, 0 turning the memo off).
 LAYER_OUTPUT_BUDGET = 512 * 2**20
+
+#: The budget :func:`layer_output_budget` sets for the code it wraps (``None``: :data:`LAYER_OUTPUT_BUDGET`).
+_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar("layer_output_budget", default=None)
+
+
+@contextlib.contextmanager
+def layer_output_budget(budget_bytes: int) -> Iterator[None]:
+    """Memos opened while the context lasts keep at most ``budget_bytes`` (0: none). The block engine sets 0 when
+    the user offloads cached activations to disk: that user asked for memory, not speed."""
+    token = _BUDGET.set(budget_bytes)
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
 
 
 class _Entry(NamedTuple):
@@ -122,8 +137,11 @@ def _remembering(memo: LayerOutputs, layer: QuantWeightBiasInputOutputLayer, for
 @contextlib.contextmanager
 def layer_outputs_remembered(model: nn.Module, budget_bytes: int | None = None) -> Iterator[LayerOutputs]:
     """While the context lasts, the quantized layers of ``model`` return remembered outputs where they can
-    (:class:`LayerOutputs`, keeping at most ``budget_bytes``, by default :data:`LAYER_OUTPUT_BUDGET`); the caller
+    (:class:`LayerOutputs`, keeping at most ``budget_bytes``, by default the budget of the enclosing
+    :func:`layer_output_budget`, else :data:`LAYER_OUTPUT_BUDGET`); the caller
     marks passes (``new_pass``) and the layers it changes (``forget``)."""
+    if budget_bytes is None:
+        budget_bytes = _BUDGET.get()
     memo = LayerOutputs(LAYER_OUTPUT_BUDGET if budget_bytes is None else budget_bytes)
     installed = []
     for layer in quant_layers(model):
