@@ -137,8 +137,7 @@ def gptq_class_checking_once() -> type:
             if not current_layer.admits(self.name, inputs):
                 raise StopFwdException
             self.compute_iterative_covariance(module, inputs, current_layer)
-            if current_layer.complete_after(self.name):
-                current_layer.anchor = None  # this call ends here
+            if current_layer.ends_after(self.name):
                 raise StopFwdException
             return None
 
@@ -149,8 +148,7 @@ def gptq_class_checking_once() -> type:
             if not isinstance(current_layer, SharedInputPass) or not _shares_products(self.layer):
                 return super().compute_iterative_covariance(module, inputs, current_layer)
             current_layer.layer_names.add(self.name)
-            anchor = current_layer.anchor  # set by admits(), which also dropped any product of an earlier anchor
-            key = (id(anchor[0]), anchor[1], self.nsamples, self.dtype, int(self.columns))
+            key = (self.nsamples, self.dtype, int(self.columns))  # the product is of this call's anchor
             if current_layer.product is not None and current_layer.product[0] == key:
                 batch_size, product = current_layer.product[1:]
             else:
@@ -267,13 +265,14 @@ class SharedInputPass(LayerHandler):
 
     The first layer a call reaches sets ``anchor`` (its input); later layers join while their input is that
     tensor. In the pass's first call the group is found (``members``, in call order) and the call stops at
-    the first layer with another input; later calls stop after the last member (``complete_after``).
+    the first layer with another input; later calls stop after the last member (``ends_after``).
     """
 
     anchor: Any = None
     members: list[str] = field(default_factory=list)
     decided: bool = False
-    #: ``(key, batch size, product)`` of the last outer product (the call's input, the Hessian's state).
+    #: ``(key, batch size, product)`` of the last outer product of the anchor's input (the key: the Hessian's
+    #: state); dropped whenever the anchor changes.
     product: Any = None
 
     def admits(self, name: str, inputs: Any) -> bool:
@@ -285,14 +284,18 @@ class SharedInputPass(LayerHandler):
         elif not (isinstance(value, torch.Tensor) and value is self.anchor[0]
                   and value._version == self.anchor[1]) or (self.decided and name not in self.members):
             self.decided = self.decided or bool(self.members)
-            self.anchor = None  # this call ends here
+            self.anchor = self.product = None  # this call ends here
             return False
         if not self.decided and name not in self.members:
             self.members.append(name)
         return True
 
-    def complete_after(self, name: str) -> bool:
-        return self.decided and name == self.members[-1]
+    def ends_after(self, name: str) -> bool:
+        """Whether the call ends after layer ``name`` (the group's last member, once the group is known)."""
+        if self.decided and name == self.members[-1]:
+            self.anchor = self.product = None
+            return True
+        return False
 
     def call_started(self) -> None:
         self.anchor = self.product = None

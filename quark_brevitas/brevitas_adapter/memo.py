@@ -107,9 +107,10 @@ class LayerOutputs:
         if entry is not None:
             self.used -= entry.nbytes
             entries[ordinal] = None
-        nbytes = value.numel() * value.element_size() + (
-            output.numel() * output.element_size() if isinstance(output, torch.Tensor) else 0)
-        if self.keep_new and type(output) is torch.Tensor and self.used + nbytes <= self.budget:
+        if not self.keep_new or type(output) is not torch.Tensor:
+            return output
+        nbytes = value.numel() * value.element_size() + output.numel() * output.element_size()
+        if self.used + nbytes <= self.budget:
             entries.extend([None] * (ordinal + 1 - len(entries)))
             entries[ordinal] = _Entry(state, value, value._version, output, output._version, nbytes)
             self.used += nbytes
