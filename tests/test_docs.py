@@ -17,8 +17,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import yaml
-
 from docs_blocks import GIVENS, ROOT, Block, blocks_of, documentation_files
 
 CODE = {"python", "bash", "yaml", "json"}
