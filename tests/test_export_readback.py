@@ -1,0 +1,224 @@
+"""What an export writes is proven on disk: streamed exports equal the in-memory export byte for byte, spill files
+cannot collide, and a file changed after its proof is caught by the read-back before anything is moved into place.
+
+Issue 27, item 1. The regression: a streamed GGUF export numbered the spill files of one block from
+``len(tensors)`` while ``list.extend`` was still appending, so block 1 of Qwen2 (12 tensors a block) and GPT-2
+overwrote files block 0 still memory-mapped (``OSError: 34816 requested and 3968 written``, or, where the sizes
+coincided, another layer's weights in the file). Llama (9 tensors a block) escaped by parity.
+
+Byte for byte: a GGUF file is one file in both exports and is compared whole. A streamed safetensors folder holds one
+shard per block, one for the rest and an index, where the in-memory export writes one ``model.safetensors``; each
+shard is compared with the safetensors file that serialises the in-memory export's tensors of the same names (the
+serialisation is deterministic), and ``config.json`` is compared whole (nothing normalised).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from llm_models import VOCAB, token_batches  # noqa: E402
+from safetensors.torch import load_file, save  # noqa: E402
+
+from quark_brevitas import Config, QLayerConfig  # noqa: E402
+from quark_brevitas.config.presets import get_preset  # noqa: E402
+from quark_brevitas.export import export_gguf, export_safetensors  # noqa: E402
+from quark_brevitas.export import gguf as gguf_export  # noqa: E402
+from quark_brevitas.export import readback  # noqa: E402
+from quark_brevitas.export import safetensors_hf as safetensors_export  # noqa: E402
+from quark_brevitas.export.readback import ReadBackError  # noqa: E402
+from quark_brevitas.hf import export_streamed  # noqa: E402
+from quark_brevitas.hf.export_streamed import export_gguf_streamed, export_safetensors_streamed  # noqa: E402
+from quark_brevitas.hf.streaming import load_pretrained_quantized, quantize_pretrained  # noqa: E402
+
+_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": VOCAB}
+FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SIZES)),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**_SIZES)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_SIZES)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)),
+}
+#: Tensors per block in the GGUF file: Llama/Mistral 9, Qwen2 12 (q/k/v biases), GPT-2 12 (biases, two norms).
+BLOCK_TENSORS = {"llama": 9, "mistral": 9, "qwen2": 12, "gpt2": 12}
+FOLDERS = ("compressed-tensors", "quark")
+
+
+def _config(family: str, preset: str) -> Config:
+    """The preset; for GPT-2 its layer config on the Conv1D projections too (the presets cover nn.Linear only)."""
+    if family != "gpt2":
+        return get_preset(preset)
+    layer = get_preset(preset).layer_type_quant_config["Linear"]
+    return Config(QLayerConfig(), layer_type_quant_config={"Linear": layer, "Conv1D": layer}, pre_quant_opt_config=[])
+
+
+def _checkpoint(family: str, preset: str, root: Path) -> Path:
+    """A block-by-block checkpoint of the tiny ``family`` model, whose float folder is deleted afterwards."""
+    torch.manual_seed(0)
+    FAMILIES[family]().eval().save_pretrained(root / "float")
+    checkpoint = quantize_pretrained(root / "float", _config(family, preset),
+                                     [{"input_ids": t} for t in token_batches(1, batch=2, length=16)], root / "ckpt")
+    shutil.rmtree(root / "float")
+    return checkpoint
+
+
+def _same_folder(streamed: Path, whole: Path) -> None:
+    """Each shard is the in-memory export's tensors of the same names, serialised: the same bytes."""
+    index = json.loads((streamed / "model.safetensors.index.json").read_text())
+    expected = load_file(str(whole / "model.safetensors"))
+    assert sorted(index["weight_map"]) == sorted(expected)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in expected.values())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) == 3 and not (streamed / "model.safetensors").exists()  # two blocks and the rest
+    for shard in shards:
+        names = [name for name, file in index["weight_map"].items() if file == shard]
+        assert (streamed / shard).read_bytes() == save({n: expected[n] for n in names}, metadata={"format": "pt"})
+    assert (streamed / "config.json").read_bytes() == (whole / "config.json").read_bytes()
+
+
+def _check_family(family: str, preset: str, root: Path) -> None:
+    """Every streamed format of one checkpoint equals the in-memory export of the same model, byte for byte."""
+    checkpoint = _checkpoint(family, preset, root)
+    model = load_pretrained_quantized(checkpoint)
+    streamed = export_gguf_streamed(checkpoint, root / "gguf-streamed")
+    whole = export_gguf(model, root / "gguf-whole")
+    assert streamed.read_bytes() == whole.read_bytes()
+    tensors = gguf.GGUFReader(str(streamed)).tensors
+    assert len(tensors) == 2 * BLOCK_TENSORS[family] + (5 if family == "gpt2" else 3)  # wte, wpe, ln_f x2, output
+    qtype = {"gguf_q8_0": "Q8_0", "gguf_q4_0": "Q4_0", "gguf_q4_1": "Q4_1"}[preset]
+    assert sum(t.tensor_type.name == qtype for t in tensors) == (2 * 4 + 1 if family == "gpt2" else 2 * 7 + 1)
+    assert not list(root.glob(".gguf-streamed.blocks-*"))  # the spill folder is gone
+    for fmt in FOLDERS:
+        folder = export_safetensors_streamed(checkpoint, root / f"{fmt}-streamed", format=fmt)
+        _same_folder(folder, export_safetensors(model, root / f"{fmt}-whole", format=fmt))
+
+
+# ===================================================================== the regression, fast
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_streamed_gguf_of_qwen2_and_gpt2_is_the_in_memory_file(family: str, tmp_path: Path) -> None:
+    """Failed on the old code: OSError from the spill file block 1 rewrote under block 0's memory map."""
+    checkpoint = _checkpoint(family, "gguf_q8_0", tmp_path)
+    streamed = export_gguf_streamed(checkpoint, tmp_path / "streamed")
+    whole = export_gguf(load_pretrained_quantized(checkpoint), tmp_path / "whole")
+    assert streamed.read_bytes() == whole.read_bytes()
+
+
+# ===================================================================== every family, format and recipe
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["gguf_q8_0", "gguf_q4_0", "gguf_q4_1"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_streamed_format_equals_the_in_memory_export_byte_for_byte(family: str, preset: str,
+                                                                        tmp_path: Path) -> None:
+    _check_family(family, preset, tmp_path)
+
+
+# ===================================================================== the read-back catches what changed on disk
+@pytest.fixture(scope="module")
+def qwen2_checkpoint(tmp_path_factory) -> Path:
+    return _checkpoint("qwen2", "gguf_q8_0", tmp_path_factory.mktemp("qwen2"))
+
+
+def test_spill_names_never_repeat_and_a_reused_name_is_refused(tmp_path: Path) -> None:
+    spill = export_streamed._Spill(tmp_path)
+    tensors = [gguf_export.GGUFTensor(f"t{i}", np.full((2, 3), i, np.float32), "F32") for i in range(5)]
+    spilled = [spill(t) for t in tensors]
+    assert len({p.name for p in tmp_path.iterdir()}) == 5
+    assert all(np.array_equal(s.data, t.data) and s.digest == readback.array_digest(t.data)
+               for s, t in zip(spilled, tensors))
+    spill._numbers = iter([0])  # a name used twice is an error, never a file rewritten under a memory map
+    with pytest.raises(FileExistsError):
+        spill(tensors[0])
+    assert np.array_equal(spilled[0].data, tensors[0].data)
+
+
+def test_a_spill_collision_is_caught_by_the_read_back(qwen2_checkpoint: Path, tmp_path: Path, monkeypatch) -> None:
+    """The old bug where sizes coincide: a later tensor's spill rewrites an earlier one's file of the same size.
+    The file is then written from the changed memory map; the read-back (bytes against the digest taken at proof
+    time) names the tensor and file, and nothing is moved into place."""
+    spill_call = export_streamed._Spill.__call__
+    sizes: dict[int, Path] = {}
+    victims: list[str] = []
+
+    def colliding(self, tensor):
+        result = spill_call(self, tensor)
+        path = Path(result.data.filename)
+        size = path.stat().st_size
+        if size in sizes and not victims:
+            with open(sizes[size], "r+b") as handle:  # same inode: the earlier memory map sees the new bytes
+                handle.write(path.read_bytes())
+            victims.append(sizes[size].name)
+        sizes.setdefault(size, path)
+        return result
+
+    monkeypatch.setattr(export_streamed._Spill, "__call__", colliding)
+    with pytest.raises(ReadBackError, match=r"tensor '[^']+' of '.*out/model\.gguf', read back from disk.*other "
+                                            r"bytes than the ones proven.*not moved into place"):
+        export_gguf_streamed(qwen2_checkpoint, tmp_path / "out")
+    assert victims and not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == []  # no partial folder, no spill folder
+
+
+def _corrupt_then(verify: Callable, offset_from_end: int = 7) -> Callable:
+    """``verify`` (a read-back function whose first path argument is the written file) run after byte
+    ``offset_from_end`` from the file's end was flipped: the file changed on disk after it was written."""
+
+    def corrupting(*args):
+        written = next(a for a in args if isinstance(a, Path))
+        data = bytearray(written.read_bytes())
+        data[-offset_from_end] ^= 0xFF
+        written.write_bytes(bytes(data))
+        return verify(*args)
+
+    return corrupting
+
+
+def test_a_gguf_file_changed_on_disk_is_caught_before_it_is_moved(qwen2_checkpoint: Path, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    monkeypatch.setattr(gguf_export, "verify_gguf_file", _corrupt_then(readback.verify_gguf_file))
+    with pytest.raises(ReadBackError, match=r"tensor 'output\.weight' of '.*streamed/model\.gguf'"):
+        export_gguf_streamed(qwen2_checkpoint, tmp_path / "streamed")
+    model = load_pretrained_quantized(qwen2_checkpoint)
+    with pytest.raises(ReadBackError, match=r"tensor 'output\.weight' of '.*whole/model\.gguf'"):
+        export_gguf(model, tmp_path / "whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt", FOLDERS)
+def test_a_safetensors_file_changed_on_disk_is_caught_before_it_is_moved(fmt: str, qwen2_checkpoint: Path,
+                                                                         tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(export_streamed, "verify_safetensors_file", _corrupt_then(readback.verify_safetensors_file))
+    with pytest.raises(ReadBackError, match=r"tensor '[^']+' of '.*streamed/model-00000\.safetensors'.*SHA-256"):
+        export_safetensors_streamed(qwen2_checkpoint, tmp_path / "streamed", format=fmt)
+    monkeypatch.setattr(safetensors_export, "verify_safetensors_file", _corrupt_then(readback.verify_safetensors_file))
+    with pytest.raises(ReadBackError, match=r"tensor '[^']+' of '.*whole/model\.safetensors'.*SHA-256"):
+        export_safetensors(load_pretrained_quantized(qwen2_checkpoint), tmp_path / "whole", format=fmt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_existing_output_is_kept_when_the_read_back_fails(qwen2_checkpoint: Path, tmp_path: Path,
+                                                             monkeypatch) -> None:
+    first = export_gguf_streamed(qwen2_checkpoint, tmp_path / "out")
+    before = first.read_bytes()
+    monkeypatch.setattr(gguf_export, "verify_gguf_file", _corrupt_then(readback.verify_gguf_file))
+    with pytest.raises(ReadBackError):
+        export_gguf_streamed(qwen2_checkpoint, tmp_path / "out", overwrite=True)
+    assert first.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_truncated_file_is_not_readable_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    tensors = {"w": torch.arange(6, dtype=torch.float32)}
+    path.write_bytes(save(tensors)[:-3])
+    with pytest.raises(ReadBackError, match=r"'.*shown\.safetensors'.*not a readable safetensors file"):
+        readback.verify_safetensors_file(path, tmp_path / "shown.safetensors", readback.records_of(tensors))
