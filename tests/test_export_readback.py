@@ -32,10 +32,8 @@ from safetensors.torch import load_file, save  # noqa: E402
 
 from quark_brevitas import Config, QLayerConfig  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
-from quark_brevitas.export import export_gguf, export_safetensors  # noqa: E402
+from quark_brevitas.export import export_gguf, export_safetensors, readback  # noqa: E402
 from quark_brevitas.export import gguf as gguf_export  # noqa: E402
-from quark_brevitas.export import readback  # noqa: E402
-from quark_brevitas.export import safetensors_hf as safetensors_export  # noqa: E402
 from quark_brevitas.export.readback import ReadBackError  # noqa: E402
 from quark_brevitas.hf import export_streamed  # noqa: E402
 from quark_brevitas.hf.export_streamed import export_gguf_streamed, export_safetensors_streamed  # noqa: E402
@@ -142,26 +140,35 @@ def test_spill_names_never_repeat_and_a_reused_name_is_refused(tmp_path: Path) -
     assert np.array_equal(spilled[0].data, tensors[0].data)
 
 
+def _spill_file(file) -> Path | None:
+    """The ``.npy`` spill file ``np.save`` just wrote to ``file`` (a path or an open handle), else ``None``."""
+    if hasattr(file, "flush"):
+        file.flush()
+    path = Path(getattr(file, "name", file))
+    return path if path.suffix == ".npy" and path.parent.name.startswith(".out.blocks-") else None
+
+
 def test_a_spill_collision_is_caught_by_the_read_back(qwen2_checkpoint: Path, tmp_path: Path, monkeypatch) -> None:
-    """The old bug where sizes coincide: a later tensor's spill rewrites an earlier one's file of the same size.
-    The file is then written from the changed memory map; the read-back (bytes against the digest taken at proof
-    time) names the tensor and file, and nothing is moved into place."""
-    spill_call = export_streamed._Spill.__call__
+    """The old bug where sizes coincide: a later tensor's spill rewrites an earlier one's file of the same size (in
+    place: the earlier memory map sees the new bytes). The file is then written from the changed map; the read-back
+    (bytes against the digest taken at proof time) names the tensor and file, and nothing is moved into place."""
+    real_save = np.save
     sizes: dict[int, Path] = {}
     victims: list[str] = []
 
-    def colliding(self, tensor):
-        result = spill_call(self, tensor)
-        path = Path(result.data.filename)
+    def colliding_save(file, array, *args, **kwargs):
+        real_save(file, array, *args, **kwargs)
+        path = _spill_file(file)
+        if path is None:
+            return
         size = path.stat().st_size
-        if size in sizes and not victims:
-            with open(sizes[size], "r+b") as handle:  # same inode: the earlier memory map sees the new bytes
+        if size in sizes and not victims and path.read_bytes() != sizes[size].read_bytes():
+            with open(sizes[size], "r+b") as handle:
                 handle.write(path.read_bytes())
             victims.append(sizes[size].name)
         sizes.setdefault(size, path)
-        return result
 
-    monkeypatch.setattr(export_streamed._Spill, "__call__", colliding)
+    monkeypatch.setattr(np, "save", colliding_save)
     with pytest.raises(ReadBackError, match=r"tensor '[^']+' of '.*out/model\.gguf', read back from disk.*other "
                                             r"bytes than the ones proven.*not moved into place"):
         export_gguf_streamed(qwen2_checkpoint, tmp_path / "out")
@@ -169,27 +176,26 @@ def test_a_spill_collision_is_caught_by_the_read_back(qwen2_checkpoint: Path, tm
     assert [p.name for p in tmp_path.iterdir()] == []  # no partial folder, no spill folder
 
 
-def _corrupt_then(verify: Callable, offset_from_end: int = 7) -> Callable:
-    """``verify`` (a read-back function whose first path argument is the written file) run after byte
-    ``offset_from_end`` from the file's end was flipped: the file changed on disk after it was written."""
-
-    def corrupting(*args):
-        written = next(a for a in args if isinstance(a, Path))
-        data = bytearray(written.read_bytes())
-        data[-offset_from_end] ^= 0xFF
-        written.write_bytes(bytes(data))
-        return verify(*args)
-
-    return corrupting
+def _flip_byte(path: Path, offset_from_end: int = 7) -> None:
+    """Change one byte near the end of ``path`` (the last tensor's data): the file changed on disk."""
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def test_a_gguf_file_changed_on_disk_is_caught_before_it_is_moved(qwen2_checkpoint: Path, tmp_path: Path,
                                                                    monkeypatch) -> None:
-    monkeypatch.setattr(gguf_export, "verify_gguf_file", _corrupt_then(readback.verify_gguf_file))
-    with pytest.raises(ReadBackError, match=r"tensor 'output\.weight' of '.*streamed/model\.gguf'"):
+    real_close = gguf.GGUFWriter.close
+
+    def close_then_corrupt(self) -> None:
+        real_close(self)
+        _flip_byte(Path(self.path))
+
+    monkeypatch.setattr(gguf.GGUFWriter, "close", close_then_corrupt)
+    with pytest.raises(ReadBackError, match=r"tensor 'output\.weight' of '.*streamed/model\.gguf'.*SHA-256"):
         export_gguf_streamed(qwen2_checkpoint, tmp_path / "streamed")
     model = load_pretrained_quantized(qwen2_checkpoint)
-    with pytest.raises(ReadBackError, match=r"tensor 'output\.weight' of '.*whole/model\.gguf'"):
+    with pytest.raises(ReadBackError, match=r"tensor 'output\.weight' of '.*whole/model\.gguf'.*SHA-256"):
         export_gguf(model, tmp_path / "whole")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
@@ -197,12 +203,20 @@ def test_a_gguf_file_changed_on_disk_is_caught_before_it_is_moved(qwen2_checkpoi
 @pytest.mark.parametrize("fmt", FOLDERS)
 def test_a_safetensors_file_changed_on_disk_is_caught_before_it_is_moved(fmt: str, qwen2_checkpoint: Path,
                                                                          tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(export_streamed, "verify_safetensors_file", _corrupt_then(readback.verify_safetensors_file))
+    import safetensors.torch
+
+    real_save_file = safetensors.torch.save_file
+
+    def save_then_corrupt(tensors, filename, *args, **kwargs) -> None:
+        real_save_file(tensors, filename, *args, **kwargs)
+        _flip_byte(Path(filename))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_then_corrupt)
     with pytest.raises(ReadBackError, match=r"tensor '[^']+' of '.*streamed/model-00000\.safetensors'.*SHA-256"):
         export_safetensors_streamed(qwen2_checkpoint, tmp_path / "streamed", format=fmt)
-    monkeypatch.setattr(safetensors_export, "verify_safetensors_file", _corrupt_then(readback.verify_safetensors_file))
+    model = load_pretrained_quantized(qwen2_checkpoint)
     with pytest.raises(ReadBackError, match=r"tensor '[^']+' of '.*whole/model\.safetensors'.*SHA-256"):
-        export_safetensors(load_pretrained_quantized(qwen2_checkpoint), tmp_path / "whole", format=fmt)
+        export_safetensors(model, tmp_path / "whole", format=fmt)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -210,7 +224,8 @@ def test_an_existing_output_is_kept_when_the_read_back_fails(qwen2_checkpoint: P
                                                              monkeypatch) -> None:
     first = export_gguf_streamed(qwen2_checkpoint, tmp_path / "out")
     before = first.read_bytes()
-    monkeypatch.setattr(gguf_export, "verify_gguf_file", _corrupt_then(readback.verify_gguf_file))
+    real_close = gguf.GGUFWriter.close
+    monkeypatch.setattr(gguf.GGUFWriter, "close", lambda self: (real_close(self), _flip_byte(Path(self.path))))
     with pytest.raises(ReadBackError):
         export_gguf_streamed(qwen2_checkpoint, tmp_path / "out", overwrite=True)
     assert first.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
