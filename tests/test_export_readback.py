@@ -237,3 +237,31 @@ def test_a_truncated_file_is_not_readable_and_says_so(tmp_path: Path) -> None:
     path.write_bytes(save(tensors)[:-3])
     with pytest.raises(ReadBackError, match=r"'.*shown\.safetensors'.*not a readable safetensors file"):
         readback.verify_safetensors_file(path, tmp_path / "shown.safetensors", readback.records_of(tensors))
+
+
+# ===================================================================== the command line, as the issue ran it
+@pytest.mark.slow
+def test_quantize_qwen2_with_export_gguf_writes_the_in_memory_file(tmp_path: Path) -> None:
+    """``quark-brevitas quantize --model QWEN2 --preset gguf_q8_0 --export gguf`` died with ``OSError: ... requested
+    and ... written``; now it writes the file ``export_gguf`` writes for the loaded checkpoint, byte for byte."""
+    from test_cli_deploy import FAST
+    from test_gguf import _bpe_tokenizer
+    from test_llm_cli import _text
+
+    from quark_brevitas.cli import main
+
+    folder = tmp_path / "qwen2"
+    tokenizer = _bpe_tokenizer(folder)
+    torch.manual_seed(0)
+    # the embedding padded beyond the tokenizer, as Qwen2's is (the copy saved beside the checkpoint may gain a token)
+    config = transformers.Qwen2Config(**{**_SIZES, "hidden_size": 32, "intermediate_size": 64,
+                                         "vocab_size": len(tokenizer) + 8})
+    transformers.Qwen2ForCausalLM(config).eval().save_pretrained(folder)
+    (tmp_path / "calib.txt").write_text(_text(40, seed=1))
+    assert main(["-q", "quantize", "--model", str(folder), "--calib-text", str(tmp_path / "calib.txt"), "--output",
+                 str(tmp_path / "ckpt"), "--preset", "gguf_q8_0", "--export", "gguf", *FAST]) == 0
+    written = tmp_path / "ckpt" / "gguf" / "model.gguf"
+    whole = export_gguf(load_pretrained_quantized(tmp_path / "ckpt"), tmp_path / "whole",
+                        tokenizer_path=tmp_path / "ckpt" / "float_model")  # the tokenizer the streamed export used
+    assert written.read_bytes() == whole.read_bytes()
+    assert len(gguf.GGUFReader(str(written)).fields["tokenizer.ggml.tokens"].data) == len(tokenizer) + 8
