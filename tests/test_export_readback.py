@@ -281,3 +281,57 @@ def test_quantize_qwen2_with_export_gguf_writes_the_in_memory_file(tmp_path: Pat
                         tokenizer_path=tmp_path / "ckpt" / "float_model")  # the tokenizer the streamed export used
     assert written.read_bytes() == whole.read_bytes()
     assert len(gguf.GGUFReader(str(written)).fields["tokenizer.ggml.tokens"].data) == len(tokenizer) + 8
+
+
+# ===================================================================== ONNX: verified from disk before it is renamed
+@pytest.fixture(scope="module")
+def small_w8a8() -> tuple[torch.nn.Module, torch.Tensor]:
+    from quark_brevitas import ModelQuantizer, QTensorConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 4 * 4, 3))
+    config = Config(global_quant_config=QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig()))
+    x = torch.randn(4, 2, 6, 6)
+    return ModelQuantizer(config).quantize_model(model, [x]), x
+
+
+def _negate_first_weight(path: Path) -> None:
+    """Change the saved ONNX file on disk: the first float initializer with several values, negated."""
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(str(path))
+    for index, tensor in enumerate(proto.graph.initializer):
+        values = numpy_helper.to_array(tensor)
+        if values.dtype == np.float32 and values.size > 1:
+            proto.graph.initializer[index].CopyFrom(numpy_helper.from_array(-values, tensor.name))
+            break
+    onnx.save_model(proto, str(path))
+
+
+def test_an_onnx_file_changed_on_disk_is_rejected_and_not_moved(small_w8a8, tmp_path: Path, monkeypatch) -> None:
+    """The file is run from disk (onnxruntime) under a temporary name and renamed only once verified; the pinned
+    check, when the outputs differ, reads the file too (it ran the graph in memory before, which could accept a
+    file whose bytes differ from it). A file that fails is kept as ``m.rejected.onnx``; an earlier ``m.onnx``
+    stays."""
+    from quark_brevitas.export import ExportMismatchError, export_onnx_qcdq, orchestrate
+
+    model, x = small_w8a8
+    good = export_onnx_qcdq(model, x, tmp_path / "m.onnx").path
+    before = good.read_bytes()
+    real_write_file = orchestrate.write_file
+
+    def write_then_change(target, write):
+        result = real_write_file(target, write)
+        _negate_first_weight(Path(target))
+        return result
+
+    monkeypatch.setattr(orchestrate, "write_file", write_then_change)
+    with pytest.raises(ExportMismatchError, match=r"m\.rejected\.onnx disagrees with PyTorch"):
+        export_onnx_qcdq(model, x, tmp_path / "m.onnx")
+    assert good.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.rejected.onnx"]
+    with pytest.raises(ExportMismatchError):
+        export_onnx_qcdq(model, x, tmp_path / "new.onnx")
+    assert not (tmp_path / "new.onnx").exists() and (tmp_path / "new.rejected.onnx").is_file()
