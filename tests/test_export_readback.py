@@ -335,3 +335,34 @@ def test_an_onnx_file_changed_on_disk_is_rejected_and_not_moved(small_w8a8, tmp_
     with pytest.raises(ExportMismatchError):
         export_onnx_qcdq(model, x, tmp_path / "new.onnx")
     assert not (tmp_path / "new.onnx").exists() and (tmp_path / "new.rejected.onnx").is_file()
+
+
+# ===================================================================== integer weights (save_integer_weights)
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_integer_weights_changed_on_disk_are_caught_before_the_rename(fmt: str, small_w8a8, tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    import safetensors.torch
+
+    from quark_brevitas.export.intweights import integer_weights, save_integer_weights
+
+    weights = integer_weights(small_w8a8[0])
+    good = save_integer_weights(weights, tmp_path / f"w.{fmt}", format=fmt)
+    before = good.read_bytes()
+    if fmt == "safetensors":
+        real = safetensors.torch.save_file
+        monkeypatch.setattr(safetensors.torch, "save_file",
+                            lambda tensors, filename, **kw: (real(tensors, filename, **kw), _flip_byte(Path(filename))))
+    else:
+        real_savez = np.savez
+
+        def savez_then_change(handle, **arrays):
+            arrays = dict(arrays)
+            name = next(k for k in arrays if k.endswith(".int_weight"))
+            arrays[name] = arrays[name].copy()
+            arrays[name].flat[0] += 1  # what lands on disk is not what was meant
+            real_savez(handle, **arrays)
+
+        monkeypatch.setattr(np, "savez", savez_then_change)
+    with pytest.raises(ReadBackError, match=rf"w\.{fmt}'?, read back from disk"):
+        save_integer_weights(weights, tmp_path / f"w.{fmt}", format=fmt)
+    assert good.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [f"w.{fmt}"]

@@ -27,7 +27,7 @@ import torch
 from quark_brevitas.export.errors import ExportError
 
 __all__ = ["ReadBackError", "TensorRecord", "array_digest", "records_of", "verify_gguf_file", "verify_json_file",
-           "verify_safetensors_file", "verify_text_file"]
+           "verify_npz_file", "verify_safetensors_file", "verify_text_file"]
 
 
 class ReadBackError(ExportError):
@@ -142,6 +142,25 @@ def verify_safetensors_file(written: Path, shown: Path, expected: Mapping[str, T
                                     f"{record.shape}")
             if array_digest(tensor) != record.digest:
                 raise ReadBackError(shown, name, "holds other bytes than the ones proven (SHA-256 differs)")
+
+
+def verify_npz_file(written: Path, shown: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Read the complete ``.npz`` file ``written`` (without pickle) and check it holds exactly ``arrays`` (names,
+    dtypes, shapes, bytes)."""
+    try:
+        archive = np.load(written, allow_pickle=False)
+    except Exception as exc:  # noqa: BLE001 - any reader failure means the file is not what was written
+        raise ReadBackError(shown, None, f"is not a readable .npz file ({type(exc).__name__}: {exc})") from exc
+    with archive:
+        if set(archive.files) != set(arrays):
+            missing, extra = sorted(set(arrays) - set(archive.files)), sorted(set(archive.files) - set(arrays))
+            raise ReadBackError(shown, (missing or extra)[0], "is missing" if missing else "was not written by this "
+                                "export")
+        for name, meant in arrays.items():
+            found = archive[name]
+            if found.dtype != meant.dtype or found.shape != meant.shape or \
+                    array_digest(found) != array_digest(meant):
+                raise ReadBackError(shown, name, "differs from the array written (dtype, shape or bytes)")
 
 
 def verify_text_file(written: Path, shown: Path, text: str) -> None:
