@@ -116,7 +116,8 @@ def test_mismatch_is_reported_and_file_kept(small_quant, tmp_path: Path, monkeyp
     monkeypatch.setattr(export_qonnx_mod, "run_qonnx", lambda path, args: [o + 1.0 for o in real(path, args)])
     with pytest.raises(ExportMismatchError, match=r"max \|qonnx - PyTorch\| = 1 > tolerance") as info:
         export_qonnx(model, x, tmp_path / "m.onnx")
-    assert info.value.max_abs_diff == pytest.approx(1.0) and (tmp_path / "m.onnx").is_file()
+    assert info.value.max_abs_diff == pytest.approx(1.0) and (tmp_path / "m.rejected.onnx").is_file()
+    assert not (tmp_path / "m.onnx").exists() and "m.rejected.onnx" in str(info.value)  # never under its name
 
 
 def test_wrong_input_shape_and_arguments(small_quant, tmp_path: Path) -> None:

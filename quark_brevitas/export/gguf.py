@@ -42,6 +42,7 @@ from quark_brevitas.export.errors import ExportArgumentError, ExportError, Expor
 from quark_brevitas.export.gguf_kquants import Q6_K_GROUP, Q6_K_SUPER_BLOCK, pack_q6_k
 from quark_brevitas.export.hf import refuse_online_rotations
 from quark_brevitas.export.intweights import IntegerWeight, integer_weights
+from quark_brevitas.export.readback import verify_gguf_file
 from quark_brevitas.extras import require
 from quark_brevitas.outputs import output_dir as atomic_output_dir
 
@@ -292,6 +293,7 @@ class GGUFTensor:
     data: np.ndarray
     qtype: str  # "F32" or a GGUF block type
     expected: np.ndarray | None = None  # quantized: the weight the blocks must dequantize to (GGUF's row order)
+    digest: str | None = None  # SHA-256 of ``data`` when it was proven (set when ``data`` moves out of memory)
 
 
 def _gguf_name(name_map: Any, hf_name: str) -> str | None:
@@ -440,7 +442,10 @@ def collect_checked(collect: Any) -> list[GGUFTensor]:
 
 def write_gguf(plan: GGUFPlan, config: Any, tensors: list[GGUFTensor], output_dir: str | os.PathLike[str], *,
                overwrite: bool = False, sources: tuple[str | os.PathLike[str], ...] = ()) -> Path:
-    """Write ``output_dir/model.gguf`` (atomically) from checked tensors; their data may be memory-mapped."""
+    """Write ``output_dir/model.gguf`` (atomically) from checked tensors; their data may be memory-mapped (then
+    ``digest`` holds the SHA-256 of the proven bytes). The complete file is read back with ``gguf``'s reader and
+    checked against the tensors (:func:`~quark_brevitas.export.readback.verify_gguf_file`) before it is moved into
+    place."""
     gguf = plan.gguf
     with atomic_output_dir(output_dir, overwrite=overwrite, sources=sources) as work:
         writer = gguf.GGUFWriter(str(work / GGUF_FILE_NAME), plan.family.arch)
@@ -455,4 +460,5 @@ def write_gguf(plan: GGUFPlan, config: Any, tensors: list[GGUFTensor], output_di
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        verify_gguf_file(gguf, work / GGUF_FILE_NAME, Path(output_dir) / GGUF_FILE_NAME, tensors)
     return Path(output_dir) / GGUF_FILE_NAME

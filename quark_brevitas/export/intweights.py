@@ -42,6 +42,7 @@ from quark_brevitas.brevitas_adapter import (
     iter_quantizers,
 )
 from quark_brevitas.errors import ModelError, QuarkBrevitasError
+from quark_brevitas.export.readback import records_of, verify_npz_file, verify_safetensors_file
 from quark_brevitas.outputs import write_file
 
 __all__ = ["IntegerWeight", "integer_weights", "save_integer_weights"]
@@ -316,8 +317,11 @@ def save_integer_weights(
     if format == "safetensors":
         from safetensors.torch import save_file
 
-        write_file(target, lambda tmp: save_file(tensors, str(tmp),
-                                                 metadata={"quark_brevitas.integer_weights": metadata}))
+        def save_safetensors(tmp: Path) -> None:
+            save_file(tensors, str(tmp), metadata={"quark_brevitas.integer_weights": metadata})
+            verify_safetensors_file(tmp, target, records_of(tensors))  # read back before the rename
+
+        write_file(target, save_safetensors)
         return target
     import numpy as np
 
@@ -329,6 +333,7 @@ def save_integer_weights(
     def save(tmp: Path) -> None:
         with open(tmp, "wb") as handle:  # an open file keeps numpy from appending ".npz" to the name
             np.savez(handle, **arrays)
+        verify_npz_file(tmp, target, arrays)  # read back before the rename
 
     write_file(target, save)
     return target

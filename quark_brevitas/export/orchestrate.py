@@ -146,9 +146,13 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
     With ``past_key_values`` (or an example holding ``past_key_values.{i}.key`` tensors) the decoder's key/value
     cache becomes graph inputs and outputs (:mod:`~quark_brevitas.export.kv`).
 
+    The file is saved under a temporary name beside ``path``, run from disk by the format's runtime, and renamed
+    to ``path`` only once it is verified: ``path`` never holds a file that failed (an earlier file there stays).
+
     Raises :class:`~quark_brevitas.export.errors.ExportArgumentError` for arguments of the wrong type,
     :class:`ExportError` for what cannot be exported and :class:`ExportMismatchError` when the file
-    disagrees with PyTorch beyond the tolerance (the file is kept for inspection).
+    disagrees with PyTorch beyond the tolerance (the file is kept for inspection as :func:`rejected_path`,
+    ``model.rejected.onnx``, which the error names).
     """
     check_model(model)
     inputs = normalize_example(args)
@@ -177,12 +181,40 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
             proto = fmt.write(flat, inputs, names, pathlib.Path(tmp))
         fmt.check_written(proto, out_path)
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_model(proto, out_path)
-        stray = sorted(set(os.listdir(out_dir)) - before - {out_path.name})
-        if stray:
-            logger.warning("files appeared in %s during export (not written by this export): %s", out_dir, stray)
-        result = _verify(fmt, proto, reference, flat, inputs.tensors, names, out_path, tol)
+        with _staged(out_path) as staged:
+            save_model(proto, staged)
+            stray = sorted(set(os.listdir(out_dir)) - before - {out_path.name, staged.name})
+            if stray:
+                logger.warning("files appeared in %s during export (not written by this export): %s", out_dir, stray)
+            result = _verify(fmt, proto, reference, flat, inputs.tensors, names, staged, rejected_path(out_path), tol)
     return fmt.report(proto, out_path, result, names)
+
+
+def rejected_path(path: pathlib.Path) -> pathlib.Path:
+    """Where a file that failed its verification is kept for inspection (``model.onnx`` -> ``model.rejected.onnx``):
+    beside the output, never under its name."""
+    return path.with_name(f"{path.stem}.rejected{path.suffix}")
+
+
+@contextlib.contextmanager
+def _staged(path: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A temporary name beside ``path`` for the file while it is verified (run from disk by the format's runtime):
+    renamed to ``path`` when the block succeeds, so ``path`` only ever holds a verified file (an earlier one stays
+    until then). A file that fails the comparison (:class:`ExportMismatchError`) is kept as :func:`rejected_path`,
+    which its error names; after any other failure it is removed."""
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".verifying")
+    os.close(handle)
+    staged = pathlib.Path(name)
+    try:
+        yield staged
+        os.replace(staged, path)
+    except ExportMismatchError:
+        os.replace(staged, rejected_path(path))
+        raise
+    finally:
+        staged.unlink(missing_ok=True)
+        forget_session(staged)
+        forget_session(path)
 
 
 @contextlib.contextmanager
@@ -215,20 +247,22 @@ def _graph_names(reference: Reference, example: Example) -> GraphNames:
 
 
 def _verify(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference, exported: nn.Module,
-            example: tuple[torch.Tensor, ...], names: GraphNames, path: pathlib.Path,
+            example: tuple[torch.Tensor, ...], names: GraphNames, written: pathlib.Path, path: pathlib.Path,
             tolerance: float | None) -> VerificationResult:
-    """Compare the file's outputs with PyTorch; on a mismatch let the format change the graph (``recover``) and
-    compare again; if it still differs, the pinned check decides (see :mod:`~quark_brevitas.export.pinned`)."""
+    """Compare the outputs of the file ``written`` (run from disk) with PyTorch; on a mismatch let the format change
+    the graph (``recover``) and compare again; if it still differs, the pinned check decides (see
+    :mod:`~quark_brevitas.export.pinned`). Errors name ``path``, where a rejected file is kept."""
     try:
-        result = measure(reference, fmt.run(path, example), path, tolerance)
+        result = measure(reference, fmt.run(written, example), path, tolerance)
         if result.max_abs_diff <= result.tolerance:
             return result
         if fmt.recover(proto, mismatch_error(result, path)):
-            save_model(proto, path)  # the format changed the graph: verify the new file once more
-            result = measure(reference, fmt.run(path, example), path, tolerance)
+            save_model(proto, written)  # the format changed the graph: verify the new file once more
+            result = measure(reference, fmt.run(written, example), path, tolerance)
 
         def pin(tol: float) -> PinnedSummary:
-            return check_pinned(fmt.pinnable(proto), exported, example, names.inputs, reference.outputs, tol, path,
+            on_disk = onnx.load(str(written))  # the file as written, not the graph in memory: it is what is proven
+            return check_pinned(fmt.pinnable(on_disk), exported, example, names.inputs, reference.outputs, tol, path,
                                 fmt.run_proto)
 
         return accept(result, path, pin if fmt.can_pin else None)

@@ -77,6 +77,7 @@ from quark_brevitas.export.hf_folder import (
     write_tokenizer,
 )
 from quark_brevitas.export.quark_hf import QUARK
+from quark_brevitas.export.readback import records_of, verify_safetensors_file, verify_text_file
 from quark_brevitas.extras import require
 from quark_brevitas.outputs import output_dir as _output_folder
 
@@ -427,8 +428,13 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
     with _output_folder(directory, overwrite=overwrite) as work:
         from safetensors.torch import save_file
 
-        save_file(untie(tensors), str(work / _WEIGHTS_FILE), metadata={"format": "pt"})
-        (work / "config.json").write_text(config_json(hf_config, quantization_config))
+        kept = untie(tensors)
+        save_file(kept, str(work / _WEIGHTS_FILE), metadata={"format": "pt"})
+        config_text = config_json(hf_config, quantization_config)
+        (work / "config.json").write_text(config_text)
         write_tokenizer(tokenizer, work)
+        # the files are complete: read them back (safetensors' reader) before the folder is moved into place
+        verify_safetensors_file(work / _WEIGHTS_FILE, directory / _WEIGHTS_FILE, records_of(kept))
+        verify_text_file(work / "config.json", directory / "config.json", config_text)
     logger.info("Wrote %s (%s, %d quantized layers)", directory, format, len(entries))
     return directory

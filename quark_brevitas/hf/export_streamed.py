@@ -6,11 +6,14 @@ Lives on the Hugging Face side (it rebuilds quantized blocks through :mod:`quark
 ``quantization_config`` are those of :func:`quark_brevitas.export.export_safetensors`; see
 :mod:`quark_brevitas.export.safetensors_hf`. The GGUF tensors are those of :func:`quark_brevitas.export.export_gguf`
 (:mod:`quark_brevitas.export.gguf`): each block is packed, proven and spilled to a temporary file, and the file is
-written from those memory-mapped arrays (GGUF's header names every tensor before any data).
+written from those memory-mapped arrays (GGUF's header names every tensor before any data), in the in-memory
+export's tensor order, so the two files are the same bytes. Every written file is read back and compared with what
+was proven before the folder is moved into place (:mod:`quark_brevitas.export.readback`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -25,6 +28,7 @@ from torch import nn
 
 from quark_brevitas.export.errors import ExportError
 from quark_brevitas.export.gguf import (
+    GGUFPlan,
     GGUFTensor,
     check_gguf_blocks,
     collect_checked,
@@ -34,6 +38,14 @@ from quark_brevitas.export.gguf import (
     write_gguf,
 )
 from quark_brevitas.export.hf import refuse_online_rotations
+from quark_brevitas.export.readback import (
+    TensorRecord,
+    array_digest,
+    records_of,
+    verify_json_file,
+    verify_safetensors_file,
+    verify_text_file,
+)
 from quark_brevitas.export.safetensors_hf import (
     LayerCodes,
     check_export_args,
@@ -79,6 +91,7 @@ def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: 
     entries: list[LayerCodes] = []
     float_linears: list[str] = []
     weight_map: dict[str, str] = {}
+    shards: dict[str, dict[str, TensorRecord]] = {}
     total = 0
     hf_config = None
     from safetensors.torch import save_file
@@ -91,6 +104,7 @@ def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: 
                             fmt=fmt)
             tensors = untie(tensors)
             name = f"model-{count:05d}.safetensors" if prefix else "model-rest.safetensors"
+            shards[name] = records_of(tensors)  # recorded from memory, checked against the files at the end
             save_file(tensors, str(work / name), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, name))
             total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -98,19 +112,64 @@ def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: 
             raise ExportError(f"checkpoint {str(checkpoint)!r} has no quantized Linear layer to write")
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (work / _INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (work / "config.json").write_text(config_json(hf_config, fmt.quantization_config(entries, float_linears)))
+        config_text = config_json(hf_config, fmt.quantization_config(entries, float_linears))
+        (work / "config.json").write_text(config_text)
         write_tokenizer(tokenizer, work)
+        for name, records in shards.items():  # every shard is complete: read each back before the folder moves
+            verify_safetensors_file(work / name, directory / name, records)
+        verify_json_file(work / _INDEX_FILE, directory / _INDEX_FILE, index)
+        verify_text_file(work / "config.json", directory / "config.json", config_text)
     logger.info("Wrote %s (%s from the streamed checkpoint %s, %d quantized layers)", directory, format, checkpoint,
                 len(entries))
     return directory
 
 
-def _spill(tensor: GGUFTensor, folder: Path, index: int) -> GGUFTensor:
-    """The tensor with its data moved to ``folder`` and memory-mapped back (its proof is done, so the expected
-    weight is dropped)."""
-    path = folder / f"{index:06d}.npy"
-    np.save(path, tensor.data)
-    return GGUFTensor(tensor.name, np.load(path, mmap_mode="r"), tensor.qtype, None)
+class _Spill:
+    """Where a streamed GGUF export keeps its proven tensors until the file is written (GGUF's header names every
+    tensor before any data, so the file is written after the last block): each tensor's data goes to a file of its
+    own in ``folder`` and is memory-mapped back.
+
+    Why the names cannot collide: they come from one counter of the spills themselves (not from the length of a
+    list being extended), and each file is created exclusively (``"xb"``): a name used twice would be an error,
+    never a file overwritten under a tensor that still maps it. The SHA-256 of the proven bytes is taken before
+    the spill, so that the read-back of the written file (:func:`~quark_brevitas.export.readback.verify_gguf_file`)
+    compares the file with what was proven, not with the spill."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._numbers = itertools.count()
+
+    def __call__(self, tensor: GGUFTensor) -> GGUFTensor:
+        """The tensor with its data moved to disk and memory-mapped back (the expected weight is dropped: its
+        proof is done, and the digest stands for it)."""
+        digest = array_digest(tensor.data)
+        path = self.folder / f"{next(self._numbers):06d}.npy"
+        with open(path, "xb") as handle:
+            np.save(handle, tensor.data)
+        return GGUFTensor(tensor.name, np.load(path, mmap_mode="r"), tensor.qtype, None, digest)
+
+
+def _names_before(model: nn.Module, stack: str) -> set[str]:
+    """The parameter names ``model`` lists before its block stack (the embeddings), so that a streamed file holds
+    its tensors in the order the in-memory export writes them (``named_parameters``): the same bytes."""
+    before: set[str] = set()
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name == stack:
+            break
+        before.update(f"{name}.{key}" if name else key for key, _ in module.named_parameters(recurse=False))
+    return before
+
+
+def _in_model_order(rest: list[GGUFTensor], blocks: list[GGUFTensor], plan: GGUFPlan, model: nn.Module,
+                    stack: str) -> list[GGUFTensor]:
+    """``rest`` (the model without its stack) split around ``blocks`` as the model lists its parameters."""
+    first = set()
+    for hf_name in _names_before(model, stack):
+        module, _, leaf = hf_name.rpartition(".")
+        mapped = plan.name_map.get_name(module)
+        if mapped is not None:
+            first.add(f"{mapped}.{leaf}")
+    return [t for t in rest if t.name in first] + blocks + [t for t in rest if t.name not in first]
 
 
 def export_gguf_streamed(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str],
@@ -131,8 +190,10 @@ def export_gguf_streamed(checkpoint: str | os.PathLike[str], output_dir: str | o
         logger.warning("export_gguf_streamed: %s holds no tokenizer.json; the file has no tokenizer, which "
                        "llama.cpp needs to run it", checkpoint / FLOAT_MODEL_DIR)
     Path(output_dir).parent.mkdir(parents=True, exist_ok=True)
-    plan, config, tensors = None, None, []
+    plan: GGUFPlan | None = None
+    config, blocks, tensors = None, [], []
     with tempfile.TemporaryDirectory(dir=Path(output_dir).parent, prefix=f".{Path(output_dir).name}.blocks-") as tmp:
+        spill = _Spill(Path(tmp))
         for prefix, module, skip, unit_config in _streamed_units(checkpoint, "GGUF"):
             if plan is None:
                 plan = plan_gguf(unit_config, model_type, None if tokenizer_path is None else Path(tokenizer_path))
@@ -142,8 +203,14 @@ def export_gguf_streamed(checkpoint: str | os.PathLike[str], output_dir: str | o
                 unit = collect_checked(lambda m=module, p=prefix, k=skip, g=plan, c=config: collect_gguf_tensors(
                     m, g.family, g.name_map, c, prefix=p, skip=k))
             check_gguf_blocks(plan.gguf, unit)
-            tensors.extend(_spill(tensor, Path(tmp), len(tensors) + i) for i, tensor in enumerate(unit))
+            spilled = [spill(tensor) for tensor in unit]
+            if skip is None:
+                blocks.extend(spilled)
+            else:
+                tensors = _in_model_order(spilled, blocks, plan, module, skip)
+        if plan is None:
+            raise ExportError(f"checkpoint {str(checkpoint)!r} holds no model to write")
         path = write_gguf(plan, config, tensors, output_dir, overwrite=overwrite, sources=(checkpoint,))
-        del tensors  # release the memory maps before the folder goes
+        del tensors, blocks  # release the memory maps before the folder goes
     logger.info("Wrote %s from the streamed checkpoint %s", path, checkpoint)
     return path
