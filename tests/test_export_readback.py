@@ -105,7 +105,8 @@ def _check_family(family: str, preset: str, root: Path) -> None:
         _same_folder(folder, export_safetensors(model, root / f"{fmt}-whole", format=fmt))
 
 
-# ===================================================================== the regression, fast
+# ===================================================================== the regression
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "gpt2"])
 def test_streamed_gguf_of_qwen2_and_gpt2_is_the_in_memory_file(family: str, tmp_path: Path) -> None:
     """Failed on the old code: OSError from the spill file block 1 rewrote under block 0's memory map."""
