@@ -9,6 +9,7 @@ than the documentation's ``int4_wo_128``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,8 @@ def test_the_script_quantizes_freezes_and_writes_quarks_folder(exported) -> None
     assert not model.training and not any(p.requires_grad for p in model.parameters())  # frozen
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     assert (folder / CHECKPOINT_FOLDER / "manifest.json").is_file()
+    # Quark's importer builds the model from config.json's architectures (model=None): save_pretrained records it.
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert float((logits(model, _tokens()) - logits(tiny_llama(), _tokens())).abs().max()) > 1e-3  # quantized
 
 

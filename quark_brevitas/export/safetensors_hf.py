@@ -428,7 +428,7 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
         from safetensors.torch import save_file
 
         save_file(untie(tensors), str(work / _WEIGHTS_FILE), metadata={"format": "pt"})
-        (work / "config.json").write_text(config_json(hf_config, quantization_config))
+        (work / "config.json").write_text(config_json(hf_config, quantization_config, type(quant_model).__name__))
         write_tokenizer(tokenizer, work)
     logger.info("Wrote %s (%s, %d quantized layers)", directory, format, len(entries))
     return directory
