@@ -244,8 +244,8 @@ def _spec_from_quark(spec: Any, path: str) -> Any:
             raise ConfigError(f"{path}.symmetric", "null: an integer format must say whether it is symmetric; "
                                                    "allowed: true or false")
         del plain["symmetric"]
-    if floating and plain.get("zero_point_type") == "int32":
-        del plain["zero_point_type"]  # Quark writes its default on every spec; float formats have no zero point
+    if (floating or plain.get("symmetric") is True) and plain.get("zero_point_type") == "int32":
+        del plain["zero_point_type"]  # Quark writes its default on every spec; these have no zero point to type
     return plain
 
 
