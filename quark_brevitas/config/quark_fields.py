@@ -122,8 +122,8 @@ _FLOAT_DTYPES = frozenset({"fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4"
 _MX_OBSERVERS = frozenset({"PerBlockMXObserver", "PerBlockMXBufferReuseObserver"})
 _LAYER_LEVELS = ("layer_type_quant_config", "layer_quant_config")
 _TENSORS = ("input_tensors", "output_tensors", "weight", "bias")
-_NO_SCALE_FORMAT = ("scales stored in a low-precision float format (Quark's e4m3 / e5m3 scale formats) have no Brevitas "
-                    "scaling rule")
+_NO_SCALE_FORMAT = ("scales stored in a low-precision float format (Quark's e4m3 / e5m3 scale formats) have no "
+                    "Brevitas scaling rule")
 
 #: The ``export`` section Quark's ``export_safetensors`` adds to ``quantization_config``: how the file's tensors were
 #: written. Its storage fields describe the file a config was read from, not a way of quantizing, so their values

@@ -4,7 +4,8 @@ mapped onto quark_brevitas: code written for Quark 0.13 runs after changing ``qu
 - :func:`~quark_brevitas.quark_compat.freezing.freeze` (``ModelQuantizer.freeze``): fixes a quantized model for
   inference and export.
 - :func:`~quark_brevitas.quark_compat.exporting.export_safetensors` (Quark's format, ``custom_mode="quark"``),
-  :func:`~quark_brevitas.quark_compat.exporting.export_onnx`, :func:`~quark_brevitas.quark_compat.exporting.export_gguf`.
+  :func:`~quark_brevitas.quark_compat.exporting.export_onnx`,
+  :func:`~quark_brevitas.quark_compat.exporting.export_gguf`.
 - :func:`~quark_brevitas.quark_compat.importing.import_model_from_safetensors`: a folder ``export_safetensors``
   wrote, back as the quantized model.
 - :func:`~quark_brevitas.quark_compat.params.save_params` / :func:`~quark_brevitas.quark_compat.params.load_params`.

@@ -61,8 +61,9 @@ def import_model_from_safetensors(model: nn.Module | None, model_dir: str | os.P
                 "checkpoint=False)")
         raise CheckpointError(f"{_FUNCTION}: {str(directory)!r} {what}; the quantized model is rebuilt from the "
                               "quark_brevitas checkpoint export_safetensors writes beside Quark's tensors. A folder "
-                              "Quark wrote loads with transformers and amd-quark (AutoModelForCausalLM.from_pretrained),"
-                              " or quantize the float model again with its recipe: Config.from_file(config.json)")
+                              "Quark wrote loads with transformers and amd-quark "
+                              "(AutoModelForCausalLM.from_pretrained), or quantize the float model again with its "
+                              "recipe: Config.from_file(config.json)")
     if model is None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedArgumentError(_FUNCTION, "device", device, "is not available on this machine (no CUDA)",
