@@ -167,3 +167,54 @@ def test_quarks_machinery_fields_at_their_values_are_accepted() -> None:
     data["global_quant_config"]["weight"].update(enable_buffer_reuse=True, max_input_numel=1024)
     data["export"].update(weight_format="fake_quantized", pack_method="order")
     assert Config.from_dict(data) == Config.from_dict(_exported())
+
+
+# ---------------------------------------------------------------- the command line: --config FILE
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory) -> Path:
+    """A tiny Llama folder with a word-level tokenizer (64 wide: groups of 32 fit its layers)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    import transformers
+
+    words = "the quick brown fox jumps over a lazy dog while seven small cats sleep near warm red house".split()
+    vocab = {word: i for i, word in enumerate(["[PAD]", "[UNK]", *words])}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="[PAD]", unk_token="[UNK]")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                      max_position_embeddings=64, pad_token_id=0)
+    folder = tmp_path_factory.mktemp("llama") / "model"
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    generator = torch.Generator().manual_seed(1)
+    lines = [" ".join(words[i] for i in torch.randint(0, len(words), (12,), generator=generator).tolist())
+             for _ in range(40)]
+    (folder.parent / "calib.txt").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def _quantize(folder: Path, config: Path, output: Path) -> None:
+    from quark_brevitas.cli import main
+
+    assert main(["quantize", "--model", str(folder), "--calib-text", str(folder.parent / "calib.txt"), "--config",
+                 str(config), "--output", str(output), "--export", "quark", "--seq-len", "16", "--batch-size", "2",
+                 "--calib-sequences", "4", "--eval-sequences", "2"]) == 0
+
+
+@pytest.mark.slow
+def test_quantize_takes_quarks_config_and_our_quark_export_round_trips_as_config(llama_folder: Path,
+                                                                                tmp_path: Path) -> None:
+    """``quantize --config`` with the config.json Quark's export wrote; then the ``quantization_config`` our own
+    ``--export quark`` wrote is a ``--config`` again, describing the same recipe."""
+    first = tmp_path / "first"
+    _quantize(llama_folder, DATA / "exported_config.json", first)
+    written = next(p for p in first.rglob("config.json") if "quantization_config" in p.read_text())
+    ours = json.loads(written.read_text())["quantization_config"]
+    assert ours["quant_method"] == "quark" and "export" in ours
+    assert Config.from_dict(ours).global_quant_config == Config.from_dict(_exported()).global_quant_config
+    again = tmp_path / "again"
+    _quantize(llama_folder, written, again)
+    rewritten = next(p for p in again.rglob("config.json") if "quantization_config" in p.read_text())
+    assert json.loads(rewritten.read_text())["quantization_config"] == ours

@@ -198,3 +198,55 @@ def test_amd_quarks_importer_reloads_the_scripts_folder(exported, tmp_path: Path
                                  timeout=1200)[str(folder)]
     assert kinds == ["QParamsLinear"]
     assert float((theirs - logits(model, tokens)).abs().max()) <= 1e-5
+
+
+# ---------------------------------------------------------------- export_onnx and export_gguf, Quark's calls
+def test_export_onnx_writes_quarks_file_that_onnxruntime_runs(tmp_path: Path) -> None:
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from quark_brevitas import export_onnx
+    from quark_brevitas.config import QLayerConfig, QTensorConfig
+    from quark_brevitas.types import Dtype, QSchemeType
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+    spec = QTensorConfig(dtype=Dtype.int8, qscheme=QSchemeType.per_tensor, is_dynamic=False)
+    config = Config(QLayerConfig(weight=spec, input_tensors=spec), pre_quant_opt_config=[])
+    batches = [torch.randn(8, 16) for _ in range(4)]
+    quantized = ModelQuantizer.freeze(ModelQuantizer(config).quantize_model(model, batches))
+    example = torch.randn(8, 16)
+    export_onnx(quantized, tmp_path / "onnx", (example,))  # Quark: export_onnx(model, output_dir, input_args)
+    session = onnxruntime.InferenceSession(str(tmp_path / "onnx" / "quark_model.onnx"))
+    (theirs,) = session.run(None, {session.get_inputs()[0].name: example.numpy()})
+    with torch.no_grad():
+        ours = quantized(example)
+    step = float(ours.max() - ours.min()) / 255
+    assert float((torch.from_numpy(theirs) - ours).abs().max()) <= step
+    with pytest.raises(ConfigError, match=r"export_onnx\(dynamo\): True .* allowed: False"):
+        export_onnx(quantized, tmp_path / "other", (example,), dynamo=True)
+    with pytest.raises(ConfigError, match=r"export_onnx\(input_names\): \['x'\] cannot be chosen"):
+        export_onnx(quantized, tmp_path / "other", (example,), input_names=["x"])
+    assert not (tmp_path / "other").exists()
+
+
+def test_export_gguf_takes_quarks_arguments(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    tokenizers = pytest.importorskip("tokenizers")
+    import transformers
+
+    from quark_brevitas import export_gguf
+    from quark_brevitas.config.presets import get_preset
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=100, special_tokens=["<s>", "</s>"])
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(tmp_path / "tok")
+    quantized = ModelQuantizer.freeze(ModelQuantizer(get_preset("gguf_q8_0")).quantize_model(tiny_llama()))
+    path = export_gguf(quantized, tmp_path / "gguf", "llama", str(tmp_path / "tok"))  # Quark's positional call
+    reader = gguf.GGUFReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(64, 128)
+    with torch.no_grad():
+        expected = quantized.model.layers[0].mlp.down_proj.quant_weight().value
+    assert torch.equal(torch.from_numpy(values).float(), expected)
