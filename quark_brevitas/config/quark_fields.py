@@ -1,4 +1,6 @@
-"""Quark 0.13's ``QConfig`` fields that :class:`~quark_brevitas.config.Config` does not have.
+"""Quark 0.13's ``QConfig`` fields that :class:`~quark_brevitas.config.Config` does not have, and Quark 0.13's config
+files (:func:`from_quark_file`: the ``quantization_config`` Quark writes, with its ``export`` section and the per-tensor
+fields of its ``QTensorConfig``).
 
 Quark 0.13's ``QConfig`` carries, beside the hierarchy Config has, fields for Quark's own machinery (KV-cache and
 softmax quantization, FX graph mode, its file-to-file and per-block flows, MoE input syncing) and metadata (its
