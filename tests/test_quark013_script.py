@@ -41,11 +41,11 @@ GROUP = 32
 _ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # Quark's "reorder" packing: nibble i of a word holds element _ORDER[i]
 
 
-def quark_llm_example(model: torch.nn.Module, calib_dataloader: list[torch.Tensor], output_dir: Path
-                      ) -> torch.nn.Module:
+def quark_llm_example(model: torch.nn.Module, calib_dataloader: list[torch.Tensor], output_dir: Path,
+                      quant_algo: str | None = None) -> torch.nn.Module:
     """Quark 0.13's LLM example, from the template to the exported folder (its code, unchanged)."""
     template = LLMTemplate.get(model.config.model_type)
-    quant_config = template.get_config(scheme=SCHEME, exclude_layers=["lm_head"])
+    quant_config = template.get_config(scheme=SCHEME, algorithm=quant_algo, exclude_layers=["lm_head"])
     quantizer = ModelQuantizer(quant_config)
     model = quantizer.quantize_model(model, calib_dataloader)
     model = quantizer.freeze(model)
@@ -82,6 +82,14 @@ def _unpack_reorder(words: torch.Tensor) -> torch.Tensor:
     codes[..., list(_ORDER)] = nibbles
     codes = torch.where(codes >= 8, codes - 16, codes)
     return codes.reshape(words.shape[0], -1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant_algo", ["awq", "gptq"])
+def test_the_script_with_an_algorithm_reloads_exactly(quant_algo: str, tmp_path: Path) -> None:
+    model = quark_llm_example(tiny_llama(), token_batches(2), tmp_path / "out", quant_algo=quant_algo)
+    reloaded = import_model_from_safetensors(tiny_llama(), model_dir=str(tmp_path / "out"))
+    assert torch.equal(logits(reloaded, _tokens()), logits(model, _tokens()))
 
 
 def test_the_folders_tensors_dequantize_to_the_models_quantized_weights(exported) -> None:
