@@ -176,7 +176,8 @@ def llama_folder(tmp_path_factory) -> Path:
     tokenizers = pytest.importorskip("tokenizers")
     import transformers
 
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "cats", "sleep", "near", "warm", "red", "house"]
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "cats",
+             "sleep", "near", "warm", "red", "house"]
     vocab = {word: i for i, word in enumerate(["[PAD]", "[UNK]", *words])}
     model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
