@@ -23,6 +23,7 @@ from quark_brevitas.calibration.data import BatchToInputs
 from quark_brevitas.config import Config
 from quark_brevitas.container import Container
 from quark_brevitas.pipeline import Pipeline
+from quark_brevitas.quark_compat.freezing import freeze as _freeze
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,13 @@ class ModelQuantizer:
         """
         return self.pipeline.quantize(model, calib_loader, inplace=inplace, batch_to_inputs=batch_to_inputs,
                                       blocks=blocks, offload=offload, distributed=distributed)
+
+    @staticmethod
+    def freeze(model: nn.Module, quantize: bool | None = None, runtime_options: Any = None) -> nn.Module:
+        """Fix a quantized model for inference and export (Quark 0.13's ``quantizer.freeze(model)``): eval mode,
+        no parameter requires a gradient; returns ``model``. ``layer.weight`` keeps the float weight (``quantize``:
+        ``None`` or ``False``); see :func:`quark_brevitas.quark_compat.freezing.freeze`."""
+        return _freeze(model, quantize, runtime_options)
 
 
 class ModelExporter:

@@ -3,8 +3,10 @@ file (transformers, amd-quark's importer) would, and bring back what it computed
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
+import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,3 +50,15 @@ def run_consumer(body: str, folders: Sequence[Path], tokens: torch.Tensor, work:
                          cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     return torch.load(outputs)
+
+
+def quark_interpreter() -> tuple[str, str] | None:
+    """An interpreter with amd-quark (the current one, or the one ``QUARK_PYTHON`` names) and the directories its
+    consumer process needs (``-S``: no site hooks, so no editable install of quark_brevitas), or ``None``."""
+    python = os.environ.get("QUARK_PYTHON") or (sys.executable if importlib.util.find_spec("quark") else None)
+    if python is None:
+        return None
+    probe = ("import os, quark, transformers, torch; print(os.pathsep.join(sorted({os.path.dirname(os.path.dirname("
+             "m.__file__)) for m in (quark, transformers, torch)})))")
+    run = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=600, cwd="/")
+    return (python, run.stdout.strip().splitlines()[-1]) if run.returncode == 0 and run.stdout.strip() else None

@@ -88,8 +88,9 @@ def test_package_public_names_are_unchanged() -> None:
         "Container", "IntegerWeight", "LLMTemplate", "LayerMapping", "LayerwiseBackend", "ModelError", "ModelExporter",
         "ModelQuantizer", "ParamType", "QATConfig", "QConfig", "QLayerConfig", "QTensorConfig", "QuantType",
         "QuantizationConfig", "QuantizationSpec", "QuarkBrevitasError", "UnsupportedAlgorithmError", "algos",
-        "integer_weights", "prepare_qat", "load_quantized", "save_integer_weights", "save_quantized", "types",
-        "verify_config",
+        "export_gguf", "export_onnx", "export_safetensors", "import_model_from_safetensors",  # Quark 0.13's functions
+        "integer_weights", "prepare_qat", "load_params", "load_quantized", "save_integer_weights", "save_params",
+        "save_quantized", "types", "verify_config",
     ]
     assert quark_brevitas.Config is quark_brevitas.config.Config
     with pytest.raises(AttributeError, match="no attribute 'NotAName'"):

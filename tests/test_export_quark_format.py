@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +23,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from consumer import run_consumer  # noqa: E402
+from consumer import quark_interpreter, run_consumer  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -340,22 +336,10 @@ ROUNDING_ORDER_ATOL = 2e-3
 DYNAMIC = {"w8a8_dynamic_tensor", "w8a8_dynamic_token"}
 
 
-def _quark_interpreter() -> tuple[str, str] | None:
-    """An interpreter with amd-quark and the directories its consumer process needs (``-S``: no site hooks, so
-    no editable install of quark_brevitas), or ``None``."""
-    python = os.environ.get("QUARK_PYTHON") or (sys.executable if importlib.util.find_spec("quark") else None)
-    if python is None:
-        return None
-    probe = ("import os, quark, transformers, torch; print(os.pathsep.join(sorted({os.path.dirname(os.path.dirname("
-             "m.__file__)) for m in (quark, transformers, torch)})))")
-    run = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=600, cwd="/")
-    return (python, run.stdout.strip().splitlines()[-1]) if run.returncode == 0 and run.stdout.strip() else None
-
-
 @pytest.fixture(scope="module")
 def quark_python() -> tuple[str, str]:
     """(interpreter, PYTHONPATH) of a process with amd-quark; skips before any model is built when there is none."""
-    found = _quark_interpreter()
+    found = quark_interpreter()
     if found is None:
         pytest.skip("amd-quark is not importable (install amd-quark==0.13 beside torch and transformers, or set "
                     "QUARK_PYTHON to an interpreter that has it)")

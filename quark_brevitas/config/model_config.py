@@ -30,7 +30,7 @@ from quark_brevitas.config.checks import (
     verify_partial_layer_config,
 )
 from quark_brevitas.config.enums import Backend
-from quark_brevitas.config.quark_fields import without_quark_fields
+from quark_brevitas.config.quark_fields import from_quark_file, without_quark_fields
 from quark_brevitas.config.serialization import (
     VERSION_KEY,
     Polymorphic,
@@ -153,11 +153,18 @@ class Config:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
         """Build and verify a Config from :meth:`to_dict` output or a config file's content (with or
-        without ``format_version``). Errors name the offending path."""
+        without ``format_version``). Errors name the offending path.
+
+        Quark 0.13's ``quantization_config`` (its ``QConfig.to_dict()``, with the ``export`` section its
+        ``export_safetensors`` adds, or the whole ``config.json`` of such a folder) is read too; Quark's fields are
+        accepted where quark_brevitas honours them and otherwise refused naming the field
+        (:func:`~quark_brevitas.config.quark_fields.from_quark_file`)."""
+        if isinstance(data, Mapping) and "quantization_config" in data and "global_quant_config" not in data:
+            data = data["quantization_config"]  # a Hugging Face config.json (Quark's export): its recipe
         version = data.get(VERSION_KEY) if isinstance(data, Mapping) else None
         data = without_version(data, READABLE_FORMAT_VERSIONS)
-        if isinstance(data, Mapping):  # files Quark 0.13 writes carry its QConfig fields (quant_method, version, ...)
-            data = without_quark_fields(data)
+        if isinstance(data, Mapping):  # files Quark 0.13 writes: its QConfig fields, export section, spec fields
+            data = from_quark_file(data)
         config = from_plain(Config, data)
         if version == NARROW_DEFAULT_VERSION:
             config = _with_narrow_grid(config)

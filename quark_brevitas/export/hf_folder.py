@@ -124,8 +124,13 @@ def untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return kept
 
 
-def config_json(hf_config: Any, quantization_config: Mapping[str, Any]) -> str:
+def config_json(hf_config: Any, quantization_config: Mapping[str, Any], architecture: str | None = None) -> str:
+    """``config.json`` of a written folder. ``architecture``: the model's class, recorded in ``architectures`` when
+    the config does not list it (as ``save_pretrained`` does): readers that build the model from the folder (Quark's
+    ``import_model_from_safetensors(None, ...)``, vLLM) find the class there."""
     data = copy.deepcopy(hf_config.to_dict())
+    if architecture is not None and not data.get("architectures"):
+        data["architectures"] = [architecture]
     data["quantization_config"] = dict(quantization_config)
     return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
 

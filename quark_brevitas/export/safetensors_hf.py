@@ -430,7 +430,7 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
 
         kept = untie(tensors)
         save_file(kept, str(work / _WEIGHTS_FILE), metadata={"format": "pt"})
-        config_text = config_json(hf_config, quantization_config)
+        config_text = config_json(hf_config, quantization_config, type(quant_model).__name__)
         (work / "config.json").write_text(config_text)
         write_tokenizer(tokenizer, work)
         # the files are complete: read them back (safetensors' reader) before the folder is moved into place
