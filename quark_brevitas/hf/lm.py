@@ -236,68 +236,69 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
 
     from quark_brevitas.blocks.stack import detect_block_stack as find_block_stack
     from quark_brevitas.hf import streaming
-    from quark_brevitas.outputs import add_file, add_folder, check_output_dir
+    from quark_brevitas.outputs import add_file, add_folder, check_output_dir, reserve
 
     model_dir = Path(model_dir)
     output = check_output_dir(output, overwrite=overwrite, sources=[model_dir])  # before the slow work
-    config = config if config is not None else default_llm_config()
-    tokenizer = load_tokenizer(model_dir if tokenizer_dir is None else tokenizer_dir, model_dir)
-    skeleton, hf_config = streaming.load_skeleton(model_dir)
-    causal = is_causal_lm(hf_config)
-    if eval_text is None:
-        calib_text, eval_text = split_held_out(calib_text)
-    if causal:
-        calib = text_batches(tokenizer, calib_text, seq_len=seq_len, batch_size=batch_size,
-                             max_sequences=calib_sequences)
-        evaluation = text_batches(tokenizer, eval_text, seq_len=seq_len, batch_size=batch_size,
-                                  max_sequences=eval_sequences)
-    else:
-        calib = sentence_batches(tokenizer, text_sentences(calib_text)[:calib_sequences], max_length=seq_len)
-        evaluation = sentence_batches(tokenizer, text_sentences(eval_text)[:eval_sequences], max_length=seq_len)
-    blockwise = find_block_stack(skeleton) is not None
-    del skeleton
-    times: dict[str, float] = {}
-    start = time.perf_counter()
-    reference = _Measure(causal, evaluation)
-    if blockwise:
-        streaming.evaluate_pretrained(model_dir, evaluation, reference)
-        times["evaluate"] = time.perf_counter() - start
+    with reserve(output):  # a second run on it is refused, an unwritable one fails: before the slow work
+        config = config if config is not None else default_llm_config()
+        tokenizer = load_tokenizer(model_dir if tokenizer_dir is None else tokenizer_dir, model_dir)
+        skeleton, hf_config = streaming.load_skeleton(model_dir)
+        causal = is_causal_lm(hf_config)
+        if eval_text is None:
+            calib_text, eval_text = split_held_out(calib_text)
+        if causal:
+            calib = text_batches(tokenizer, calib_text, seq_len=seq_len, batch_size=batch_size,
+                                 max_sequences=calib_sequences)
+            evaluation = text_batches(tokenizer, eval_text, seq_len=seq_len, batch_size=batch_size,
+                                      max_sequences=eval_sequences)
+        else:
+            calib = sentence_batches(tokenizer, text_sentences(calib_text)[:calib_sequences], max_length=seq_len)
+            evaluation = sentence_batches(tokenizer, text_sentences(eval_text)[:eval_sequences], max_length=seq_len)
+        blockwise = find_block_stack(skeleton) is not None
+        del skeleton
+        times: dict[str, float] = {}
         start = time.perf_counter()
-        streaming.quantize_pretrained(model_dir, config, calib, output, resume=resume, offload=offload,
-                                      overwrite=overwrite)
-        times["quantize"] = time.perf_counter() - start
-        tokenizer.save_pretrained(output / streaming.FLOAT_MODEL_DIR)
-        start = time.perf_counter()
-        measured = _Measure(causal, evaluation, reference.embeddings)
-        streaming.evaluate_pretrained(output, evaluation, measured)
-        quant_model = streaming.load_pretrained_quantized(output) if prompt is not None and causal else None
-    else:
-        from quark_brevitas.api import ModelQuantizer
-        from quark_brevitas.checkpoint import save_quantized
+        reference = _Measure(causal, evaluation)
+        if blockwise:
+            streaming.evaluate_pretrained(model_dir, evaluation, reference)
+            times["evaluate"] = time.perf_counter() - start
+            start = time.perf_counter()
+            streaming.quantize_pretrained(model_dir, config, calib, output, resume=resume, offload=offload,
+                                          overwrite=overwrite)
+            times["quantize"] = time.perf_counter() - start
+            tokenizer.save_pretrained(output / streaming.FLOAT_MODEL_DIR)
+            start = time.perf_counter()
+            measured = _Measure(causal, evaluation, reference.embeddings)
+            streaming.evaluate_pretrained(output, evaluation, measured)
+            quant_model = streaming.load_pretrained_quantized(output) if prompt is not None and causal else None
+        else:
+            from quark_brevitas.api import ModelQuantizer
+            from quark_brevitas.checkpoint import save_quantized
 
-        float_model = transformers.AutoModel.from_pretrained(model_dir) if not causal else \
-            transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-        float_model.eval()
-        _run(float_model, evaluation, reference)
-        times["evaluate"] = time.perf_counter() - start
-        start = time.perf_counter()
-        quant_model = ModelQuantizer(config).quantize_model(float_model, calib)
-        times["quantize"] = time.perf_counter() - start
-        save_quantized(quant_model, output, overwrite=overwrite)
-        add_folder(output, streaming.FLOAT_MODEL_DIR, tokenizer.save_pretrained)  # for export's example input
-        start = time.perf_counter()
-        measured = _Measure(causal, evaluation, reference.embeddings)
-        _run(quant_model, evaluation, measured)
-    times["evaluate"] += time.perf_counter() - start
-    sample = generate_text(quant_model, tokenizer, prompt, max_new_tokens=max_new_tokens) \
-        if prompt is not None and causal and quant_model is not None else None
-    report = LLMReport(model=str(model_dir), kind="causal LM" if causal else "encoder", config_source=config_source,
-                       output=str(output), path="block by block" if blockwise else "in memory",
-                       calibration_batches=len(calib), evaluation_batches=len(evaluation),
-                       metric="perplexity" if causal else "embedding cosine vs float",
-                       float_value=reference.value, quant_value=measured.value, times_s=times, sample=sample)
-    add_file(output, "report.json", lambda p: p.write_text(json.dumps(report.__dict__, indent=2) + "\n"))
-    return report
+            float_model = transformers.AutoModel.from_pretrained(model_dir) if not causal else \
+                transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+            float_model.eval()
+            _run(float_model, evaluation, reference)
+            times["evaluate"] = time.perf_counter() - start
+            start = time.perf_counter()
+            quant_model = ModelQuantizer(config).quantize_model(float_model, calib)
+            times["quantize"] = time.perf_counter() - start
+            save_quantized(quant_model, output, overwrite=overwrite)
+            add_folder(output, streaming.FLOAT_MODEL_DIR, tokenizer.save_pretrained)  # for export's example input
+            start = time.perf_counter()
+            measured = _Measure(causal, evaluation, reference.embeddings)
+            _run(quant_model, evaluation, measured)
+        times["evaluate"] += time.perf_counter() - start
+        sample = generate_text(quant_model, tokenizer, prompt, max_new_tokens=max_new_tokens) \
+            if prompt is not None and causal and quant_model is not None else None
+        report = LLMReport(model=str(model_dir), kind="causal LM" if causal else "encoder", config_source=config_source,
+                           output=str(output), path="block by block" if blockwise else "in memory",
+                           calibration_batches=len(calib), evaluation_batches=len(evaluation),
+                           metric="perplexity" if causal else "embedding cosine vs float",
+                           float_value=reference.value, quant_value=measured.value, times_s=times, sample=sample)
+        add_file(output, "report.json", lambda p: p.write_text(json.dumps(report.__dict__, indent=2) + "\n"))
+        return report
 
 
 def _run(model: nn.Module, batches: list[dict[str, torch.Tensor]], measure: _Measure) -> None:
