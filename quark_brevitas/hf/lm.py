@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,13 +33,17 @@ from quark_brevitas.types import QSchemeType
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TOKENIZER_FILES", "LLMReport", "PerplexityMeter", "default_llm_config", "generate_text", "is_causal_lm",
-           "load_tokenizer", "mean_pooled", "quantize_folder", "sentence_batches", "split_held_out", "text_batches"]
+__all__ = ["TOKENIZER_FILES", "LLMReport", "PerplexityMeter", "copy_tokenizer", "default_llm_config", "generate_text",
+           "is_causal_lm", "load_tokenizer", "mean_pooled", "quantize_folder", "sentence_batches", "split_held_out",
+           "text_batches"]
 
 #: Files of which a folder holding a Hugging Face tokenizer has at least one (``save_pretrained`` writes the first
 #: two; the others are the vocabularies of slow tokenizers).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
                    "spiece.model", "sentencepiece.bpe.model")
+#: Every file of a tokenizer folder that :func:`copy_tokenizer` copies beside a checkpoint.
+_TOKENIZER_COPIED = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
+                     "chat_template.jinja", "chat_template.json")
 
 
 def default_llm_config() -> Config:
@@ -72,6 +77,24 @@ def load_tokenizer(folder: str | os.PathLike[str], model_dir: str | os.PathLike[
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"{str(folder)!r}: its tokenizer cannot be loaded ({type(exc).__name__}: {first}); "
                          f"{remedy}") from exc
+
+
+def copy_tokenizer(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> list[str]:
+    """Copy the tokenizer files of the folder ``source`` into ``target`` byte for byte (each atomically, see
+    :mod:`quark_brevitas.outputs`); returns the names copied.
+
+    Why copies, not ``tokenizer.save_pretrained``: transformers re-serialises what it loaded, and for some
+    classes that is another tokenizer. Qwen2's adds ``<|endoftext|>`` as a new id when the vocabulary lacks it,
+    so a tokenizer that fitted the model's embedding no longer does, and the GGUF export of the checkpoint then
+    refuses the tokenizer the user gave. The checkpoint keeps what the user gave."""
+    from quark_brevitas.outputs import write_file
+
+    source, target = Path(source), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    copied = [name for name in _TOKENIZER_COPIED if (source / name).is_file()]
+    for name in copied:
+        write_file(target / name, lambda tmp, name=name: shutil.copyfile(source / name, tmp))
+    return copied
 
 
 # ===================================================================== text into batches
@@ -242,7 +265,8 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
     output = check_output_dir(output, overwrite=overwrite, sources=[model_dir])  # before the slow work
     with reserve(output):  # a second run on it is refused, an unwritable one fails: before the slow work
         config = config if config is not None else default_llm_config()
-        tokenizer = load_tokenizer(model_dir if tokenizer_dir is None else tokenizer_dir, model_dir)
+        tokenizer_folder = model_dir if tokenizer_dir is None else Path(tokenizer_dir)
+        tokenizer = load_tokenizer(tokenizer_folder, model_dir)
         skeleton, hf_config = streaming.load_skeleton(model_dir)
         causal = is_causal_lm(hf_config)
         if eval_text is None:
@@ -267,7 +291,7 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
             streaming.quantize_pretrained(model_dir, config, calib, output, resume=resume, offload=offload,
                                           overwrite=overwrite)
             times["quantize"] = time.perf_counter() - start
-            tokenizer.save_pretrained(output / streaming.FLOAT_MODEL_DIR)
+            copy_tokenizer(tokenizer_folder, output / streaming.FLOAT_MODEL_DIR)  # as given
             start = time.perf_counter()
             measured = _Measure(causal, evaluation, reference.embeddings)
             streaming.evaluate_pretrained(output, evaluation, measured)
@@ -285,7 +309,8 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
             quant_model = ModelQuantizer(config).quantize_model(float_model, calib)
             times["quantize"] = time.perf_counter() - start
             save_quantized(quant_model, output, overwrite=overwrite)
-            add_folder(output, streaming.FLOAT_MODEL_DIR, tokenizer.save_pretrained)  # for export's example input
+            add_folder(output, streaming.FLOAT_MODEL_DIR,  # as given; for export's example input and GGUF
+                       lambda folder: copy_tokenizer(tokenizer_folder, folder))
             start = time.perf_counter()
             measured = _Measure(causal, evaluation, reference.embeddings)
             _run(quant_model, evaluation, measured)
