@@ -153,3 +153,52 @@ def test_sigterm_restores_the_previous_handler() -> None:
     before = signal.getsignal(signal.SIGTERM)
     assert main(["presets"]) == 0
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.slow
+def test_an_interrupted_streamed_run_keeps_its_blocks_and_the_same_command_resumes(tmp_path: Path, capsys,
+                                                                                   monkeypatch) -> None:
+    """Ctrl-C after the first block of a block-by-block run: one line saying the work is kept in OUT.partial and
+    that rerunning resumes, exit 130, the lock gone; the rerun resumes and finishes."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("accelerate")
+    import torch
+
+    import quark_brevitas.hf.streaming as streaming
+
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
+    vocab = {word: i for i, word in enumerate(["[PAD]", "[UNK]", *words])}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    model_dir = tmp_path / "llama"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]",
+                                         unk_token="[UNK]").save_pretrained(model_dir)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                      max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(model_dir)
+    calib = tmp_path / "calib.txt"
+    generator = torch.Generator().manual_seed(1)
+    calib.write_text("\n".join(" ".join(words[i] for i in torch.randint(0, len(words), (12,), generator=generator))
+                               for _ in range(40)) + "\n")
+    out = tmp_path / "out"
+    args = ["quantize", "--model", str(model_dir), "--calib-text", str(calib), "--output", str(out), "--seq-len", "16",
+            "--batch-size", "2", "--calib-sequences", "4", "--eval-sequences", "2"]
+    original = streaming._Writer.block_done
+
+    def interrupted(self, index, block):
+        original(self, index, block)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(streaming._Writer, "block_done", interrupted)
+    assert main(args) == 130
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("interrupted")]
+    assert err == [f"interrupted: the finished work is kept in {str(out) + '.partial'!r}; rerun the same command "
+                   "to resume (--no-resume starts over)"]
+    assert not out.exists() and (tmp_path / "out.partial").is_dir() and not outputs.lock_path(out).exists()
+    monkeypatch.setattr(streaming._Writer, "block_done", original)
+    assert main(args) == 0
+    assert "resum" in capsys.readouterr().err.lower()
+    assert (out / "float_model" / "tokenizer.json").is_file() and not (tmp_path / "out.partial").exists()
