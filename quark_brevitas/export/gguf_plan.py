@@ -3,7 +3,7 @@
 Why: ``quantize --model DIR --export gguf`` with a config GGUF cannot hold used to be refused by the exporter,
 after the calibration (hours on a real model). The refusal must come first, and it must be the exporter's own:
 a second, hand-written list of what GGUF holds would drift from the one the writer applies. So each distinct
-(weight spec, input width) of the plan is tried on a one-row stand-in layer, quantized with that spec (no data,
+(weight spec, input width) of the plan is tried on a two-row stand-in layer, quantized with that spec (no data,
 no algorithm: the layout of the codes does not depend on them) and packed by the same functions the writer uses
 (:func:`quark_brevitas.export.gguf._gguf_type` and ``_pack``); the model's family (:func:`plan_gguf`) and the
 tokenizer's fit to the embedding (:func:`check_tokenizer_fits`) are the writer's checks too.
@@ -36,16 +36,17 @@ def _input_width(module: nn.Module) -> int | None:
 
 
 def _try_layer(name: str, layer_config: Any, width: int) -> None:
-    """Quantize a ``[1, width]`` Linear with ``layer_config``'s weight spec and pack it as the writer would."""
+    """Quantize a ``[2, width]`` Linear with ``layer_config``'s weight spec and pack it as the writer would (two
+    rows, so that one scale per row is told apart from one per tensor)."""
     from quark_brevitas.api import ModelQuantizer
     from quark_brevitas.config import Config, QLayerConfig
     from quark_brevitas.export.gguf import _gguf_type, _pack
     from quark_brevitas.export.intweights import integer_weights
 
     config = Config(QLayerConfig(weight=layer_config.weight), pre_quant_opt_config=[], algo_config=[])
-    stand_in = nn.Linear(width, 1, bias=False)
+    stand_in = nn.Linear(width, 2, bias=False)
     with torch.no_grad():
-        stand_in.weight.copy_(torch.linspace(-1.0, 1.0, width).reshape(1, width))
+        stand_in.weight.copy_(torch.linspace(-1.0, 1.0, 2 * width).reshape(2, width))
     with _quiet():  # the stand-in is not the user's model: its "Quantized 1 layers" would only confuse
         quantized = ModelQuantizer(config).quantize_model(stand_in)
     entry = next(iter(integer_weights(quantized).values()))
