@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -43,6 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from quark_brevitas.errors import QuarkBrevitasError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; the probe write still runs, the lock is not taken
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["MARKER_FILE", "OVERWRITE_HINT", "OutputBusyError", "OutputError", "OutputNotWritableError", "add_file",
            "add_folder", "check_output_dir", "commit", "file_sha256", "foreign_entries", "lock_path", "open_work_dir",
@@ -373,7 +377,8 @@ def _acquire(output: Path, lock: Path) -> int:
         except OSError as exc:
             raise _not_writable(output, lock, exc) from exc
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             pid, command = _holder(lock)
