@@ -332,7 +332,9 @@ def quantize_pretrained(
 
     The run writes into ``<output_dir>.partial`` (kept if it is interrupted, where a later run resumes; each
     finished block's SHA-256 is re-checked then and a damaged block is redone) and moves it to ``output_dir``
-    once finished (:mod:`quark_brevitas.outputs`). Returns the output directory, which
+    once finished (:mod:`quark_brevitas.outputs`). The output is claimed before the model is read
+    (:func:`~quark_brevitas.outputs.reserve`): a second run on it raises ``OutputBusyError`` naming the process,
+    an unwritable or full destination ``OutputNotWritableError`` (an ``OSError``). Returns the output directory, which
     :func:`load_pretrained_quantized` (or :func:`~quark_brevitas.checkpoint.load_quantized`) loads.
     """
     model_dir = Path(model_dir)
