@@ -166,8 +166,8 @@ def test_model_gguf_cannot_hold_is_one_line_error(llama: dict[str, Path], tmp_pa
     assert status == 2
     line = _one_line_error(capsys.readouterr().err)
     assert "per channel" in line and "Q4_0" in line and "model.layers.0." in line
-    assert "--export gguf" in line and "quark-brevitas export" in line  # the checkpoint is kept: say so
-    assert (tmp_path / "ckpt" / "manifest.json").is_file() and not (tmp_path / "ckpt" / "gguf").exists()
+    assert "--export gguf" in line and "refused before quantizing" in line  # the plan is checked first (issue 27)
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ckpt.partial").exists()
 
 
 def test_export_without_model_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

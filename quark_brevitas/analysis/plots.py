@@ -16,6 +16,7 @@ from typing import Any
 
 from quark_brevitas.analysis.report import most_harmful_layer, rows_as_dicts
 from quark_brevitas.extras import require
+from quark_brevitas.outputs import write_file
 
 __all__ = ["plot_layer_sqnr", "plot_pareto", "plot_sensitivity"]
 
@@ -146,6 +147,9 @@ def plot_pareto(series: Mapping[str, Sequence[tuple[float, float]]], path: str |
 def _save(fig: Any, plt: Any, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        # matplotlib picks the format from the file name's suffix; the temporary name must end like the target
+        write_file(path, lambda tmp: fig.savefig(tmp, format=path.suffix.lstrip(".") or None))
+    finally:
+        plt.close(fig)
     return path

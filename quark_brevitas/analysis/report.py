@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from quark_brevitas.outputs import write_file
+
 __all__ = ["format_table", "layer_table", "most_harmful_layer", "rows_as_dicts", "sensitivity_table",
            "write_csv", "write_json", "write_rows"]
 
@@ -124,20 +126,23 @@ def write_json(rows: Sequence[Any], path: str | Path) -> Path:
     path = Path(path)
     data = {"summary": {k: _plain(v) for k, v in getattr(rows, "summary", {}).items()},
             "rows": [{k: _plain(v) for k, v in row.items()} for row in rows_as_dicts(rows)]}
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    return path
+    text = json.dumps(data, indent=2) + "\n"
+    return write_file(path, lambda tmp: tmp.write_text(text))
 
 
 def write_csv(rows: Sequence[Any], path: str | Path) -> Path:
     """One line per row, a header of the field names."""
     path = Path(path)
     dicts = rows_as_dicts(rows)
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(dicts[0]) if dicts else [])
-        writer.writeheader()
-        for row in dicts:
-            writer.writerow({k: "" if _plain(v) is None else _plain(v) for k, v in row.items()})
-    return path
+
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(dicts[0]) if dicts else [])
+            writer.writeheader()
+            for row in dicts:
+                writer.writerow({k: "" if _plain(v) is None else _plain(v) for k, v in row.items()})
+
+    return write_file(path, write)
 
 
 def write_rows(rows: Sequence[Any], directory: str | Path, stem: str) -> tuple[Path, Path]:

@@ -22,18 +22,22 @@ Subcommands:
 
 Bad user input (any :class:`~quark_brevitas.errors.QuarkBrevitasError` or export error) is
 reported as ``error: <message>`` on stderr with exit status 2, without a traceback; anything else
-is a bug and propagates. Progress goes through :mod:`logging` (``-v`` for debug, ``-q`` for
-warnings only); only the final table or listing is printed to stdout.
+is a bug and propagates. Ctrl-C (SIGINT) and SIGTERM stop a command with one line on stderr saying what was
+kept and how to resume (rerun the same command) and exit status 130, without a traceback. Progress goes
+through :mod:`logging` (``-v`` for debug, ``-q`` for warnings only); only the final table or listing is
+printed to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -221,12 +225,51 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from quark_brevitas.export import ExportError
 
-    with _logging_setup(level), _torch_threads(1):
+    with _logging_setup(level), _torch_threads(1), _terminate_as_interrupt():
         try:
             return int(args.func(args))
         except (QuarkBrevitasError, ExportError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            print(f"interrupted: {_resume_hint(args)}", file=sys.stderr)
+            return INTERRUPTED
+
+
+#: The exit status of a command stopped by SIGINT or SIGTERM (128 + SIGINT, as shells report Ctrl-C).
+INTERRUPTED = 130
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a job scheduler, ``kill``, a container stopping) unwinds like Ctrl-C: the ``finally`` blocks of
+    the outputs run (an unfinished run's ``.partial`` folder stays consistent, the output lock goes), instead
+    of the process vanishing mid-write. Only the main thread may set handlers; elsewhere nothing changes."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _resume_hint(args: argparse.Namespace) -> str:
+    """What the interrupted command kept and how to go on: a streamed run keeps its finished blocks in
+    ``OUTPUT.partial`` (the same command resumes there); every other command wrote nothing into its output."""
+    output = getattr(args, "output", None)
+    if output is None:
+        return "nothing was written; rerun the same command to start again"
+    partial = Path(output).with_name(Path(output).name + ".partial")
+    if partial.is_dir():
+        return (f"the finished work is kept in {str(partial)!r}; rerun the same command to resume "
+                "(--no-resume starts over)")
+    return f"{str(output)!r} is as it was before this run; rerun the same command to start again"
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from torch import nn
 from quark_brevitas.api import ModelQuantizer
 from quark_brevitas.cli.options import CLIError, positive_int, resolve_config
 from quark_brevitas.extras import available, install_hint
+from quark_brevitas.outputs import write_file
 
 logger = logging.getLogger("quark_brevitas.cli")
 
@@ -150,7 +151,8 @@ def _cmd_autoconfig(args: argparse.Namespace) -> int:
         min_metric=args.min_metric, exact=args.exact, max_batches=None if args.exact else args.batches,
         refine=args.refine)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(search.config.to_yaml())
+    text = search.config.to_yaml()
+    write_file(output, lambda tmp: tmp.write_text(text))
     quant = ModelQuantizer(search.config).quantize_model(subject.model, subject.calib)
     size = analysis.model_size(subject.model, search.config)
     print(f"{subject.label}: one format per layer from {args.candidates}")

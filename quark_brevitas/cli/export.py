@@ -21,6 +21,7 @@ from quark_brevitas.cli.options import (
     DEPLOY_FORMATS,
     EXAMPLE_TEXT,
     CLIError,
+    claimed,
     first_line,
 )
 from quark_brevitas.cli.quantize import kib
@@ -133,8 +134,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from quark_brevitas.checkpoint import read_checkpoint
 
     info = read_checkpoint(args.checkpoint)
-    if args.format in DEPLOY_FORMATS:
-        return _export_deploy(args, info)
+    with claimed(args.output, "--output"):  # before the model is rebuilt: a busy or unwritable output fails first
+        if args.format in DEPLOY_FORMATS:
+            return _export_deploy(args, info)
+        return _export_onnx(args, info)
+
+
+def _export_onnx(args: argparse.Namespace, info: Any) -> int:
     model, model_source = _checkpoint_model(args, info)
     example, example_source = _export_example(args, info, model)
     where = "--input-shape" if args.input_shape is not None else f"checkpoint {args.checkpoint!r}"

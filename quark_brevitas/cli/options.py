@@ -5,14 +5,15 @@ given (``--config`` / ``--preset``) and checking an output folder before any wor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from quark_brevitas.config import Config
 from quark_brevitas.config.presets import DEFAULT_PRESET, get_preset
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
-from quark_brevitas.outputs import OutputError, check_output_dir
+from quark_brevitas.outputs import OutputError, check_output_dir, reserve
 
 logger = logging.getLogger("quark_brevitas.cli")
 
@@ -97,6 +98,19 @@ def checked_output(path: str, option: str, overwrite: bool, sources: Sequence[st
         return check_output_dir(path, overwrite=overwrite, sources=sources)
     except OutputError as exc:
         raise CLIError(f"{option}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def claimed(path: str | Path, option: str) -> Iterator[Path]:
+    """Claim the output ``path`` for the whole command, before any work (:func:`quark_brevitas.outputs.reserve`:
+    a second run on it is refused at once, an unwritable or full destination fails here); the error names the
+    command-line option and the path as given."""
+    with contextlib.ExitStack() as claim:
+        try:
+            claim.enter_context(reserve(path))
+        except OutputError as exc:
+            raise CLIError(f"{option}: {exc}") from exc
+        yield Path(path)
 
 
 def first_line(exc: BaseException) -> str:

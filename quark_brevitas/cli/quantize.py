@@ -5,6 +5,7 @@ or, with ``--model DIR``, a Hugging Face folder quantized block by block (:mod:`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import tempfile
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from quark_brevitas.api import ModelExporter, ModelQuantizer
-from quark_brevitas.cli.options import ONNX_NAME, CLIError, checked_output, read_text, resolve_config
+from quark_brevitas.cli.options import ONNX_NAME, CLIError, checked_output, claimed, read_text, resolve_config
 from quark_brevitas.cli.plan import plan_digits
 from quark_brevitas.outputs import output_dir
 
@@ -61,8 +62,6 @@ def _check_onnx(path: Path, quant_model: nn.Module, loader: Any) -> tuple[float,
 
 
 def _cmd_quantize_llm(args: argparse.Namespace) -> int:
-    from quark_brevitas.hf.lm import quantize_folder
-
     if args.calib_text is None:
         raise CLIError("--model needs --calib-text FILE (plain text to calibrate on)")
     if args.save_checkpoint is not None:
@@ -73,6 +72,31 @@ def _cmd_quantize_llm(args: argparse.Namespace) -> int:
     if args.config is not None or args.preset is not None:
         config, source = resolve_config(args)
     output = checked_output(args.output, "--output", args.overwrite, sources=[args.model])
+    if args.export == "gguf":
+        _refuse_gguf_early(args, config)
+    with claimed(args.output, "--output"):  # held until the export below is written too
+        return _quantize_llm_claimed(args, config, source, output)
+
+
+def _refuse_gguf_early(args: argparse.Namespace, config: Any) -> None:
+    """``--export gguf``: what the GGUF export would refuse at the end (the family, a layer's weight layout,
+    quantized activations, the tokenizer's fit to the embedding), refused now, before any calibration."""
+    from quark_brevitas.export import ExportError
+    from quark_brevitas.export.gguf_plan import check_gguf_plan
+    from quark_brevitas.hf.lm import default_llm_config
+    from quark_brevitas.hf.streaming import load_skeleton
+
+    skeleton, hf_config = load_skeleton(args.model)
+    rows = ModelQuantizer(config if config is not None else default_llm_config()).plan(skeleton)
+    try:
+        check_gguf_plan(rows, skeleton, hf_config, args.tokenizer if args.tokenizer is not None else args.model)
+    except ExportError as exc:
+        raise CLIError(f"--export gguf: {exc} (refused before quantizing; nothing was written)") from exc
+
+
+def _quantize_llm_claimed(args: argparse.Namespace, config: Any, source: str, output: Path) -> int:
+    from quark_brevitas.hf.lm import quantize_folder
+
     report = quantize_folder(
         args.model, read_text(args.calib_text, "--calib-text"), output, config=config, config_source=source,
         eval_text=read_text(args.eval_text, "--eval-text") if args.eval_text is not None else None,
@@ -106,13 +130,21 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise CLIError("--tokenizer needs --model DIR (the digits CNN takes images, not text)")
     if args.export is not None:
         raise CLIError("--export needs --model DIR (the digits CNN is always exported to ONNX QCDQ)")
-    from quark_brevitas.cli.digits import evaluate, example_input, load_digits_data, train_digits_cnn
-
     config, source = resolve_config(args)  # before any work, so a bad config fails fast
     plan_digits(config, args)  # layer names and types too, before training
     output = checked_output(args.output, "--output", args.overwrite)
     if args.save_checkpoint is not None:
         checked_output(args.save_checkpoint, "--save-checkpoint", args.overwrite)
+    with contextlib.ExitStack() as claims:  # before training: a busy or unwritable output fails in its first second
+        claims.enter_context(claimed(args.output, "--output"))
+        if args.save_checkpoint is not None:
+            claims.enter_context(claimed(args.save_checkpoint, "--save-checkpoint"))
+        return _quantize_digits(args, config, source, output)
+
+
+def _quantize_digits(args: argparse.Namespace, config: Any, source: str, output: Path) -> int:
+    from quark_brevitas.cli.digits import evaluate, example_input, load_digits_data, train_digits_cnn
+
     logger.info("Config: %s", source)
 
     start = time.perf_counter()

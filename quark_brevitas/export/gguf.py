@@ -48,7 +48,7 @@ from quark_brevitas.outputs import output_dir as atomic_output_dir
 
 __all__ = ["GGUF_FAMILIES", "GGUF_FILE_NAME", "GGUF_WEIGHT_TYPES", "GGUFFamily", "GGUFPlan", "GGUFTensor",
            "check_gguf_blocks", "collect_checked", "collect_gguf_tensors", "export_gguf", "plan_gguf",
-           "refuse_activation_quantizers", "tokenizer_dir_of", "write_gguf"]
+           "check_tokenizer_fits", "refuse_activation_quantizers", "tokenizer_dir_of", "write_gguf"]
 
 logger = logging.getLogger(__name__)
 
@@ -242,14 +242,8 @@ def _special_ids(path: Path, vocab: dict[str, int]) -> dict[str, int]:
     return found
 
 
-def _add_tokenizer(writer: Any, gguf: Any, path: Path, pre: str, vocab_size: int | None) -> None:
-    """A byte-level BPE tokenizer (tokenizer.json) as llama.cpp's ``gpt2`` tokenizer: tokens by id, their
-    types (added special tokens are control tokens), merges and the special token ids.
-
-    llama.cpp sizes the embedding from the token list and refuses a file whose table has another number of rows,
-    so ids the tokenizer does not use, up to the model's ``vocab_size`` (models pad their vocabulary: Qwen2's
-    151,936 rows for 151,665 tokens), are written as unused ``[PAD<id>]`` tokens, as llama.cpp's own converter
-    writes them."""
+def _read_bpe_tokenizer(path: Path) -> tuple[dict[str, Any], dict[str, int], set[int]]:
+    """``tokenizer.json``'s BPE model, its vocabulary with the added tokens (token -> id) and the special ids."""
     data = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
     model = data.get("model", {})
     if model.get("type") != "BPE":
@@ -261,10 +255,40 @@ def _add_tokenizer(writer: Any, gguf: Any, path: Path, pre: str, vocab_size: int
         vocab.setdefault(added["content"], added["id"])
         if added.get("special"):
             special.add(added["id"])
+    return model, vocab, special
+
+
+def check_tokenizer_fits(path: str | os.PathLike[str], vocab_size: int | None) -> int:
+    """The number of ids the tokenizer in ``path`` (``tokenizer.json``) uses, or the :class:`ExportError` that
+    names each id beyond the model's embedding (``vocab_size`` rows), its token, and where it came from (the
+    BPE vocabulary, or the ``added_tokens`` list, which is where a tokenizer re-saved by transformers gets
+    tokens such as Qwen2's ``<|endoftext|>`` that its vocabulary lacked). Called by ``plan`` before any
+    calibration and again when the file is written."""
+    path = Path(path)
+    model, vocab, _ = _read_bpe_tokenizer(path)
     used = max(vocab.values()) + 1
-    if vocab_size is not None and used > vocab_size:
-        raise ExportError(f"tokenizer {str(path / 'tokenizer.json')!r} has token ids up to {used - 1}, but the model's "
-                          f"embedding has {vocab_size} rows (config.vocab_size): give the model's own tokenizer")
+    if vocab_size is None or used <= vocab_size:
+        return used
+    base = dict(model["vocab"])
+    beyond = sorted((index, token) for token, index in vocab.items() if index >= vocab_size)
+    shown = ", ".join(f"{index} {token!r} ({'the BPE vocabulary' if base.get(token) == index else 'added_tokens'})"
+                      for index, token in beyond[:5]) + (f" and {len(beyond) - 5} more" if len(beyond) > 5 else "")
+    raise ExportError(f"tokenizer {str(path / 'tokenizer.json')!r} has {len(beyond)} token id(s) that the model's "
+                      f"embedding ({vocab_size} rows, config.vocab_size) does not have: {shown}. A tokenizer re-saved "
+                      "by transformers (save_pretrained) may add special tokens its vocabulary lacks as new ids; give "
+                      "the tokenizer files the model was trained with (quark-brevitas keeps them as given)")
+
+
+def _add_tokenizer(writer: Any, gguf: Any, path: Path, pre: str, vocab_size: int | None) -> None:
+    """A byte-level BPE tokenizer (tokenizer.json) as llama.cpp's ``gpt2`` tokenizer: tokens by id, their
+    types (added special tokens are control tokens), merges and the special token ids.
+
+    llama.cpp sizes the embedding from the token list and refuses a file whose table has another number of rows,
+    so ids the tokenizer does not use, up to the model's ``vocab_size`` (models pad their vocabulary: Qwen2's
+    151,936 rows for 151,665 tokens), are written as unused ``[PAD<id>]`` tokens, as llama.cpp's own converter
+    writes them."""
+    model, vocab, special = _read_bpe_tokenizer(path)
+    used = check_tokenizer_fits(path, vocab_size)
     count = max(used, vocab_size or 0)
     tokens: list[str | None] = [None] * count
     for token, index in vocab.items():

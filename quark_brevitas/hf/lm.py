@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,13 +33,17 @@ from quark_brevitas.types import QSchemeType
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TOKENIZER_FILES", "LLMReport", "PerplexityMeter", "default_llm_config", "generate_text", "is_causal_lm",
-           "load_tokenizer", "mean_pooled", "quantize_folder", "sentence_batches", "split_held_out", "text_batches"]
+__all__ = ["TOKENIZER_FILES", "LLMReport", "PerplexityMeter", "copy_tokenizer", "default_llm_config", "generate_text",
+           "is_causal_lm", "load_tokenizer", "mean_pooled", "quantize_folder", "sentence_batches", "split_held_out",
+           "text_batches"]
 
 #: Files of which a folder holding a Hugging Face tokenizer has at least one (``save_pretrained`` writes the first
 #: two; the others are the vocabularies of slow tokenizers).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
                    "spiece.model", "sentencepiece.bpe.model")
+#: Every file of a tokenizer folder that :func:`copy_tokenizer` copies beside a checkpoint.
+_TOKENIZER_COPIED = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
+                     "chat_template.jinja", "chat_template.json")
 
 
 def default_llm_config() -> Config:
@@ -72,6 +77,24 @@ def load_tokenizer(folder: str | os.PathLike[str], model_dir: str | os.PathLike[
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"{str(folder)!r}: its tokenizer cannot be loaded ({type(exc).__name__}: {first}); "
                          f"{remedy}") from exc
+
+
+def copy_tokenizer(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> list[str]:
+    """Copy the tokenizer files of the folder ``source`` into ``target`` byte for byte (each atomically, see
+    :mod:`quark_brevitas.outputs`); returns the names copied.
+
+    Why copies, not ``tokenizer.save_pretrained``: transformers re-serialises what it loaded, and for some
+    classes that is another tokenizer. Qwen2's adds ``<|endoftext|>`` as a new id when the vocabulary lacks it,
+    so a tokenizer that fitted the model's embedding no longer does, and the GGUF export of the checkpoint then
+    refuses the tokenizer the user gave. The checkpoint keeps what the user gave."""
+    from quark_brevitas.outputs import write_file
+
+    source, target = Path(source), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    copied = [name for name in _TOKENIZER_COPIED if (source / name).is_file()]
+    for name in copied:
+        write_file(target / name, lambda tmp, name=name: shutil.copyfile(source / name, tmp))
+    return copied
 
 
 # ===================================================================== text into batches
@@ -236,68 +259,71 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
 
     from quark_brevitas.blocks.stack import detect_block_stack as find_block_stack
     from quark_brevitas.hf import streaming
-    from quark_brevitas.outputs import add_file, add_folder, check_output_dir
+    from quark_brevitas.outputs import add_file, add_folder, check_output_dir, reserve
 
     model_dir = Path(model_dir)
     output = check_output_dir(output, overwrite=overwrite, sources=[model_dir])  # before the slow work
-    config = config if config is not None else default_llm_config()
-    tokenizer = load_tokenizer(model_dir if tokenizer_dir is None else tokenizer_dir, model_dir)
-    skeleton, hf_config = streaming.load_skeleton(model_dir)
-    causal = is_causal_lm(hf_config)
-    if eval_text is None:
-        calib_text, eval_text = split_held_out(calib_text)
-    if causal:
-        calib = text_batches(tokenizer, calib_text, seq_len=seq_len, batch_size=batch_size,
-                             max_sequences=calib_sequences)
-        evaluation = text_batches(tokenizer, eval_text, seq_len=seq_len, batch_size=batch_size,
-                                  max_sequences=eval_sequences)
-    else:
-        calib = sentence_batches(tokenizer, text_sentences(calib_text)[:calib_sequences], max_length=seq_len)
-        evaluation = sentence_batches(tokenizer, text_sentences(eval_text)[:eval_sequences], max_length=seq_len)
-    blockwise = find_block_stack(skeleton) is not None
-    del skeleton
-    times: dict[str, float] = {}
-    start = time.perf_counter()
-    reference = _Measure(causal, evaluation)
-    if blockwise:
-        streaming.evaluate_pretrained(model_dir, evaluation, reference)
-        times["evaluate"] = time.perf_counter() - start
+    with reserve(output):  # a second run on it is refused, an unwritable one fails: before the slow work
+        config = config if config is not None else default_llm_config()
+        tokenizer_folder = model_dir if tokenizer_dir is None else Path(tokenizer_dir)
+        tokenizer = load_tokenizer(tokenizer_folder, model_dir)
+        skeleton, hf_config = streaming.load_skeleton(model_dir)
+        causal = is_causal_lm(hf_config)
+        if eval_text is None:
+            calib_text, eval_text = split_held_out(calib_text)
+        if causal:
+            calib = text_batches(tokenizer, calib_text, seq_len=seq_len, batch_size=batch_size,
+                                 max_sequences=calib_sequences)
+            evaluation = text_batches(tokenizer, eval_text, seq_len=seq_len, batch_size=batch_size,
+                                      max_sequences=eval_sequences)
+        else:
+            calib = sentence_batches(tokenizer, text_sentences(calib_text)[:calib_sequences], max_length=seq_len)
+            evaluation = sentence_batches(tokenizer, text_sentences(eval_text)[:eval_sequences], max_length=seq_len)
+        blockwise = find_block_stack(skeleton) is not None
+        del skeleton
+        times: dict[str, float] = {}
         start = time.perf_counter()
-        streaming.quantize_pretrained(model_dir, config, calib, output, resume=resume, offload=offload,
-                                      overwrite=overwrite)
-        times["quantize"] = time.perf_counter() - start
-        tokenizer.save_pretrained(output / streaming.FLOAT_MODEL_DIR)
-        start = time.perf_counter()
-        measured = _Measure(causal, evaluation, reference.embeddings)
-        streaming.evaluate_pretrained(output, evaluation, measured)
-        quant_model = streaming.load_pretrained_quantized(output) if prompt is not None and causal else None
-    else:
-        from quark_brevitas.api import ModelQuantizer
-        from quark_brevitas.checkpoint import save_quantized
+        reference = _Measure(causal, evaluation)
+        if blockwise:
+            streaming.evaluate_pretrained(model_dir, evaluation, reference)
+            times["evaluate"] = time.perf_counter() - start
+            start = time.perf_counter()
+            streaming.quantize_pretrained(model_dir, config, calib, output, resume=resume, offload=offload,
+                                          overwrite=overwrite)
+            times["quantize"] = time.perf_counter() - start
+            copy_tokenizer(tokenizer_folder, output / streaming.FLOAT_MODEL_DIR)  # as given
+            start = time.perf_counter()
+            measured = _Measure(causal, evaluation, reference.embeddings)
+            streaming.evaluate_pretrained(output, evaluation, measured)
+            quant_model = streaming.load_pretrained_quantized(output) if prompt is not None and causal else None
+        else:
+            from quark_brevitas.api import ModelQuantizer
+            from quark_brevitas.checkpoint import save_quantized
 
-        float_model = transformers.AutoModel.from_pretrained(model_dir) if not causal else \
-            transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-        float_model.eval()
-        _run(float_model, evaluation, reference)
-        times["evaluate"] = time.perf_counter() - start
-        start = time.perf_counter()
-        quant_model = ModelQuantizer(config).quantize_model(float_model, calib)
-        times["quantize"] = time.perf_counter() - start
-        save_quantized(quant_model, output, overwrite=overwrite)
-        add_folder(output, streaming.FLOAT_MODEL_DIR, tokenizer.save_pretrained)  # for export's example input
-        start = time.perf_counter()
-        measured = _Measure(causal, evaluation, reference.embeddings)
-        _run(quant_model, evaluation, measured)
-    times["evaluate"] += time.perf_counter() - start
-    sample = generate_text(quant_model, tokenizer, prompt, max_new_tokens=max_new_tokens) \
-        if prompt is not None and causal and quant_model is not None else None
-    report = LLMReport(model=str(model_dir), kind="causal LM" if causal else "encoder", config_source=config_source,
-                       output=str(output), path="block by block" if blockwise else "in memory",
-                       calibration_batches=len(calib), evaluation_batches=len(evaluation),
-                       metric="perplexity" if causal else "embedding cosine vs float",
-                       float_value=reference.value, quant_value=measured.value, times_s=times, sample=sample)
-    add_file(output, "report.json", lambda p: p.write_text(json.dumps(report.__dict__, indent=2) + "\n"))
-    return report
+            float_model = transformers.AutoModel.from_pretrained(model_dir) if not causal else \
+                transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+            float_model.eval()
+            _run(float_model, evaluation, reference)
+            times["evaluate"] = time.perf_counter() - start
+            start = time.perf_counter()
+            quant_model = ModelQuantizer(config).quantize_model(float_model, calib)
+            times["quantize"] = time.perf_counter() - start
+            save_quantized(quant_model, output, overwrite=overwrite)
+            add_folder(output, streaming.FLOAT_MODEL_DIR,  # as given; for export's example input and GGUF
+                       lambda folder: copy_tokenizer(tokenizer_folder, folder))
+            start = time.perf_counter()
+            measured = _Measure(causal, evaluation, reference.embeddings)
+            _run(quant_model, evaluation, measured)
+        times["evaluate"] += time.perf_counter() - start
+        sample = generate_text(quant_model, tokenizer, prompt, max_new_tokens=max_new_tokens) \
+            if prompt is not None and causal and quant_model is not None else None
+        report = LLMReport(model=str(model_dir), kind="causal LM" if causal else "encoder", config_source=config_source,
+                           output=str(output), path="block by block" if blockwise else "in memory",
+                           calibration_batches=len(calib), evaluation_batches=len(evaluation),
+                           metric="perplexity" if causal else "embedding cosine vs float",
+                           float_value=reference.value, quant_value=measured.value, times_s=times, sample=sample)
+        add_file(output, "report.json", lambda p: p.write_text(json.dumps(report.__dict__, indent=2) + "\n"))
+        return report
 
 
 def _run(model: nn.Module, batches: list[dict[str, torch.Tensor]], measure: _Measure) -> None:

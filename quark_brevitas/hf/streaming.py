@@ -29,6 +29,7 @@ Under ``torch.distributed`` every process reads the model and takes its share of
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -74,7 +75,7 @@ from quark_brevitas.config import Config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import ModelError
 from quark_brevitas.extras import require
-from quark_brevitas.outputs import check_output_dir, commit, file_sha256, open_work_dir, work_dir
+from quark_brevitas.outputs import check_output_dir, commit, file_sha256, open_work_dir, reserve, work_dir
 from quark_brevitas.outputs import write_file as _write_atomic
 from quark_brevitas.pipeline import CONFIG_ATTRIBUTE, Pipeline, SavedStructure, restrict_structure
 from quark_brevitas.version import __version__
@@ -331,50 +332,56 @@ def quantize_pretrained(
 
     The run writes into ``<output_dir>.partial`` (kept if it is interrupted, where a later run resumes; each
     finished block's SHA-256 is re-checked then and a damaged block is redone) and moves it to ``output_dir``
-    once finished (:mod:`quark_brevitas.outputs`). Returns the output directory, which
+    once finished (:mod:`quark_brevitas.outputs`). The output is claimed before the model is read
+    (:func:`~quark_brevitas.outputs.reserve`): a second run on it raises ``OutputBusyError`` naming the process,
+    an unwritable or full destination ``OutputNotWritableError`` (an ``OSError``). Returns the output directory, which
     :func:`load_pretrained_quantized` (or :func:`~quark_brevitas.checkpoint.load_quantized`) loads.
     """
     model_dir = Path(model_dir)
     if Path(output_dir).exists() and not Path(output_dir).is_dir():
         raise CheckpointError(f"output directory {str(output_dir)!r} exists and is not a directory")
     output = check_output_dir(output_dir, overwrite=overwrite, sources=[model_dir])
-    work = work_dir(output)
-    pipeline = Pipeline(config, container)
-    model, hf_config = load_skeleton(model_dir)
-    stack = pipeline.block_stack(model, blocks if blocks is not None else True, needs_data=True)
-    if stack is None:
-        raise ModelError(f"{type(model).__name__} cannot be streamed block by block ({pipeline.blockwise_obstacle()}); "
-                         "load it and use ModelQuantizer.quantize_model")
-    weights = FolderWeights(model_dir, getattr(model, "base_model_prefix", ""))
-    _materialise_outside(model, stack, weights, hf_config)
-    plan = pipeline.prepare(model, calib_loader, batch_to_inputs=batch_to_inputs, distributed=distributed,
-                            loaded_later=stack)
-    shard = (plan.data.shard if plan.data is not None and plan.data.shard is not None
-             else current_shard(distributed))
-    before = model
-    model, prepare = prepare_streamed(pipeline.config, model, stack)  # a rotation: each block as it loads
-    if model is not before:
-        raise ModelError("a data-free pre-quantization step (Preprocess) changed the model's structure; a model "
-                         "quantized block by block from its folder cannot be traced: set trace_model=False or "
-                         "remove Preprocess")
-    barrier(shard)  # every process has checked the folders before the first one creates the work folder
-    if shard is None or shard.rank == 0:
-        open_work_dir(work)
-    barrier(shard)
-    writer = _Writer(work, output, stack, shard, _fingerprint(config, hf_config, model_dir, stack, plan.data))
-    start = writer.start(resume)
-    writer.on_block = on_block
-    stores = _ProgressStores(writer, StoreFactory.for_offload(offload))
-    blocks = FolderBlocks(weights, stack, writer.block_done, prepare)
-    engine = BlockwiseEngine(pipeline, model, stack, plan.data, blocks, stores=stores, on_block=on_block)
-    engine.on_captured = lambda digest: writer.check_inputs(digest, resumed=start > 0)
-    count = len(engine.stack)
-    hidden = ActivationStore.open(writer.inputs_dir(start)) if start > 0 and plan.data is not None else None
-    try:
-        engine.run(start=start, hidden=hidden)
-    finally:
-        stores.cleanup()
-    writer.finalize(model, config, hf_config, count)
+    with contextlib.ExitStack() as claim:
+        writer_shard = current_shard(distributed)
+        if writer_shard is None or writer_shard.rank == 0:  # only the process that writes claims the output
+            claim.enter_context(reserve(output))  # a second run is refused, an unwritable output fails: before work
+        work = work_dir(output)
+        pipeline = Pipeline(config, container)
+        model, hf_config = load_skeleton(model_dir)
+        stack = pipeline.block_stack(model, blocks if blocks is not None else True, needs_data=True)
+        if stack is None:
+            raise ModelError(f"{type(model).__name__} cannot be streamed block by block "
+                             f"({pipeline.blockwise_obstacle()}); load it and use ModelQuantizer.quantize_model")
+        weights = FolderWeights(model_dir, getattr(model, "base_model_prefix", ""))
+        _materialise_outside(model, stack, weights, hf_config)
+        plan = pipeline.prepare(model, calib_loader, batch_to_inputs=batch_to_inputs, distributed=distributed,
+                                loaded_later=stack)
+        shard = (plan.data.shard if plan.data is not None and plan.data.shard is not None
+                 else current_shard(distributed))
+        before = model
+        model, prepare = prepare_streamed(pipeline.config, model, stack)  # a rotation: each block as it loads
+        if model is not before:
+            raise ModelError("a data-free pre-quantization step (Preprocess) changed the model's structure; a model "
+                             "quantized block by block from its folder cannot be traced: set trace_model=False or "
+                             "remove Preprocess")
+        barrier(shard)  # every process has checked the folders before the first one creates the work folder
+        if shard is None or shard.rank == 0:
+            open_work_dir(work)
+        barrier(shard)
+        writer = _Writer(work, output, stack, shard, _fingerprint(config, hf_config, model_dir, stack, plan.data))
+        start = writer.start(resume)
+        writer.on_block = on_block
+        stores = _ProgressStores(writer, StoreFactory.for_offload(offload))
+        blocks = FolderBlocks(weights, stack, writer.block_done, prepare)
+        engine = BlockwiseEngine(pipeline, model, stack, plan.data, blocks, stores=stores, on_block=on_block)
+        engine.on_captured = lambda digest: writer.check_inputs(digest, resumed=start > 0)
+        count = len(engine.stack)
+        hidden = ActivationStore.open(writer.inputs_dir(start)) if start > 0 and plan.data is not None else None
+        try:
+            engine.run(start=start, hidden=hidden)
+        finally:
+            stores.cleanup()
+        writer.finalize(model, config, hf_config, count)
     logger.info("Wrote %s (%d blocks)", output, count)
     return output
 
