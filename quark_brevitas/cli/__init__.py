@@ -34,7 +34,7 @@ import logging
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from quark_brevitas.cli.parser import build_parser
@@ -122,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from quark_brevitas.export import ExportError
 
-    with _logging_setup(level), _torch_threads(1):
+    threads = _torch_threads(1) if getattr(args, "uses_torch", True) else nullcontext()
+    with _logging_setup(level), threads:
         try:
             return int(_command(args)(args))
         except (QuarkBrevitasError, ExportError) as exc:

@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func="quark_brevitas.cli.plan:cmd_plan")
 
     presets = sub.add_parser("presets", parents=[verbosity], help="list the presets")
-    presets.set_defaults(func="quark_brevitas.cli.plan:cmd_presets")
+    presets.set_defaults(func="quark_brevitas.cli.plan:cmd_presets", uses_torch=False)
     _add_analysis_commands(sub, verbosity, config_args)
     _add_list_command(sub, verbosity)
     return parser
@@ -203,4 +203,5 @@ def _add_list_command(sub: Any, verbosity: argparse.ArgumentParser) -> None:
         description="Print what this install can do, read from the same tables the code uses: "
                     + "; ".join(f"{name}: {text}" for name, text in TOPICS.items()) + ".")
     listing.add_argument("topic", choices=list(TOPICS), metavar="TOPIC", help=", ".join(TOPICS))
-    listing.set_defaults(func="quark_brevitas.cli.listing:cmd_list")
+    # Listing computes nothing: no intra-op thread setting (which would import torch for 'list formats').
+    listing.set_defaults(func="quark_brevitas.cli.listing:cmd_list", uses_torch=False)
