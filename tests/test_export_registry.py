@@ -141,3 +141,10 @@ def test_the_contract_refuses_arguments_a_format_cannot_use(tmp_path: Path) -> N
         get_format("qcdq").write(_quantized(), tmp_path / "m.onnx")
     with pytest.raises(ExportArgumentError, match="nothing is traced"):
         get_format("gguf").write(_quantized(), tmp_path / "g", example=torch.randn(1, 8))
+
+
+def test_the_docs_list_every_built_in_format() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    listing = text.split("$ quark-brevitas list formats", 1)[1].split("```", 1)[0]
+    documented = {line.split()[0].rstrip(",") for line in listing.strip().splitlines()[1:]}
+    assert documented == set(FORMATS), "docs/cli.md's format listing differs from the registry"
