@@ -64,6 +64,10 @@ def _command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
     return getattr(importlib.import_module(module_name), attribute)
 
 
+#: Loggers of libraries that log routine progress at INFO.
+_CHATTY_LIBRARIES = ("gguf", "gguf.gguf_writer")
+
+
 @contextmanager
 def _logging_setup(level: int) -> Iterator[None]:
     """Compact logging to stderr (and Python warnings through it) for the duration of one command."""
@@ -75,6 +79,13 @@ def _logging_setup(level: int) -> Iterator[None]:
     previous_level = root.level
     root.addHandler(handler)
     root.setLevel(level)
+    # Libraries' own progress chatter ("gguf: This GGUF file is for Little Endian only") is not the user's
+    # business unless debugging; their warnings still come through.
+    chatty = {name: logging.getLogger(name).level for name in _CHATTY_LIBRARIES}
+    for name in chatty:
+        logging.getLogger(name).setLevel(level if level <= logging.DEBUG else max(level, logging.WARNING))
+    # Python warnings (Brevitas's UserWarnings included) become log records on the same handler; the heavy
+    # libraries are imported by the command, inside this block, so their import-time warnings are routed too.
     logging.captureWarnings(True)
     try:
         with warnings.catch_warnings():
@@ -87,6 +98,8 @@ def _logging_setup(level: int) -> Iterator[None]:
         logging.captureWarnings(False)
         root.removeHandler(handler)
         root.setLevel(previous_level)
+        for name, previous in chatty.items():
+            logging.getLogger(name).setLevel(previous)
 
 
 @contextmanager
