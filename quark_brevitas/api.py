@@ -134,13 +134,9 @@ class ModelExporter:
         stay the container-overridable ONNX entries (``container.onnx_exporter``); this one reads
         ``container.formats``.
         """
-        from quark_brevitas.export.registry import UnknownFormatError
+        from quark_brevitas.export.registry import get_format
 
-        table = self.container.formats()
-        row = table.get(format) or next((r for r in table.values() if format in r.aliases), None)
-        if row is None:
-            names = [name for r in table.values() for name in (r.name, *r.aliases)]
-            raise UnknownFormatError(f"unknown export format {format!r}; formats: {', '.join(names)}")
+        row = get_format(format, self.container.formats())
         if args is not None:
             options["example"] = args
         return row.write(model, self.export_path, **options)

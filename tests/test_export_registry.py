@@ -148,3 +148,17 @@ def test_the_docs_list_every_built_in_format() -> None:
     listing = text.split("$ quark-brevitas list formats", 1)[1].split("```", 1)[0]
     documented = {line.split()[0].rstrip(",") for line in listing.strip().splitlines()[1:]}
     assert documented == set(FORMATS), "docs/cli.md's format listing differs from the registry"
+
+
+def test_a_container_can_supply_its_own_format_table(tmp_path: Path) -> None:
+    from quark_brevitas import Container
+
+    only = ExportFormat(name="only", summary="", holds="", layout="file",
+                        model_writer=lambda model, output, **options: ("only", output, options))
+    container = Container()
+    container.formats.override({"only": only})
+    exporter = ModelExporter(tmp_path / "x", container)
+    assert exporter.export("only", nn.Linear(2, 2), level=3) == ("only", tmp_path / "x", {"level": 3})
+    with pytest.raises(UnknownFormatError, match="formats: only$"):
+        exporter.export("qcdq", nn.Linear(2, 2))
+    assert Container().formats() is FORMATS

@@ -9,16 +9,22 @@ Subcommands:
   With ``--model DIR --calib-text FILE``: quantize a Hugging Face folder (a causal LM or an encoder)
   into the checkpoint ``OUTPUT`` instead, block by block when it is made of blocks, and report
   perplexity (or embedding cosine) before and after on held-out text (:mod:`quark_brevitas.hf.lm`);
-  ``--export onnx|gguf|compressed-tensors|quark`` also writes that format into ``OUTPUT/<format>/``.
-- ``export``: rebuild a saved checkpoint and export it to ONNX QCDQ or QONNX, verified against the
-  rebuilt PyTorch model; or write it as GGUF, compressed-tensors or Quark's format
-  (:mod:`quark_brevitas.cli.deploy`), block by block for a checkpoint written block by block.
+  ``--export FORMAT`` also writes a format of the registry into ``OUTPUT/FORMAT/``.
+- ``export``: rebuild a saved checkpoint and export it in any format of :mod:`quark_brevitas.export.registry`:
+  traced formats (ONNX QCDQ, QONNX) verified against the rebuilt PyTorch model, formats that store weights
+  (GGUF, compressed-tensors, Quark's) through :mod:`quark_brevitas.cli.deploy`, block by block for a checkpoint
+  written block by block.
 - ``plan``: which layers of the digits CNN a config quantizes, and how.
 - ``presets``: the named configs ``--preset`` accepts.
 - ``analyze``: where accuracy goes: the layer-by-layer comparison and the sensitivity ranking of a config,
   printed and written as JSON, CSV and PNG (see :mod:`quark_brevitas.analysis`).
 - ``autoconfig``: a mixed-precision config (one candidate format per layer) under an average-weight-bits or
   bytes budget or a metric target, written as YAML for ``quantize --config`` and ``plan --config``.
+- ``list formats|layers|families|algorithms|presets|candidates``: what this install can do, from the tables the
+  code uses (:mod:`quark_brevitas.cli.listing`).
+
+The parser (:mod:`quark_brevitas.cli.parser`) imports no torch: ``--help`` answers at once, and each command's
+module is imported when it runs. Export formats and their help come from :mod:`quark_brevitas.export.registry`.
 
 Bad user input (any :class:`~quark_brevitas.errors.QuarkBrevitasError` or export error) is
 reported as ``error: <message>`` on stderr with exit status 2, without a traceback; anything else

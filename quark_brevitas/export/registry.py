@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -171,14 +171,18 @@ def register_format(row: ExportFormat, *, replace: bool = False) -> ExportFormat
     return row
 
 
-def get_format(name: str) -> ExportFormat:
-    """The row called ``name`` (or one of its aliases); :class:`UnknownFormatError` listing the formats if none."""
-    if name in FORMATS:
-        return FORMATS[name]
-    for row in FORMATS.values():
+def get_format(name: str, table: Mapping[str, ExportFormat] | None = None) -> ExportFormat:
+    """The row called ``name`` (or one of its aliases) in ``table`` (default :data:`FORMATS`; a
+    :class:`~quark_brevitas.container.Container` may provide another); :class:`UnknownFormatError` listing the
+    formats if none."""
+    table = FORMATS if table is None else table
+    if name in table:
+        return table[name]
+    for row in table.values():
         if name in row.aliases:
             return row
-    raise UnknownFormatError(f"unknown export format {name!r}; formats: {', '.join(format_names(aliases=True))}")
+    names = [alias for row in table.values() for alias in (row.name, *row.aliases)]
+    raise UnknownFormatError(f"unknown export format {name!r}; formats: {', '.join(names)}")
 
 
 def format_names(*, aliases: bool = False, hf_lm: bool | None = None) -> list[str]:
