@@ -71,10 +71,12 @@ def write_next_to_checkpoint(fmt: str, checkpoint: Path) -> Path:
     written: list[Path] = []  # relative to the folder written
 
     def write(folder: Path) -> None:
+        # A file format is written as FORMAT/model<suffix>, a folder format fills FORMAT/ itself.
+        output = folder / f"model{row.suffix}" if row.layout == "file" else folder
         with _final_path_in_logs(folder, checkpoint / fmt):
-            path = _write_traced(row, model, checkpoint, folder) if row.needs_example else \
-                write_deploy_format(fmt, checkpoint, model, folder)
-        written.append(path.relative_to(folder))
+            path = _write_traced(row, model, checkpoint, output) if row.needs_example else \
+                write_deploy_format(fmt, checkpoint, model, output)
+        written.append(Path(path).relative_to(folder))
 
     target = add_folder(checkpoint, fmt, write)
     return target / written[0]
@@ -118,8 +120,8 @@ def _rebuilt(checkpoint: Path, info: Any) -> nn.Module:
     return load_quantized(float_model_from_record(record), checkpoint)
 
 
-def _write_traced(row: ExportFormat, model: nn.Module, checkpoint: Path, folder: Path) -> Path:
-    """The quantized model in a traced format (``folder/model.onnx`` for ONNX QCDQ), verified, traced with a
+def _write_traced(row: ExportFormat, model: nn.Module, checkpoint: Path, path: Path) -> Path:
+    """The quantized model in a traced format at ``path`` (``model.onnx`` for ONNX QCDQ), verified, traced with a
     sentence through the checkpoint's tokenizer."""
     from quark_brevitas.api import ModelExporter
     from quark_brevitas.cli.options import DEFAULT_TOKEN_SHAPE, EXAMPLE_TEXT
@@ -131,7 +133,6 @@ def _write_traced(row: ExportFormat, model: nn.Module, checkpoint: Path, folder:
     encoded = load_tokenizer(tokenizer_dir)(EXAMPLE_TEXT, return_tensors="pt", truncation=True,
                                             max_length=DEFAULT_TOKEN_SHAPE[1])
     example = {key: value for key, value in encoded.items() if key in ("input_ids", "attention_mask")}
-    path = folder / f"model{row.suffix}"
     report = ModelExporter(path).export(row.name, model, example)
     if hasattr(report, "max_abs_diff"):
         logger.info("Wrote %s (max |%s - PyTorch| %.2e)", path, row.checked_with or row.label, report.max_abs_diff)
