@@ -6,7 +6,8 @@ post-quant algorithms, each stage in list order, on a *copy* of the caller's mod
 ``inplace=True`` to save memory, at the price of the caller's model being modified).
 ``ModelExporter(path).export_onnx_model(model, args)`` writes an ONNX QCDQ file and checks it in
 onnxruntime against the PyTorch model; ``export_qonnx_model`` writes QONNX and checks it with the qonnx
-package.
+package; ``export(format, model, args)`` writes any format of :mod:`quark_brevitas.export.registry` (GGUF,
+compressed-tensors, Quark's format, a format registered by the user, ...).
 """
 
 from __future__ import annotations
@@ -129,3 +130,21 @@ class ModelExporter:
         model's by more than one quantization step.
         """
         return self.container.qonnx_exporter()(model, args, self.export_path)
+
+    def export(self, format: str, model: nn.Module, args: Any = None, **options: Any) -> Any:
+        """Write ``model`` to ``export_path`` in ``format``, any row of the container's format table
+        (:mod:`quark_brevitas.export.registry`: ``qcdq``/``onnx``, ``qonnx``, ``gguf``, ``compressed-tensors``,
+        ``quark``, and whatever :func:`~quark_brevitas.export.registry.register_format` added), and return what
+        its writer returns (a verified report for ONNX formats, the path written for the others).
+
+        ``args``: the example input of a traced format (ONNX); ``options``: the format's own keyword arguments
+        (``tokenizer_dir=``, ``overwrite=``, ``opset=``, ...). ``export_onnx_model`` / ``export_qonnx_model``
+        stay the container-overridable ONNX entries (``container.onnx_exporter``); this one reads
+        ``container.formats``.
+        """
+        from quark_brevitas.export.registry import get_format
+
+        row = get_format(format, self.container.formats())
+        if args is not None:
+            options["example"] = args
+        return row.write(model, self.export_path, **options)

@@ -13,7 +13,10 @@ without patching the library. For example, to quantize a custom layer type::
 Replaceable parts: ``layer_map`` (float class -> LayerMapping), ``backends`` (one per
 :class:`~quark_brevitas.config.Backend` name), ``calibrator`` (``(model, data) -> model``, where ``data`` is a
 :class:`~quark_brevitas.calibration.data.CalibrationData`: iterating it yields the batches),
-``onnx_exporter`` and ``qonnx_exporter`` (``(model, args, path) -> report``).
+``onnx_exporter`` and ``qonnx_exporter`` (``(model, args, path) -> report``, what
+``ModelExporter.export_onnx_model`` / ``export_qonnx_model`` call), ``formats`` (the table of export formats
+:meth:`~quark_brevitas.api.ModelExporter.export` reads; default the live
+:data:`quark_brevitas.export.registry.FORMATS`, so a format registered later is reachable too).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dependency_injector import containers, providers
 
 from quark_brevitas.backend import DEFAULT_LAYER_MAP, LayerwiseBackend
 from quark_brevitas.calibration import calibrate
+from quark_brevitas.export.registry import FORMATS
 
 
 def _onnx_exporter():  # imported lazily: onnx/onnxruntime are only needed when exporting
@@ -44,6 +48,7 @@ class Container(containers.DeclarativeContainer):
     calibrator = providers.Object(calibrate)
     onnx_exporter = providers.Callable(_onnx_exporter)
     qonnx_exporter = providers.Callable(_qonnx_exporter)
+    formats = providers.Object(FORMATS)
 
 
 __all__ = ["Container"]

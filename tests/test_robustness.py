@@ -485,7 +485,7 @@ def test_cli_export_with_a_wrong_input_shape_is_one_line(capsys: Any, digits_che
 @pytest.mark.parametrize("spec, message", [
     ("quark_brevitas.cli.digits:DigitsData", "calling it failed (TypeError"),
     ("no_such_module_here:Model", "cannot import it (ModuleNotFoundError"),
-    ("quark_brevitas.cli:DEFAULT_MODEL", "is a str, not a callable"),
+    ("quark_brevitas.cli.options:DEFAULT_MODEL", "is a str, not a callable"),
 ])
 def test_cli_export_with_a_bad_model_is_one_line(capsys: Any, digits_checkpoint: Any, tmp_path: Any, spec: str,
                                                  message: str) -> None:

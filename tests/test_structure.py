@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from quark_brevitas.public_api import MOVED
+
 PACKAGE = Path(__file__).resolve().parent.parent / "quark_brevitas"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 MAX_LINES = 500
@@ -30,7 +32,9 @@ def test_no_module_is_over_500_lines(path: Path) -> None:
 
 
 def test_the_package_root_holds_at_most_15_modules() -> None:
-    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    # The deprecation shims left where public modules used to be (quark_brevitas.public_api.MOVED) are not rooms.
+    shims = {f"{old.rpartition('.')[2]}.py" for old in MOVED}
+    root = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in shims)
     assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at the package root: {root}"
 
 

@@ -90,6 +90,12 @@ def _optional_inputs(model: nn.Module) -> list[str]:
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
+def _is_hugging_face(model: nn.Module) -> bool:
+    """A transformers model (by its class hierarchy, without importing transformers)."""
+    return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
+               for cls in type(model).__mro__)
+
+
 @register(algos.Preprocess)
 class PreprocessHandler(AlgorithmHandler):
     """Runs Brevitas's ``preprocess_for_quantize`` on an FX graph of the model; models that cannot be
@@ -105,6 +111,12 @@ class PreprocessHandler(AlgorithmHandler):
         graph_model = model
         if algo.trace_model and not is_graph_module(model):
             optional = _optional_inputs(model)
+            if optional and algo == algos.Preprocess() and _is_hugging_face(model):
+                # Every preset and Config() starts with the default Preprocess, and a Hugging Face forward always
+                # has optional inputs: the skip is expected there, so it is not worth a warning on every run.
+                logger.debug("Preprocess: %s is a Hugging Face model (optional inputs %s); the default graph steps "
+                             "are skipped", type(model).__name__, ", ".join(optional))
+                return model
             if optional:
                 logger.warning(
                     "Preprocess: %s.forward has optional inputs (%s); a symbolic trace would fix which of them are "

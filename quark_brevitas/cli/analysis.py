@@ -13,66 +13,11 @@ from typing import Any
 from torch import nn
 
 from quark_brevitas.api import ModelQuantizer
-from quark_brevitas.cli.options import CLIError, positive_int, resolve_config
+from quark_brevitas.cli.options import CLIError, resolve_config
 from quark_brevitas.extras import available, install_hint
 from quark_brevitas.outputs import write_file
 
 logger = logging.getLogger("quark_brevitas.cli")
-
-
-DEFAULT_ANALYSIS_OUTPUT = "quark_brevitas_analysis"
-
-
-DEFAULT_AUTOCONFIG_OUTPUT = "quark_brevitas_autoconfig.yaml"
-
-
-def add_analysis_commands(sub: Any, verbosity: argparse.ArgumentParser,
-                           config_args: argparse.ArgumentParser) -> None:
-    """The ``analyze`` and ``autoconfig`` subcommands. The model options (``--epochs``, ``--seed``) are those of
-    the built-in digits CNN; :func:`_analysis_subject` is the one place that builds the model and its data, so a
-    ``--model DIR`` (Hugging Face folder) option plugs in there."""
-    from quark_brevitas.analysis import DEFAULT_CANDIDATES
-
-    subject = argparse.ArgumentParser(add_help=False)
-    subject.add_argument("--epochs", type=positive_int, default=15, help="training epochs (default 15)")
-    subject.add_argument("--seed", type=int, default=0, help="data split and training seed (default 0)")
-    subject.add_argument("--batches", type=positive_int, default=4,
-                         help="calibration batches the measurements use (default 4; --exact: all)")
-    subject.add_argument("--exact", action="store_true",
-                         help="re-run the pipeline for every measurement instead of switching layers off (slower)")
-
-    analyze = sub.add_parser(
-        "analyze", parents=[verbosity, config_args, subject],
-        help="per-layer error report and sensitivity ranking of a config on the digits CNN",
-        description="Train the digits CNN, quantize it, compare it with the float model layer by layer (SQNR of "
-                    "weights, inputs, outputs) and rank the layers by sensitivity; prints the tables and writes "
-                    "layers.json/.csv/.png and sensitivity.json/.csv/.png.",
-    )
-    analyze.add_argument("--output", metavar="DIR", default=DEFAULT_ANALYSIS_OUTPUT,
-                         help=f"output directory (default {DEFAULT_ANALYSIS_OUTPUT})")
-    analyze.add_argument("--no-plots", action="store_true", help="skip the PNG files (no matplotlib needed)")
-    analyze.set_defaults(func=_cmd_analyze)
-
-    autoconfig = sub.add_parser(
-        "autoconfig", parents=[verbosity, subject],
-        help="choose a format per layer under a budget and write the config as YAML",
-        description="Measure every layer of the digits CNN with every candidate format, choose one per layer under "
-                    "the budget (knapsack on the measured output SQNR, refined by quantizing the best proposals "
-                    "for real) and write the Config as YAML (for 'quantize --config' and 'plan --config').",
-    )
-    budget = autoconfig.add_mutually_exclusive_group()
-    budget.add_argument("--budget-bits", type=float, metavar="BITS",
-                        help="average bits per weight, scales included (uniform W4 per-channel: about 4.1)")
-    budget.add_argument("--budget-bytes", type=float, metavar="BYTES", help="model size in bytes")
-    autoconfig.add_argument("--min-metric", type=float, metavar="DB",
-                            help="smallest assignment whose output SQNR reaches DB (alone or within a budget)")
-    autoconfig.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES), metavar="NAMES",
-                            help=f"comma-separated candidate formats (default {','.join(DEFAULT_CANDIDATES)})")
-    autoconfig.add_argument("--refine", type=positive_int, default=4,
-                            help="proposals quantized for real to pick the best (default 4)")
-    autoconfig.add_argument("--output", metavar="FILE", default=DEFAULT_AUTOCONFIG_OUTPUT,
-                            help=f"the YAML config to write (default {DEFAULT_AUTOCONFIG_OUTPUT})")
-    autoconfig.set_defaults(func=_cmd_autoconfig)
 
 
 @dataclass(frozen=True)
@@ -94,7 +39,7 @@ def _analysis_subject(args: argparse.Namespace) -> _Subject:
     return _Subject(model, data.calib, lambda m: evaluate(m, data.test), "digits CNN")
 
 
-def _cmd_analyze(args: argparse.Namespace) -> int:
+def cmd_analyze(args: argparse.Namespace) -> int:
     from quark_brevitas import analysis
 
     config, source = resolve_config(args)
@@ -125,17 +70,17 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def _candidates(text: str) -> list[Any]:
-    from quark_brevitas.analysis import CANDIDATES
+def _candidates(text: str | None) -> list[Any]:
+    from quark_brevitas.analysis import CANDIDATES, DEFAULT_CANDIDATES
 
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    names = list(DEFAULT_CANDIDATES) if text is None else [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in CANDIDATES]
     if unknown or not names:
         raise CLIError(f"--candidates: unknown {unknown or 'empty list'}; allowed: {', '.join(CANDIDATES)}")
     return [CANDIDATES[name] for name in names]
 
 
-def _cmd_autoconfig(args: argparse.Namespace) -> int:
+def cmd_autoconfig(args: argparse.Namespace) -> int:
     from quark_brevitas import analysis
     from quark_brevitas.backend import plan_table
 
@@ -155,7 +100,7 @@ def _cmd_autoconfig(args: argparse.Namespace) -> int:
     write_file(output, lambda tmp: tmp.write_text(text))
     quant = ModelQuantizer(search.config).quantize_model(subject.model, subject.calib)
     size = analysis.model_size(subject.model, search.config)
-    print(f"{subject.label}: one format per layer from {args.candidates}")
+    print(f"{subject.label}: one format per layer from {','.join(analysis.candidate_label(c) for c in candidates)}")
     print(analysis.format_table(search.rows(), [("name", "layer"), ("module_type", "type"), ("candidate", "format"),
                                                 ("average_weight_bits", "weight bits"),
                                                 ("alone_sqnr_db", "output SQNR alone (dB)")]))

@@ -11,19 +11,19 @@ saves it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from quark_brevitas.cli.options import DEPLOY_FORMATS, CLIError
+from quark_brevitas.cli.options import CLIError
+from quark_brevitas.export.registry import ExportFormat, format_names, get_format
 
-__all__ = ["DEPLOY_SUBFOLDERS", "is_streamed", "write_deploy_format", "write_next_to_checkpoint"]
+__all__ = ["is_streamed", "write_deploy_format", "write_next_to_checkpoint"]
 
 logger = logging.getLogger("quark_brevitas.cli")
-
-#: ``quantize --model OUT --export FORMAT``: the folder inside OUT the format is written to.
-DEPLOY_SUBFOLDERS = {"onnx": "onnx", "gguf": "gguf", "compressed-tensors": "compressed-tensors", "quark": "quark"}
 
 
 def is_streamed(info: Any) -> bool:
@@ -46,45 +46,63 @@ def _tokenizer_folder(checkpoint: Path) -> Path | None:
 
 def write_deploy_format(fmt: str, checkpoint: Path, model: nn.Module | None, output: Path, *,
                         overwrite: bool = False) -> Path:
-    """Write ``fmt`` (``gguf``, ``compressed-tensors`` or ``quark``) to the folder ``output`` from the checkpoint:
-    block by block when ``model`` is ``None`` (a streamed checkpoint), else from the rebuilt quantized ``model``.
-    Returns the file (GGUF) or folder written."""
-    from quark_brevitas.export import export_gguf, export_safetensors
-    from quark_brevitas.hf.export_streamed import export_gguf_streamed, export_safetensors_streamed
-    from quark_brevitas.hf.lm import load_tokenizer
-
-    if fmt not in DEPLOY_FORMATS:
-        raise CLIError(f"format {fmt!r} is not a deployment format; choose one of {', '.join(DEPLOY_FORMATS)}")
+    """Write ``fmt`` (a format of :mod:`quark_brevitas.export.registry` that stores weights: GGUF,
+    compressed-tensors, Quark's format, ...) to ``output`` from the checkpoint: block by block when ``model`` is
+    ``None`` (a streamed checkpoint), else from the rebuilt quantized ``model``. Returns the path written."""
+    row = get_format(fmt)
+    if row.needs_example:
+        raise CLIError(f"format {fmt!r} is traced with an example input, not written from the checkpoint's weights; "
+                       f"these are: {', '.join(name for name in format_names() if not get_format(name).needs_example)}")
     tokenizer_dir = _tokenizer_folder(checkpoint)
-    if fmt == "gguf":
-        gguf_tokenizer = tokenizer_dir if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file() \
-            else None
-        if model is None:
-            return export_gguf_streamed(checkpoint, output, tokenizer_path=gguf_tokenizer, overwrite=overwrite)
-        return export_gguf(model, output, tokenizer_path=gguf_tokenizer, overwrite=overwrite)
-    tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
     if model is None:
-        return export_safetensors_streamed(checkpoint, output, fmt, tokenizer=tokenizer, overwrite=overwrite)
-    return export_safetensors(model, output, fmt, tokenizer=tokenizer, overwrite=overwrite)
+        return row.write_streamed(checkpoint, output, tokenizer_dir=tokenizer_dir, overwrite=overwrite)
+    return row.write(model, output, tokenizer_dir=tokenizer_dir, overwrite=overwrite)
 
 
 def write_next_to_checkpoint(fmt: str, checkpoint: Path) -> Path:
-    """``quantize --model --export FORMAT``: write the format into ``checkpoint/<subfolder>`` (recorded as ours,
-    so a rerun replaces it). Returns the file (ONNX, GGUF) or folder (compressed-tensors, Quark) written."""
+    """``quantize --model --export FORMAT``: write the format into ``checkpoint/FORMAT/`` (recorded as ours, so a
+    rerun replaces it). Returns the file (ONNX, GGUF) or folder (compressed-tensors, Quark) written."""
     from quark_brevitas.checkpoint import read_checkpoint
     from quark_brevitas.outputs import add_folder
 
+    row = get_format(fmt)
     info = read_checkpoint(checkpoint)
-    model = None if is_streamed(info) and fmt != "onnx" else _rebuilt(checkpoint, info)
+    model = None if is_streamed(info) and row.streamed_writer is not None else _rebuilt(checkpoint, info)
     written: list[Path] = []  # relative to the folder written
 
     def write(folder: Path) -> None:
-        path = _write_onnx(model, checkpoint, folder) if fmt == "onnx" else \
-            write_deploy_format(fmt, checkpoint, model, folder)
-        written.append(path.relative_to(folder))
+        # A file format is written as FORMAT/model<suffix>, a folder format fills FORMAT/ itself.
+        output = folder / f"model{row.suffix}" if row.layout == "file" else folder
+        with _final_path_in_logs(folder, checkpoint / fmt):
+            path = _write_traced(row, model, checkpoint, output) if row.needs_example else \
+                write_deploy_format(fmt, checkpoint, model, output)
+        written.append(Path(path).relative_to(folder))
 
-    target = add_folder(checkpoint, DEPLOY_SUBFOLDERS[fmt], write)
+    target = add_folder(checkpoint, fmt, write)
     return target / written[0]
+
+
+@contextmanager
+def _final_path_in_logs(temporary: Path, final: Path) -> Iterator[None]:
+    """Log records emitted while a writer fills the temporary folder that :func:`~quark_brevitas.outputs.add_folder`
+    renames into place name the final path instead: the user reads where the file *is*, not where it was built."""
+
+    class Rename(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            message = record.getMessage()
+            if str(temporary) in message:
+                record.msg, record.args = message.replace(str(temporary), str(final)), ()
+            return True
+
+    rename = Rename()
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(rename)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(rename)
 
 
 def _rebuilt(checkpoint: Path, info: Any) -> nn.Module:
@@ -102,9 +120,9 @@ def _rebuilt(checkpoint: Path, info: Any) -> nn.Module:
     return load_quantized(float_model_from_record(record), checkpoint)
 
 
-def _write_onnx(model: nn.Module, checkpoint: Path, folder: Path) -> Path:
-    """The quantized model as verified ONNX QCDQ (``folder/model.onnx``), traced with a sentence through the
-    checkpoint's tokenizer."""
+def _write_traced(row: ExportFormat, model: nn.Module, checkpoint: Path, path: Path) -> Path:
+    """The quantized model in a traced format at ``path`` (``model.onnx`` for ONNX QCDQ), verified, traced with a
+    sentence through the checkpoint's tokenizer."""
     from quark_brevitas.api import ModelExporter
     from quark_brevitas.cli.options import DEFAULT_TOKEN_SHAPE, EXAMPLE_TEXT
     from quark_brevitas.hf.lm import load_tokenizer
@@ -115,7 +133,7 @@ def _write_onnx(model: nn.Module, checkpoint: Path, folder: Path) -> Path:
     encoded = load_tokenizer(tokenizer_dir)(EXAMPLE_TEXT, return_tensors="pt", truncation=True,
                                             max_length=DEFAULT_TOKEN_SHAPE[1])
     example = {key: value for key, value in encoded.items() if key in ("input_ids", "attention_mask")}
-    path = folder / "model.onnx"
-    report = ModelExporter(path).export_onnx_model(model, example)
-    logger.info("Wrote %s (max |onnxruntime - PyTorch| %.2e)", path, report.max_abs_diff)
+    report = ModelExporter(path).export(row.name, model, example)
+    if hasattr(report, "max_abs_diff"):
+        logger.info("Wrote %s (max |%s - PyTorch| %.2e)", path, row.checked_with or row.label, report.max_abs_diff)
     return path

@@ -18,13 +18,13 @@ from quark_brevitas.api import ModelExporter
 from quark_brevitas.cli.options import (
     DEFAULT_MODEL,
     DEFAULT_TOKEN_SHAPE,
-    DEPLOY_FORMATS,
     EXAMPLE_TEXT,
     CLIError,
     claimed,
     first_line,
 )
 from quark_brevitas.cli.quantize import kib
+from quark_brevitas.export.registry import get_format
 
 logger = logging.getLogger("quark_brevitas.cli")
 
@@ -32,10 +32,13 @@ logger = logging.getLogger("quark_brevitas.cli")
 def _float_model(spec: str) -> nn.Module:
     """Call ``MODULE:CALLABLE`` (e.g. ``quark_brevitas.cli.digits:DigitsCNN``) for the float architecture."""
     import importlib
+    import sys
 
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise CLIError(f"--model {spec!r}: expected MODULE:CALLABLE, e.g. {DEFAULT_MODEL}")
+    if "" not in sys.path and "." not in sys.path:  # the console script lacks it; ``python -m`` has it
+        sys.path.insert(0, "")  # so a module in the current folder imports, as with ``python -m``
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except Exception as exc:  # noqa: BLE001 - any failure of the user's module (ImportError, SyntaxError, ...)
@@ -134,25 +137,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     from quark_brevitas.checkpoint import read_checkpoint
 
     info = read_checkpoint(args.checkpoint)
+    row = get_format(args.format)
     with claimed(args.output, "--output"):  # before the model is rebuilt: a busy or unwritable output fails first
-        if args.format in DEPLOY_FORMATS:
+        if not row.needs_example:
             return _export_deploy(args, info)
-        return _export_onnx(args, info)
+        return _export_onnx(args, info, row)
 
 
-def _export_onnx(args: argparse.Namespace, info: Any) -> int:
+def _export_onnx(args: argparse.Namespace, info: Any, row: Any) -> int:
     model, model_source = _checkpoint_model(args, info)
     example, example_source = _export_example(args, info, model)
     where = "--input-shape" if args.input_shape is not None else f"checkpoint {args.checkpoint!r}"
     _check_example(model, example, example_source, where)
-    exporter = ModelExporter(args.output)
     start = time.perf_counter()
-    if args.format == "qonnx":
-        report = exporter.export_qonnx_model(model, example)
-        label, checker = "QONNX", "qonnx"
-    else:
-        report = exporter.export_onnx_model(model, example)
-        label, checker = "ONNX QCDQ", "onnxruntime"
+    report = ModelExporter(args.output).export(row.name, model, example)
+    label, checker = row.label, row.checked_with or row.label
+    if not hasattr(report, "max_abs_diff"):  # a registered format whose writer returns the path it wrote
+        return _print_rows([("checkpoint", str(args.checkpoint)), ("model", model_source), ("format", label),
+                            ("example input", example_source), ("written", str(report)),
+                            ("time", f"{time.perf_counter() - start:.1f} s")])
     rows = [
         ("checkpoint", str(args.checkpoint)),
         ("model", model_source),
@@ -164,25 +167,27 @@ def _export_onnx(args: argparse.Namespace, info: Any) -> int:
                                            "; rounding flips, every quantizer verified pinned") + ")"),
         ("time", f"{time.perf_counter() - start:.1f} s"),
     ]
+    return _print_rows(rows)
+
+
+def _print_rows(rows: list[tuple[str, str]]) -> int:
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
     return 0
 
 
 def _export_deploy(args: argparse.Namespace, info: Any) -> int:
-    """``export --format gguf|compressed-tensors|quark``: block by block from a streamed checkpoint, else from the
-    rebuilt model."""
+    """``export --format FORMAT`` of a format that stores weights (GGUF, compressed-tensors, Quark's, ...): block by
+    block from a streamed checkpoint when the format has a block-by-block writer, else from the rebuilt model."""
     from quark_brevitas.cli.deploy import is_streamed, write_deploy_format
 
     if args.input_shape is not None:
         raise CLIError(f"--input-shape does not apply to --format {args.format} (nothing is traced)")
-    streamed = is_streamed(info) and args.model is None
+    streamed = is_streamed(info) and args.model is None and get_format(args.format).streamed_writer is not None
     model, model_source = (None, "rebuilt block by block") if streamed else _checkpoint_model(args, info)
     start = time.perf_counter()
     written = write_deploy_format(args.format, info.directory, model, Path(args.output), overwrite=args.overwrite)
     size = sum(p.stat().st_size for p in ([written] if written.is_file() else written.rglob("*")) if p.is_file())
     rows = [("checkpoint", str(args.checkpoint)), ("model", model_source), ("format", args.format),
             ("written", f"{written}, {kib(size)}"), ("time", f"{time.perf_counter() - start:.1f} s")]
-    width = max(len(name) for name, _ in rows)
-    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
-    return 0
+    return _print_rows(rows)

@@ -1,5 +1,8 @@
 """What every subcommand shares: its error type, option parsers, defaults, reading the config a command is
 given (``--config`` / ``--preset``) and checking an output folder before any work.
+
+The argument parser (:mod:`quark_brevitas.cli.parser`) imports this module for ``--help``, so the config package
+and :mod:`quark_brevitas.outputs` are imported by the functions that use them, not here.
 """
 
 from __future__ import annotations
@@ -9,11 +12,13 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from quark_brevitas.config import Config
-from quark_brevitas.config.presets import DEFAULT_PRESET, get_preset
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
-from quark_brevitas.outputs import OutputError, check_output_dir, reserve
+from quark_brevitas.outputs import OutputError, reserve
+
+if TYPE_CHECKING:
+    from quark_brevitas.config import Config
 
 logger = logging.getLogger("quark_brevitas.cli")
 
@@ -24,23 +29,18 @@ DEFAULT_OUTPUT = "quark_brevitas_output"
 DEFAULT_MODEL = "quark_brevitas.cli.digits:DigitsCNN"
 
 
+DEFAULT_ANALYSIS_OUTPUT = "quark_brevitas_analysis"
+
+
+DEFAULT_AUTOCONFIG_OUTPUT = "quark_brevitas_autoconfig.yaml"
+
+
 #: (batch, sequence) of the example input made for a Hugging Face checkpoint that stores none.
 DEFAULT_TOKEN_SHAPE = (1, 16)
 
 
 #: What a Hugging Face checkpoint's saved tokenizer turns into that example input.
 EXAMPLE_TEXT = "The quick brown fox jumps over the lazy dog while seven small cats sleep near the warm red house."
-
-
-#: Formats of files other programs run or load (``export --format``, ``quantize --model --export``).
-DEPLOY_FORMATS = ("gguf", "compressed-tensors", "quark")
-
-
-EXPORT_FORMATS = ("qcdq", "qonnx", *DEPLOY_FORMATS)
-
-
-#: ``quantize --model --export``: ONNX (QCDQ, verified in onnxruntime) or a deployment format.
-QUANTIZE_EXPORTS = ("onnx", *DEPLOY_FORMATS)
 
 
 ONNX_NAME = "digits_quant.onnx"
@@ -73,6 +73,9 @@ def shape_option(text: str) -> tuple[int, ...]:
 
 def resolve_config(args: argparse.Namespace) -> tuple[Config, str]:
     """The Config asked for (file, preset or the default preset) and a label for it."""
+    from quark_brevitas.config import Config
+    from quark_brevitas.config.presets import DEFAULT_PRESET, get_preset
+
     if args.config is not None:
         try:
             return Config.from_file(args.config), f"file {args.config}"
@@ -94,6 +97,8 @@ def read_text(path: str, option: str) -> str:
 def checked_output(path: str, option: str, overwrite: bool, sources: Sequence[str] = ()) -> Path:
     """``path`` if the run may write there (see :func:`quark_brevitas.outputs.check_output_dir`), checked before
     any work; the error names the command-line option."""
+    from quark_brevitas.outputs import check_output_dir
+
     try:
         return check_output_dir(path, overwrite=overwrite, sources=sources)
     except OutputError as exc:

@@ -70,36 +70,55 @@ fp6/fp4 weights in ONNX), :mod:`~quark_brevitas.export.qonnx` (the QONNX format)
 :mod:`~quark_brevitas.export.safetensors_hf` (Hugging Face checkpoints in the compressed-tensors format, and the writer
 of every Hugging Face format), :mod:`~quark_brevitas.export.quark_hf` (AMD Quark's format) and
 :mod:`~quark_brevitas.export.hf_folder` (what those formats share). This package
-re-exports the public API only; the helpers are public names of those internal modules.
+re-exports the public API only (imported on first use); the helpers are public names of those internal modules.
+:mod:`~quark_brevitas.export.registry` is the table of formats (name, writers, extra, layout) the command line,
+:class:`~quark_brevitas.api.ModelExporter` and the documentation read.
 """
 
 from __future__ import annotations
 
-from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
-from quark_brevitas.export.gguf import export_gguf
-from quark_brevitas.export.inspect import DEFAULT_INT_OPSET, MAX_OPSET, MIN_FLOAT8_OPSET
-from quark_brevitas.export.qcdq import ExportReport, export_onnx_qcdq
-from quark_brevitas.export.qonnx import QONNXExportReport, export_qonnx, run_qonnx
-from quark_brevitas.export.runtime import create_ort_session, run_onnx
-from quark_brevitas.export.safetensors_hf import export_safetensors
-from quark_brevitas.export.verify import VerificationResult, verify_onnx
+import importlib
+from typing import Any
 
-__all__ = [
-    "DEFAULT_INT_OPSET",
-    "MAX_OPSET",
-    "MIN_FLOAT8_OPSET",
-    "ExportArgumentError",
-    "ExportError",
-    "ExportMismatchError",
-    "ExportReport",
-    "QONNXExportReport",
-    "VerificationResult",
-    "create_ort_session",
-    "export_onnx_qcdq",
-    "export_gguf",
-    "export_qonnx",
-    "export_safetensors",
-    "run_onnx",
-    "run_qonnx",
-    "verify_onnx",
-]
+#: Each public name -> the submodule that defines it. Imported on first use (PEP 562), so that
+#: ``quark_brevitas.export.registry`` (the table of formats the command line's ``--help`` reads) loads without
+#: onnx, onnxruntime, torch or Brevitas.
+_PUBLIC: dict[str, str] = {
+    "DEFAULT_INT_OPSET": "inspect",
+    "MAX_OPSET": "inspect",
+    "MIN_FLOAT8_OPSET": "inspect",
+    "ExportArgumentError": "errors",
+    "ExportError": "errors",
+    "ExportMismatchError": "errors",
+    "ExportReport": "qcdq",
+    "QONNXExportReport": "qonnx",
+    "VerificationResult": "verify",
+    "create_ort_session": "runtime",
+    "export_onnx_qcdq": "qcdq",
+    "export_gguf": "gguf",
+    "export_qonnx": "qonnx",
+    "export_safetensors": "safetensors_hf",
+    "run_onnx": "runtime",
+    "run_qonnx": "qonnx",
+    "verify_onnx": "verify",
+}
+
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    """A public name imported from its submodule on first use (and kept); a submodule by its name."""
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
