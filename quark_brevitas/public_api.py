@@ -35,6 +35,13 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "QuantType", "QuantizationConfig", "QuantizationSpec", "QuarkBrevitasError", "UnsupportedAlgorithmError",
         "algos", "integer_weights", "prepare_qat", "load_quantized", "save_integer_weights", "save_quantized",
         "types", "verify_config", "__version__",
+        # Quark 0.13's top-level functions (quark.torch), under their names
+        "export_gguf", "export_onnx", "export_safetensors", "import_model_from_safetensors", "load_params",
+        "save_params",
+    ),
+    "quark_brevitas.quark_compat": (
+        "export_gguf", "export_onnx", "export_safetensors", "import_model_from_safetensors", "load_params",
+        "save_params",
     ),
     "quark_brevitas.api": ("ModelQuantizer", "ModelExporter"),
     "quark_brevitas.config": (
