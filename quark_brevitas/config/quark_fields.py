@@ -1,7 +1,7 @@
 """Quark 0.13's ``QConfig`` fields that :class:`~quark_brevitas.config.Config` does not have.
 
-Quark 0.13's ``QConfig`` carries, beside the hierarchy Config has, fields for Quark's own machinery (KV-cache and
-softmax quantization, FX graph mode, its file-to-file and per-block flows, MoE input syncing) and metadata (its
+Quark 0.13's ``QConfig`` carries, beside the hierarchy Config has, fields for Quark's own machinery (softmax
+quantization, FX graph mode, its file-to-file and per-block flows, MoE input syncing) and metadata (its
 version, the screen log level, ``quant_method`` in its files). Code written for Quark 0.13 sets them, usually to
 their defaults; its config files write them. Each is accepted where it asks for nothing quark_brevitas would do
 differently (a default, or metadata, which has no effect on the result) and otherwise refused with a
@@ -49,14 +49,8 @@ class QuarkField:
     metadata: bool = False
 
 
-_KV = "KV-cache quantization is not supported (quantize k_proj/v_proj outputs with layer_quant_config instead)"
-
 #: Quark 0.13's QConfig fields that Config lacks, and what quark_brevitas accepts of each.
 QUARK_ONLY_FIELDS: Mapping[str, QuarkField] = {
-    "kv_cache_quant_config": QuarkField(_empty, "{} or None", _KV),
-    "kv_cache_group": QuarkField(_empty, "[] or None", _KV),
-    "min_kv_scale": QuarkField(lambda v: v == 0 and not isinstance(v, bool), "0.0", _KV),
-    "kv_cache_post_rope": QuarkField(lambda v: v is False, "False", _KV),
     "shared_scale_groups": QuarkField(_empty, "[] or None", "shared global scales belong to nvfp4-style two-level "
                                       "scales, which have no Brevitas quantizer"),
     "softmax_quant_spec": QuarkField(lambda v: v is None, "None", "softmax (attention probability) quantization is "
