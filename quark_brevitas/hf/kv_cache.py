@@ -25,6 +25,7 @@ consumers read them (:func:`kv_scales`).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 import logging
@@ -47,6 +48,7 @@ __all__ = [
     "attach_kv_quantizers",
     "finish_kv_calibration",
     "kv_plan_lines",
+    "kv_quantization_disabled",
     "kv_scales",
 ]
 
@@ -69,6 +71,7 @@ class KVCacheQuantizer(nn.Module):
         self.register_buffer("amax", torch.zeros(shape), persistent=False)
         self.register_buffer("scale", torch.ones(shape), persistent=False)
         self.calibrating = True
+        self.enabled = True
         self.seen = 0
 
     def extra_repr(self) -> str:
@@ -83,6 +86,8 @@ class KVCacheQuantizer(nn.Module):
         return value.view(1, -1, *([1] * (x.dim() - 2))) if self.per_head else value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return x
         if self.calibrating:
             with torch.no_grad():
                 self.amax.copy_(torch.maximum(self.amax, x.detach().abs().float().amax(dim=self._dims(x)).cpu()))
@@ -269,6 +274,21 @@ def finish_kv_calibration(model: nn.Module, config: Any) -> None:
             quantizer.scale.copy_(floored)
             quantizer.calibrating = False
         logger.debug("%s: k_scale %s, v_scale %s", name or "attention", k.scale.tolist(), v.scale.tolist())
+
+
+@contextlib.contextmanager
+def kv_quantization_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s KV-cache quantizers pass keys and values through in float (the same model
+    with a float cache: what the cache's quantization costs is the difference)."""
+    quantizers = [m for m in model.modules() if isinstance(m, KVCacheQuantizer)]
+    states = [q.enabled for q in quantizers]
+    for quantizer in quantizers:
+        quantizer.enabled = False
+    try:
+        yield
+    finally:
+        for quantizer, state in zip(quantizers, states):
+            quantizer.enabled = state
 
 
 def kv_scales(model: nn.Module) -> list[KVScales]:
