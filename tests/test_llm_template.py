@@ -112,8 +112,8 @@ def test_unknown_algorithms_and_templates_name_what_exists() -> None:
     with pytest.raises(ConfigError, match=r"no LLMTemplate for 'falcon'; available: llama, mistral, qwen2, opt, gpt2, "
                                           r"bert"):
         LLMTemplate.get("falcon")
-    with pytest.raises(ConfigError, match="kv_cache_scheme"):
-        LLMTemplate.get("llama").get_config(scheme="fp8", kv_cache_scheme="fp8")
+    with pytest.raises(ConfigError, match="kv_cache_scheme: 'fp16'; allowed: fp8, int8 or None"):
+        LLMTemplate.get("llama").get_config(scheme="fp8", kv_cache_scheme="fp16")
 
 
 def test_templates_read_the_family_table() -> None:

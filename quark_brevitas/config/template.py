@@ -348,8 +348,8 @@ class LLMTemplate:
         schemes (``layer_config``: pattern -> scheme; ``layer_type_config``: layer type -> scheme) and the layers
         kept in float (``exclude_layers``; ``None``: the template's). ``kv_cache_scheme`` (``"fp8"``, ``"int8"``)
         quantizes the key/value cache (:mod:`quark_brevitas.config.kv_cache`), floored at ``min_kv_scale``, K and V
-        sharing one scale per layer (``kv_cache_group``: the template's key/value patterns). Verified before it is returned, so an
-        algorithm that cannot serve the scheme (AWQ with fp8 weights) is refused here."""
+        sharing one scale per layer (``kv_cache_group``: the template's key/value patterns). Verified before it is
+        returned, so an algorithm that cannot serve the scheme (AWQ with fp8 weights) is refused here."""
         _refuse_unexecutable(kv_cache_scheme, self.kv_layers_name, attention_scheme, shared_scale_groups)
         chosen = self.get_scheme(scheme)
         by_name = {pattern: self.get_scheme(name, f"layer_config[{pattern!r}]").layer_config()

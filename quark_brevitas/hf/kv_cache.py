@@ -184,7 +184,7 @@ def _kv_heads(attention: nn.Module, projection: nn.Module, target: str) -> int:
 def kv_targets(model: nn.Module, config: Any, prefix: str = "") -> list[str]:
     """The key/value projections of ``model`` whose cache ``config`` quantizes (qualified names)."""
     found = []
-    for name, attention in _attentions(model):
+    for name, _ in _attentions(model):
         for projection in ("k_proj", "v_proj"):
             target = f"{_qualified(prefix, name)}.{projection}"
             if _cache_spec(config, target) is not None:
