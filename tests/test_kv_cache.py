@@ -277,3 +277,23 @@ def test_amd_quarks_importer_computes_our_logits_with_the_quantized_cache(tmp_pa
     assert torch.allclose(theirs, ours, atol=1e-5)
     with kv_quantization_disabled(quant):
         assert not torch.allclose(theirs, logits(quant, tokens), atol=1e-5)
+
+
+def test_cli_plan_shows_the_kv_quantizers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from quark_brevitas.cli import main
+
+    tiny_llama().save_pretrained(tmp_path / "model")
+    assert main(["plan", "--model", str(tmp_path / "model"), "--template", "llama", "--scheme", "fp8",
+                 "--kv-cache-scheme", "int8"]) == 0
+    shown = capsys.readouterr().out
+    assert "KV cache: 2 attention layers quantized on the k_proj/v_proj outputs, before RoPE" in shown
+    assert "  model.layers.1.self_attn.v_proj: int8 static, per tensor (*v_proj)" in shown
+
+
+def test_checkpoints_refuse_a_quantized_cache_they_would_drop(tmp_path: Path) -> None:
+    from quark_brevitas.checkpoint import CheckpointError, save_quantized
+
+    quant = ModelQuantizer(kv_config()).quantize_model(tiny_llama(), token_batches(1))
+    with pytest.raises(CheckpointError, match="KV-cache"):
+        save_quantized(quant, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
