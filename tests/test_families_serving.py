@@ -21,8 +21,8 @@ from quark_brevitas.config.algorithms import AWQConfig, GPTQConfig, SmoothQuantC
 from quark_brevitas.config.rotation import RotationConfig  # noqa: E402
 from quark_brevitas.config.template import LLMTemplate  # noqa: E402
 from quark_brevitas.errors import ConfigError  # noqa: E402
-from quark_brevitas.types import QSchemeType  # noqa: E402
 from quark_brevitas.export import export_safetensors  # noqa: E402
+from quark_brevitas.types import QSchemeType  # noqa: E402
 
 VOCAB = 128
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

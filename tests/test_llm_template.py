@@ -117,8 +117,8 @@ def test_unknown_algorithms_and_templates_name_what_exists() -> None:
 
 
 def test_templates_read_the_family_table() -> None:
-    assert LLMTemplate.list_available() == ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "opt",
-                                            "gpt2", "bert"]
+    assert LLMTemplate.list_available() == ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
+                                            "opt", "gpt2", "bert"]
     opt = LLMTemplate.get("opt")
     assert opt.family is FAMILIES["opt"] and opt.family.decoder_layers == "model.decoder.layers"
     assert opt.exclude_layers_name == ["lm_head"] and opt.kv_layers_name == ["*k_proj", "*v_proj"]
