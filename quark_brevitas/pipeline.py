@@ -46,6 +46,7 @@ from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.hf.kv_cache import attach_kv_quantizers, finish_kv_calibration, kv_targets
+from quark_brevitas.hf.moe import log_expert_coverage
 from quark_brevitas.resolve import Resolver
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,7 @@ class Pipeline:
         on the whole model before. ``block``: whether ``unit`` is a block (algorithms that work on decoder
         layers skip the layers outside). Returns the unit (possibly a new module)."""
         try:
+            log_expert_coverage(unit, name, quiet=True)  # counts start with this unit's data phase
             unit = self._run_algorithms("pre_quant_opt_config", unit, data, data_driven=True, log=logging.DEBUG,
                                         unit=(name, block))
             unit, rows = self._replace_unit_layers(unit, name)
@@ -242,7 +244,9 @@ class Pipeline:
             if data is not None and self._calibrates(rows, kv):
                 unit = self.container.calibrator()(unit, data)
                 finish_kv_calibration(unit, self.config)
-            return self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
+            unit = self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
+            log_expert_coverage(unit, name)
+            return unit
         except CalibrationDataError as exc:
             if exc.module is not None and name:  # the unit's module names are relative to it: qualify them
                 exc.module = f"{name}.{exc.module}" if exc.module else name
@@ -304,6 +308,7 @@ class Pipeline:
                         work = self.container.calibrator()(work, data)
                         finish_kv_calibration(work, self.config)
                     work = self._run_algorithms("algo_config", work, data)
+                    log_expert_coverage(work)
             except CalibrationDataError as exc:
                 if exc.batch_index is not None and not inplace and data.accepted_by(model, exc.batch_index):
                     raise ModelError(
