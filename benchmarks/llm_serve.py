@@ -20,6 +20,11 @@ Rows (each quantized with ``ModelQuantizer`` from the same calibration data):
 
 The issue's targets (FP8 KV within 0.5 % of the float-KV model, int8 KV within 1 %) are printed from the run's
 rows, with KV bytes per token (keys and values of every layer, one token, at the cache's element size).
+
+MoE (``--moe``, also in the default run): a random Mixtral (4 blocks, 256 wide, 8 experts of 512, top-2) from its
+config, experts unfused (:func:`quark_brevitas.hf.moe.unfuse_experts`), GPTQ int4 per group of 128 block by block
+on 32 random sequences of 128 tokens: the token routings per expert the pipeline logs for each block, the seconds
+per block, one block's weights in bytes and the process's peak RSS.
 """
 
 from __future__ import annotations
@@ -66,6 +71,58 @@ def kv_bytes_per_token(config: Any, element_bytes: float) -> float:
     """Keys and values of every layer for one token."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_bytes
+
+
+def moe() -> None:
+    """The MoE rows (see the module docstring)."""
+    import resource
+
+    import transformers
+
+    from quark_brevitas import ModelQuantizer
+    from quark_brevitas.config import Config, QLayerConfig, QTensorConfig
+    from quark_brevitas.config.algorithms import GPTQConfig
+    from quark_brevitas.hf.moe import unfuse_experts
+    from quark_brevitas.types import Dtype, QSchemeType
+
+    routings: list[str] = []
+    times: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if "token routings per expert" in message:
+                routings.append(message)
+            elif "GPTQConfig: model.layers." in message and " done in " in message:
+                times.append(message.split("GPTQConfig: ", 1)[1])
+
+    handler = Collect(level=logging.INFO)
+    for name in ("quark_brevitas.hf.moe", "quark_brevitas.algorithms.gptq"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(logging.INFO)
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=4, num_local_experts=8,
+                                        num_experts_per_tok=2, max_position_embeddings=128)
+    model = transformers.MixtralForCausalLM(config).eval()
+    unfuse_experts(model)
+    block_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    generator = torch.Generator().manual_seed(0)
+    calib = [{"input_ids": torch.randint(0, 4096, (4, 128), generator=generator)} for _ in range(8)]
+    weight = QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=128)
+    quant_config = Config(QLayerConfig(weight=weight), pre_quant_opt_config=[], algo_config=[GPTQConfig()],
+                          exclude=["lm_head"])
+    start = time.process_time()
+    ModelQuantizer(quant_config).quantize_model(model, calib, blocks=True)
+    seconds = time.process_time() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"\nMoE: random Mixtral 4 x 256, 8 experts of 512 (top-2), GPTQ int4 g128 block by block, 32 x 128 tokens: "
+          f"{seconds:.1f} CPU s; one block's weights {block_bytes / 2**20:.1f} MiB; peak RSS of the process "
+          f"{peak:.0f} MiB (the trained Llama rows above included)")
+    for line in routings:
+        print(f"  {line}")
+    for line in times:
+        print(f"  {line}")
 
 
 def main() -> None:
@@ -128,4 +185,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    if "--moe" in sys.argv[1:]:
+        torch.set_num_threads(1)
+        moe()
+    else:
+        main()
+        moe()
