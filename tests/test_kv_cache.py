@@ -297,3 +297,13 @@ def test_checkpoints_refuse_a_quantized_cache_they_would_drop(tmp_path: Path) ->
     with pytest.raises(CheckpointError, match="KV-cache"):
         save_quantized(quant, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_streamed_quantization_refuses_a_quantized_cache_it_would_drop(tmp_path: Path) -> None:
+    from quark_brevitas.checkpoint import CheckpointError
+    from quark_brevitas.hf.streaming import quantize_pretrained
+
+    tiny_llama().save_pretrained(tmp_path / "model")
+    with pytest.raises(CheckpointError, match="KV-cache"):
+        quantize_pretrained(tmp_path / "model", kv_config(), token_batches(1), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
