@@ -23,8 +23,8 @@ rows, with KV bytes per token (keys and values of every layer, one token, at the
 
 MoE (``--moe``, also in the default run): a random Mixtral (4 blocks, 256 wide, 8 experts of 512, top-2) from its
 config, experts unfused (:func:`quark_brevitas.hf.moe.unfuse_experts`), GPTQ int4 per group of 128 block by block
-on 32 random sequences of 128 tokens: the token routings per expert the pipeline logs for each block, the seconds
-per block, one block's weights in bytes and the process's peak RSS.
+on 32 random sequences of 128 tokens: the token routings per expert the pipeline logs for each block, the wall seconds
+per block GPTQ logs (the machine is shared: CPU seconds of the whole call are printed too), one block's weights in bytes and the process's peak RSS.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def moe() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\nMoE: random Mixtral 4 x 256, 8 experts of 512 (top-2), GPTQ int4 g128 block by block, 32 x 128 tokens: "
           f"{seconds:.1f} CPU s; one block's weights {block_bytes / 2**20:.1f} MiB; peak RSS of the process "
-          f"{peak:.0f} MiB (the trained Llama rows above included)")
+          f"{peak:.0f} MiB (this process, everything it ran so far)")
     for line in routings:
         print(f"  {line}")
     for line in times:
