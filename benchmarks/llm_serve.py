@@ -24,7 +24,8 @@ rows, with KV bytes per token (keys and values of every layer, one token, at the
 MoE (``--moe``, also in the default run): a random Mixtral (4 blocks, 256 wide, 8 experts of 512, top-2) from its
 config, experts unfused (:func:`quark_brevitas.hf.moe.unfuse_experts`), GPTQ int4 per group of 128 block by block
 on 32 random sequences of 128 tokens: the token routings per expert the pipeline logs for each block, the wall seconds
-per block GPTQ logs (the machine is shared: CPU seconds of the whole call are printed too), one block's weights in bytes and the process's peak RSS.
+per block GPTQ logs (the machine is shared: the CPU seconds of the whole call are printed too), one block's weights
+in bytes and the process's peak RSS.
 """
 
 from __future__ import annotations
