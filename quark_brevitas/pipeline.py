@@ -45,6 +45,8 @@ from quark_brevitas.calibration.threads import threads_per_process
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import CalibrationDataError, ModelError
+from quark_brevitas.hf.kv_cache import attach_kv_quantizers, finish_kv_calibration, kv_targets
+from quark_brevitas.hf.moe import log_expert_coverage
 from quark_brevitas.resolve import Resolver
 
 logger = logging.getLogger(__name__)
@@ -149,12 +151,17 @@ class Pipeline:
         rows = self.plan(model)
         self.backend.require_values(model, loaded_later)
         model_device_dtype(model)
-        self.backend.require_targets(model, rows)
+        if not self.config.kv_cache_quant_config:  # a KV-cache-only config quantizes the cache, no layer
+            self.backend.require_targets(model, rows)
         return rows
+
+    def _calibrates(self, rows: list[PlannedLayer], kv_attentions: int = 0) -> bool:
+        """Whether calibration runs: static activation specs, or KV-cache quantizers to calibrate."""
+        return _has_activation_specs(rows) or kv_attentions > 0
 
     def _require_data(self, rows: list[PlannedLayer], data: CalibrationData | None) -> bool:
         """Whether activations need calibration; raises if some stage needs data and there is none."""
-        activations = _has_activation_specs(rows)
+        activations = self._calibrates(rows, 1 if self.config.kv_cache_quant_config else 0)
         needs = [type(a).__name__ for a in [*self.config.pre_quant_opt_config, *self.config.algo_config]
                  if a.needs_data]
         if activations:
@@ -229,12 +236,17 @@ class Pipeline:
         on the whole model before. ``block``: whether ``unit`` is a block (algorithms that work on decoder
         layers skip the layers outside). Returns the unit (possibly a new module)."""
         try:
+            log_expert_coverage(unit, name, quiet=True)  # counts start with this unit's data phase
             unit = self._run_algorithms("pre_quant_opt_config", unit, data, data_driven=True, log=logging.DEBUG,
                                         unit=(name, block))
             unit, rows = self._replace_unit_layers(unit, name)
-            if data is not None and _has_activation_specs(rows):
+            kv = attach_kv_quantizers(unit, self.config, prefix=name) if self.config.kv_cache_quant_config else 0
+            if data is not None and self._calibrates(rows, kv):
                 unit = self.container.calibrator()(unit, data)
-            return self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
+                finish_kv_calibration(unit, self.config)
+            unit = self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
+            log_expert_coverage(unit, name)
+            return unit
         except CalibrationDataError as exc:
             if exc.module is not None and name:  # the unit's module names are relative to it: qualify them
                 exc.module = f"{name}.{exc.module}" if exc.module else name
@@ -289,10 +301,14 @@ class Pipeline:
                     work = model if inplace else copy.deepcopy(model)
                     work = self._run_algorithms("pre_quant_opt_config", work, data)
                     work = self.replace_layers(work)
+                    if self.config.kv_cache_quant_config:
+                        attach_kv_quantizers(work, self.config)
                     if activations:
                         logger.info("Applying calibration")
                         work = self.container.calibrator()(work, data)
+                        finish_kv_calibration(work, self.config)
                     work = self._run_algorithms("algo_config", work, data)
+                    log_expert_coverage(work)
             except CalibrationDataError as exc:
                 if exc.batch_index is not None and not inplace and data.accepted_by(model, exc.batch_index):
                     raise ModelError(
@@ -310,6 +326,10 @@ class Pipeline:
         """The checks before any work (the plan resolved against ``model``, data present where needed) and
         the calibration data as the data phase will read it (sharded under ``torch.distributed``)."""
         rows = self._checked_plan(model, loaded_later)
+        if self.config.kv_cache_quant_config and not kv_targets(model, self.config):
+            raise ModelError(f"kv_cache_quant_config: the patterns {sorted(self.config.kv_cache_quant_config)} match "
+                             f"no key/value projection of an attention module of {type(model).__name__} (a module "
+                             "with k_proj and v_proj children)")
         shard = current_shard(distributed)
         if shard is not None:
             logger.info("Calibration data sharded over %d processes (this is rank %d)", shard.world_size, shard.rank)

@@ -329,7 +329,8 @@ def test_quarks_qconfig_fields_at_their_defaults_and_metadata_are_accepted() -> 
         eager_mode = 1
         fx_graph_mode = 2
 
-    assert set(QUARK_DEFAULTS) | {"quant_method"} == set(QUARK_ONLY_FIELDS)
+    kv_fields = {"kv_cache_quant_config", "kv_cache_group", "min_kv_scale", "kv_cache_post_rope"}  # Config's own now
+    assert (set(QUARK_DEFAULTS) - kv_fields) | {"quant_method"} == set(QUARK_ONLY_FIELDS)
     plain = QConfig(global_quant_config=W4, algo_config=[AWQConfig()])
     spelled_out = QConfig(global_quant_config=W4, algo_config=[AWQConfig()],
                           **{**QUARK_DEFAULTS, "quant_mode": QuantizationMode.eager_mode})
@@ -340,12 +341,9 @@ def test_quarks_qconfig_fields_at_their_defaults_and_metadata_are_accepted() -> 
 
 
 @pytest.mark.parametrize(("field", "value", "fragment"), [
-    ("kv_cache_quant_config", {"*k_proj": QLayerConfig(output_tensors=QTensorConfig())},
-     "a dict is not supported: KV-cache quantization"),
     ("softmax_quant_spec", QTensorConfig(), "a QuantizationSpec is not supported: softmax"),
     ("quant_mode", "fx_graph_mode", "'fx_graph_mode' is not supported: quark_brevitas replaces layers in place"),
     ("quant_flow", "per_block", "quantize_pretrained"),
-    ("min_kv_scale", 0.01, "0.01 is not supported: KV-cache"),
     ("keep_prequantized_layers", False, "float models only"),
     ("version", 13, "13 is the version of Quark that wrote the config (metadata); allowed: a str or None"),
 ])

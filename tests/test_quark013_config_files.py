@@ -148,7 +148,8 @@ def test_quarks_spec_fields_are_checked_at_every_level() -> None:
 @pytest.mark.parametrize(("field", "value", "named"), [
     ("weight_merge_groups", [["q_proj", "k_proj"]], r"export\.weight_merge_groups: a list is not supported: weight "
                                                     r"scales shared"),
-    ("kv_cache_group", ["k_proj"], r"export\.kv_cache_group: a list is not supported: KV-cache"),
+    ("kv_cache_group", "k_proj", r"export\.kv_cache_group: 'k_proj' is the file's copy of the config's "
+                                 r"kv_cache_group .* allowed: a list or null"),
     ("weight_format", "packed", r"export\.weight_format: 'packed' is how the file's weights were stored .* allowed: "
                                 r"'real_quantized' or 'fake_quantized'"),
     ("packing", "reorder", r"export\.packing: unknown key"),

@@ -390,7 +390,8 @@ class LayerwiseBackend:
         :meth:`plan`)."""
         rows = self.plan(model, config, check_names=check_names, prefix=prefix)
         self.require_values(model)
-        self.require_targets(model, rows)
+        if not config.kv_cache_quant_config:  # a KV-cache-only config quantizes the cache, no layer
+            self.require_targets(model, rows)
         targets = {row.name for row in rows if row.layer_config is not None}
         modules = dict(model.named_modules())
         # The float state dict has no quantizer parameters (scales are initialised from statistics on

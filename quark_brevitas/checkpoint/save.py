@@ -72,6 +72,13 @@ def save_quantized(
                 "ModelQuantizer.quantize_model or load_quantized); pass config= to save_quantized"
             )
     verify_config(config)
+    if config.kv_cache_quant_config:
+        # The KV-cache scales live outside the state dict and load_quantized does not rebuild the quantizers yet:
+        # a checkpoint would come back with a float cache, so it is refused rather than written.
+        raise CheckpointError("checkpoints do not carry KV-cache quantization (kv_cache_quant_config) yet: the "
+                              "reloaded model would run a float cache. Export the model instead "
+                              "(export_safetensors, format 'quark' or 'compressed-tensors'), or save it without "
+                              "kv_cache_quant_config")
     if Path(directory).exists() and not Path(directory).is_dir():
         raise CheckpointError(f"checkpoint directory {str(directory)!r} exists and is not a directory")
     path = check_output_dir(directory, overwrite=overwrite)

@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     template.add_argument("--algorithm", metavar="NAME", action="append", default=None,
                           help="an algorithm (awq, gptq, smoothquant, qronos, autoround); repeat it for several, "
                                "applied in that order")
+    template.add_argument("--kv-cache-scheme", default=None, choices=("fp8", "int8"),
+                          help="quantize the key/value cache too (Quark's get_config(kv_cache_scheme=...))")
     plan.set_defaults(func="quark_brevitas.cli.plan:cmd_plan")
 
     presets = sub.add_parser("presets", parents=[verbosity], help="list the presets")

@@ -37,6 +37,7 @@ def _plan_model(args: argparse.Namespace) -> int:
     from quark_brevitas.algorithms import describe_algorithms
     from quark_brevitas.backend import plan_table
     from quark_brevitas.blocks.stack import detect_block_stack as find_block_stack
+    from quark_brevitas.hf.kv_cache import kv_plan_lines
     from quark_brevitas.hf.lm import default_llm_config
     from quark_brevitas.hf.streaming import load_skeleton
 
@@ -59,6 +60,9 @@ def _plan_model(args: argparse.Namespace) -> int:
     print(f"{type(skeleton).__name__} plan ({args.model}; {source}; pre-quant: {pre}; algorithms: {post})")
     print(f"block stack: {blocks}")
     print(plan_table(rows))
+    kv_lines = kv_plan_lines(skeleton, config)
+    if kv_lines:
+        print("\n" + "\n".join(kv_lines))
     print("\n" + "\n".join(run_order_lines(config)))
     described = describe_algorithms(config, skeleton)
     if described:
@@ -77,7 +81,8 @@ def _template_config(args: argparse.Namespace) -> tuple[Config, str]:
         raise CLIError(f"--template needs --scheme; supported: {', '.join(LLMTemplate.get_supported_schemes())}")
     try:
         template = LLMTemplate.get(args.template)
-        config = template.get_config(scheme=args.scheme, algorithm=args.algorithm)
+        config = template.get_config(scheme=args.scheme, algorithm=args.algorithm,
+                                     kv_cache_scheme=getattr(args, "kv_cache_scheme", None))
     except ConfigError as exc:
         raise CLIError(f"--template {args.template}: {exc}") from exc
     chosen = LLMTemplate.get_scheme(args.scheme)
@@ -95,6 +100,9 @@ def _print_template(config: Config, source: str, model_type: str) -> int:
         print(f"  {role}: {spec.short() if spec is not None else 'float'}")
     for pattern, layer in config.layer_quant_config.items():
         print(f"  {pattern}: weight {layer.weight.short() if layer.weight else 'float'}")
+    for pattern, layer in config.kv_cache_quant_config.items():
+        print(f"  {pattern}: KV cache {layer.output_tensors.short()}, static, shared within "
+              f"{config.kv_cache_group or 'no group'}, min_kv_scale {config.min_kv_scale}")
     print("\n".join(run_order_lines(config)))
     print("\n".join(LLMTemplate.get(model_type).describe()))
     return 0

@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 #: The condition names a :class:`ScalingCandidate` may carry (``homogeneous:`` takes an attribute path).
-CONDITIONS = ("pre_norm", "post_norm", "homogeneous:", "not_homogeneous")
+CONDITIONS = ("pre_norm", "post_norm", "homogeneous:", "not_homogeneous", "fused_v", "fused_up")
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,24 @@ _BERT_ROTATION = RotationRoles("attention.self", "attention.self.value", "attent
                                no_r1="post-norm LayerNorm: the residual stream goes through each LayerNorm, whose "
                                      "mean subtraction and bias do not commute with a rotation")
 
+#: Phi-3: fused q/k/v and gate/up projections. The norms fold into the fused layers exactly (their input is the
+#: norm's output); v -> o and up -> down do not (v and up are slices of a fused layer's outputs).
+_PHI3_SCALING = (
+    ScalingCandidate("input_layernorm", ("self_attn.qkv_proj",), "self_attn"),
+    ScalingCandidate("self_attn.qkv_proj", ("self_attn.o_proj",), None, "fused_v"),
+    ScalingCandidate("post_attention_layernorm", ("mlp.gate_up_proj",), "mlp"),
+    ScalingCandidate("mlp.gate_up_proj", ("mlp.down_proj",), None, "fused_up"),
+)
+#: Gemma 2 / 3: sandwich norms (the MLP reads pre_feedforward_layernorm); every norm multiplies by (1 + weight),
+#: which the structure inference refuses to fold into (quark_brevitas.hf.structure), so v -> o (without
+#: grouped-query attention) and up -> down are the exact groups.
+_GEMMA_SCALING = (
+    ScalingCandidate("input_layernorm", _QKV, "self_attn"),
+    ScalingCandidate("self_attn.v_proj", ("self_attn.o_proj",)),
+    ScalingCandidate("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    ScalingCandidate("mlp.up_proj", ("mlp.down_proj",)),
+)
+
 _HEAD = ("lm_head",)
 _KV = ("*k_proj", "*v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
@@ -143,6 +161,10 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING, _LLAMA_ROTATION),
     "mistral": Family("mistral", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING, _LLAMA_ROTATION),
     "qwen2": Family("qwen2", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING, _LLAMA_ROTATION),
+    "qwen3": Family("qwen3", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _LLAMA_SCALING, _LLAMA_ROTATION),
+    "gemma2": Family("gemma2", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _GEMMA_SCALING),
+    "gemma3_text": Family("gemma3_text", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _GEMMA_SCALING),
+    "phi3": Family("phi3", "model.layers", _HEAD, (), ("*qkv_proj",), ("gate_up_proj",), _PHI3_SCALING),
     "opt": Family("opt", "model.decoder.layers", _HEAD, _KV, ("*q_proj",), (), _OPT_SCALING),
     "gpt2": Family("gpt2", "transformer.h", _HEAD, ("*c_attn",), ("*c_attn",), (), _GPT2_SCALING),
     "bert": Family("bert", "encoder.layer", (), ("*attention.self.key", "*attention.self.value"),

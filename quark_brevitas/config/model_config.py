@@ -30,6 +30,7 @@ from quark_brevitas.config.checks import (
     verify_partial_layer_config,
 )
 from quark_brevitas.config.enums import Backend
+from quark_brevitas.config.kv_cache import fold_kv_cache_config, verify_kv_cache
 from quark_brevitas.config.quark_fields import from_quark_file, without_quark_fields
 from quark_brevitas.config.serialization import (
     VERSION_KEY,
@@ -93,6 +94,10 @@ class Config:
     - ``layer_quant_config``: per layer name; keys are module names or fnmatch patterns
       (``"fc1"``, ``"encoder.layer.*.attention.*"``).
     - ``exclude``: module names or patterns that stay in float (a block excludes its layers).
+    - ``kv_cache_quant_config`` / ``kv_cache_group`` / ``min_kv_scale`` / ``kv_cache_post_rope``: Quark 0.13's
+      KV-cache quantization (:mod:`quark_brevitas.config.kv_cache`): the cache spec of the key/value
+      projections' patterns (``output_tensors`` of each entry), the patterns whose scales are shared within an
+      attention layer (their maximum), the smallest scale written, and whether keys are quantized after RoPE.
 
     For one module, a tensor spec left ``None`` at the layer-name level defers to the layer-type
     level, then to the global level; ``None`` there means not quantized. See :mod:`quark_brevitas.resolve`.
@@ -105,6 +110,10 @@ class Config:
     layer_type_quant_config: dict[LayerTypeName, QuantizationConfig] = field(default_factory=dict)
     layer_quant_config: dict[LayerName, QuantizationConfig] = field(default_factory=dict)
     exclude: list[LayerName] = field(default_factory=list)
+    kv_cache_quant_config: dict[LayerName, QuantizationConfig] = field(default_factory=dict)
+    kv_cache_group: list[LayerName] = field(default_factory=list)
+    min_kv_scale: float = 0.0
+    kv_cache_post_rope: bool = False
 
     def __post_init__(self) -> None:
         # Quark writes one algorithm without a list (``algo_config=GPTQConfig(...)``) and ``None`` for none.
@@ -121,6 +130,12 @@ class Config:
             self.layer_type_quant_config = _normalised_type_keys(self.layer_type_quant_config)
         if isinstance(self.exclude, tuple):
             self.exclude = list(self.exclude)
+        if isinstance(self.kv_cache_group, tuple):
+            self.kv_cache_group = list(self.kv_cache_group)
+        # The cache entries' weight/input specs are their projections' (Quark applies the whole entry there);
+        # the cache spec itself is executed by the KV quantizer, never twice (quark_brevitas.config.kv_cache).
+        if isinstance(self.kv_cache_quant_config, Mapping) and isinstance(self.layer_quant_config, Mapping):
+            self.layer_quant_config = fold_kv_cache_config(self.layer_quant_config, self.kv_cache_quant_config)
 
     # ----------------------------------------------------------------- the order algorithms run in
     def pre_quant_algorithms(self) -> list[algorithms.AlgorithmConfig]:
@@ -321,6 +336,7 @@ def verify_config(config: Config) -> None:
         for key, layer in getattr(config, level).items():
             verify_partial_layer_config(layer, key_path(level, key))
     verify_algorithms(config.pre_quant_opt_config, config.algo_config, config)
+    verify_kv_cache(config)
 
 
 def _with_narrow_grid(config: Config) -> Config:

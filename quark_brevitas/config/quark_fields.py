@@ -2,8 +2,8 @@
 files (:func:`from_quark_file`: the ``quantization_config`` Quark writes, with its ``export`` section and the per-tensor
 fields of its ``QTensorConfig``).
 
-Quark 0.13's ``QConfig`` carries, beside the hierarchy Config has, fields for Quark's own machinery (KV-cache and
-softmax quantization, FX graph mode, its file-to-file and per-block flows, MoE input syncing) and metadata (its
+Quark 0.13's ``QConfig`` carries, beside the hierarchy Config has, fields for Quark's own machinery (softmax
+quantization, FX graph mode, its file-to-file and per-block flows, MoE input syncing) and metadata (its
 version, the screen log level, ``quant_method`` in its files). Code written for Quark 0.13 sets them, usually to
 their defaults; its config files write them. Each is accepted where it asks for nothing quark_brevitas would do
 differently (a default, or metadata, which has no effect on the result) and otherwise refused with a
@@ -52,14 +52,8 @@ class QuarkField:
     metadata: bool = False
 
 
-_KV = "KV-cache quantization is not supported (quantize k_proj/v_proj outputs with layer_quant_config instead)"
-
 #: Quark 0.13's QConfig fields that Config lacks, and what quark_brevitas accepts of each.
 QUARK_ONLY_FIELDS: Mapping[str, QuarkField] = {
-    "kv_cache_quant_config": QuarkField(_empty, "{} or None", _KV),
-    "kv_cache_group": QuarkField(_empty, "[] or None", _KV),
-    "min_kv_scale": QuarkField(lambda v: v == 0 and not isinstance(v, bool), "0.0", _KV),
-    "kv_cache_post_rope": QuarkField(lambda v: v is False, "False", _KV),
     "shared_scale_groups": QuarkField(_empty, "[] or None", "shared global scales belong to nvfp4-style two-level "
                                       "scales, which have no Brevitas quantizer"),
     "softmax_quant_spec": QuarkField(lambda v: v is None, "None", "softmax (attention probability) quantization is "
@@ -132,8 +126,13 @@ _NO_SCALE_FORMAT = ("scales stored in a low-precision float format (Quark's e4m3
 #: Quark writes are accepted; the others ask for machinery quark_brevitas lacks.
 EXPORT_FIELDS: Mapping[str, QuarkField] = {
     "weight_merge_groups": QuarkField(_empty, "null or []", "weight scales shared by merged layers are not supported"),
-    "kv_cache_group": QuarkField(_empty, "[] or null", _KV),
-    "min_kv_scale": QuarkField(lambda v: v == 0 and not isinstance(v, bool), "0.0", _KV),
+    # the KV-cache fields repeat the config's own kv_cache_group / min_kv_scale (which quantize the cache here)
+    "kv_cache_group": QuarkField(lambda v: v is None or isinstance(v, list), "a list or null",
+                                 "the file's copy of the config's kv_cache_group (metadata of the file)",
+                                 metadata=True),
+    "min_kv_scale": QuarkField(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                               "a number >= 0", "the file's copy of the config's min_kv_scale (metadata of the file)",
+                               metadata=True),
     "weight_format": QuarkField(lambda v: v in ("real_quantized", "fake_quantized"),
                                 "'real_quantized' or 'fake_quantized'",
                                 "how the file's weights were stored (metadata of the file)", metadata=True),

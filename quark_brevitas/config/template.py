@@ -49,6 +49,7 @@ from quark_brevitas.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "KV_CACHE_SCHEMES",
     "SCHEMES",
     "TEMPLATE_ALGORITHMS",
     "UNSUPPORTED_SCHEMES",
@@ -239,7 +240,7 @@ class LLMTemplate:
 
     - ``model_type``: the Hugging Face ``config.model_type`` the template is registered under.
     - ``kv_layers_name`` / ``q_layer_name`` / ``gate_up_layers_name``: the key/value, query and gate/up projection
-      patterns (recorded; the KV-cache and attention schemes that use them are not executable here).
+      patterns (``kv_layers_name``: where ``get_config(kv_cache_scheme=...)`` quantizes the cache).
     - ``exclude_layers_name``: the layers kept in float unless ``get_config(exclude_layers=...)`` says otherwise.
     - ``algorithm_configs``: ``{"awq": AWQConfig(...), ...}`` replacing the default config of an algorithm
       (``None``: the default, built for the scheme). Quark's older ``awq_config=...`` keywords are accepted too.
@@ -345,9 +346,11 @@ class LLMTemplate:
                    shared_scale_groups: list[list[str]] | None = None) -> Config:
         """The Config for ``scheme`` (every quantized layer), the ``algorithm`` names in the order given, per-layer
         schemes (``layer_config``: pattern -> scheme; ``layer_type_config``: layer type -> scheme) and the layers
-        kept in float (``exclude_layers``; ``None``: the template's). Verified before it is returned, so an
-        algorithm that cannot serve the scheme (AWQ with fp8 weights) is refused here."""
-        _refuse_unexecutable(kv_cache_scheme, min_kv_scale, attention_scheme, shared_scale_groups)
+        kept in float (``exclude_layers``; ``None``: the template's). ``kv_cache_scheme`` (``"fp8"``, ``"int8"``)
+        quantizes the key/value cache (:mod:`quark_brevitas.config.kv_cache`), floored at ``min_kv_scale``, K and V
+        sharing one scale per layer (``kv_cache_group``: the template's key/value patterns). Verified before it is
+        returned, so an algorithm that cannot serve the scheme (AWQ with fp8 weights) is refused here."""
+        _refuse_unexecutable(kv_cache_scheme, self.kv_layers_name, attention_scheme, shared_scale_groups)
         chosen = self.get_scheme(scheme)
         by_name = {pattern: self.get_scheme(name, f"layer_config[{pattern!r}]").layer_config()
                    for pattern, name in (layer_config or {}).items()}
@@ -358,7 +361,12 @@ class LLMTemplate:
         config = Config(global_quant_config=chosen.layer_config(), pre_quant_opt_config=[],
                         algo_config=self._algorithms(algorithm, algo_configs, chosen.config.weight),
                         layer_type_quant_config=by_type, layer_quant_config=by_name,
-                        exclude=list(self.exclude_layers_name if exclude_layers is None else exclude_layers))
+                        exclude=list(self.exclude_layers_name if exclude_layers is None else exclude_layers),
+                        kv_cache_group=list(self.kv_layers_name or []), min_kv_scale=min_kv_scale)
+        if kv_cache_scheme is not None:
+            # After the per-layer schemes, as Quark's template does: the projections keep theirs.
+            config = replace(config, kv_cache_quant_config=_kv_cache_entries(config, self.kv_layers_name or [],
+                                                                             kv_cache_scheme))
         verify_config(config)
         return config
 
@@ -403,17 +411,37 @@ def _legacy(keywords: Mapping[str, Any]) -> dict[str, Any]:
     return configs
 
 
-def _refuse_unexecutable(kv_cache_scheme: str | None, min_kv_scale: float, attention_scheme: str | None,
+#: The ``kv_cache_scheme`` names get_config takes: Quark 0.13's ``fp8`` (static FP8 E4M3 per tensor, min-max), and
+#: ``int8`` (static int8 per tensor, min-max), which Quark's template does not offer.
+KV_CACHE_SCHEMES: Mapping[str, Dtype] = {"fp8": Dtype.fp8_e4m3, "int8": Dtype.int8}
+
+
+def _kv_cache_entries(config: Config, kv_layers: Sequence[str], scheme: str) -> dict[str, QuantizationConfig]:
+    """Quark's template entries for the cache: each key/value pattern keeps the projection's weight/input specs
+    (its layer_quant_config entry, else the global ones; none where ``exclude`` names it) with the cache spec as
+    ``output_tensors``."""
+    spec = _per_tensor(KV_CACHE_SCHEMES[scheme], activation=True)
+    entries: dict[str, QuantizationConfig] = {}
+    for pattern in kv_layers:
+        base = config.layer_quant_config.get(pattern, config.global_quant_config)
+        excluded = pattern in config.exclude
+        entries[pattern] = QuantizationConfig(weight=None if excluded else base.weight,
+                                              input_tensors=None if excluded else base.input_tensors,
+                                              output_tensors=spec)
+    return entries
+
+
+def _refuse_unexecutable(kv_cache_scheme: str | None, kv_layers: Sequence[str] | None, attention_scheme: str | None,
                          shared_scale_groups: list[list[str]] | None) -> None:
     """Quark's get_config arguments whose machinery quark_brevitas does not have: refused when used."""
-    if kv_cache_scheme is not None:
-        raise ConfigError("kv_cache_scheme", f"{kv_cache_scheme!r}: KV-cache quantization from a template is not "
-                          "supported; leave it None (quantize k_proj/v_proj outputs with layer_quant_config)")
-    if min_kv_scale != 0.0:
-        raise ConfigError("min_kv_scale", f"{min_kv_scale}: only used with kv_cache_scheme; leave it 0.0")
+    if kv_cache_scheme is not None and kv_cache_scheme not in KV_CACHE_SCHEMES:
+        raise ConfigError("kv_cache_scheme", f"{kv_cache_scheme!r}; allowed: {', '.join(KV_CACHE_SCHEMES)} or None")
+    if kv_cache_scheme is not None and not kv_layers:
+        raise ConfigError("kv_cache_scheme", "the template names no key/value projections (kv_layers_name); "
+                          "register one with kv_layers_name=['*k_proj', '*v_proj']")
     if attention_scheme is not None:
-        raise ConfigError("attention_scheme", f"{attention_scheme!r}: softmax/attention quantization is not "
-                          "supported; leave it None")
+        raise ConfigError("attention_scheme", f"{attention_scheme!r}: query/softmax (attention) quantization is not "
+                          "supported; leave it None (kv_cache_scheme quantizes the cache)")
     if shared_scale_groups:
         raise ConfigError("shared_scale_groups", "shared global scales belong to the nvfp4 scheme, which is not "
                           "supported; leave it None")

@@ -48,7 +48,8 @@ import torch
 
 from quark_brevitas.export.hf_folder import HFFormat, LayerCodes, TensorFormat, UnfitLayerError
 
-__all__ = ["QUARK", "QUARK_VERSION", "pack_int4_reorder", "quark_config_dict", "quark_tensors"]
+__all__ = ["QUARK", "QUARK_VERSION", "exact_pattern", "pack_int4_reorder", "quark_config_dict", "quark_tensors",
+           "tensor_config"]
 
 #: The Quark release whose layout is written (``quantization_config.version``).
 QUARK_VERSION = "0.13"
@@ -151,7 +152,7 @@ def quark_tensors(entry: LayerCodes) -> dict[str, torch.Tensor]:
 
 
 # ===================================================================== quantization_config
-def _tensor_config(fmt: TensorFormat, weight: bool) -> dict[str, Any]:
+def tensor_config(fmt: TensorFormat, weight: bool) -> dict[str, Any]:
     """One ``QTensorConfig.to_dict()`` as Quark 0.13 writes it."""
     integer = fmt.type == "int"
     ch_axis = {"group": -1, "channel": 0, "token": 1}.get(fmt.strategy)
@@ -166,12 +167,12 @@ def _tensor_config(fmt: TensorFormat, weight: bool) -> dict[str, Any]:
 
 def _layer_config(entry: LayerCodes) -> dict[str, Any]:
     """One ``QLayerConfig.to_dict()``."""
-    inputs = _tensor_config(entry.activation, weight=False) if entry.activation is not None else None
-    return {"input_tensors": inputs, "output_tensors": None, "weight": _tensor_config(entry.weight, weight=True),
+    inputs = tensor_config(entry.activation, weight=False) if entry.activation is not None else None
+    return {"input_tensors": inputs, "output_tensors": None, "weight": tensor_config(entry.weight, weight=True),
             "bias": None, "target_device": None}
 
 
-def _exact(name: str) -> str:
+def exact_pattern(name: str) -> str:
     """A layer name as an ``fnmatch`` pattern that matches only it."""
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
@@ -182,8 +183,8 @@ def quark_config_dict(entries: list[LayerCodes], float_linears: list[str]) -> di
     keys = {name: repr(sorted(config.items(), key=str)) for name, config in configs.items()}
     common = Counter(keys.values()).most_common(1)[0][0]
     global_config = next(configs[name] for name, key in keys.items() if key == common)
-    layers = {_exact(name): configs[name] for name, key in keys.items() if key != common}
-    exclude = [_exact(name) for name in float_linears]
+    layers = {exact_pattern(name): configs[name] for name, key in keys.items() if key != common}
+    exclude = [exact_pattern(name) for name in float_linears]
     return {"global_quant_config": global_config, "exclude": exclude, "algo_config": None,
             "softmax_quant_spec": None, "quant_method": "quark", "layer_type_quant_config": {},
             "layer_quant_config": layers, "kv_cache_quant_config": {}, "kv_cache_post_rope": False,

@@ -76,6 +76,7 @@ from quark_brevitas.export.hf_folder import (
     untie,
     write_tokenizer,
 )
+from quark_brevitas.export.kv_hf import add_kv_cache
 from quark_brevitas.export.quark_hf import QUARK
 from quark_brevitas.export.readback import records_of, verify_safetensors_file, verify_text_file
 from quark_brevitas.extras import require
@@ -425,6 +426,7 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
     if not entries:
         raise ExportError(f"{type(quant_model).__name__} has no quantized Linear layer to write")
     quantization_config = fmt.quantization_config(entries, float_linears)
+    add_kv_cache(quant_model, fmt.name, tensors, quantization_config)
     with _output_folder(directory, overwrite=overwrite) as work:
         from safetensors.torch import save_file
 

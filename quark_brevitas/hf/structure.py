@@ -198,10 +198,47 @@ def _condition_problem(block: nn.Module, condition: str | None) -> str | None:
         return _POST_NORM
     if condition == "not_homogeneous":
         return _NOT_HOMOGENEOUS
+    if condition == "fused_v":
+        return "v is a slice of the fused qkv_proj's outputs: scaling only those rows is not supported"
+    if condition == "fused_up":
+        return "up is a slice of the fused gate_up_proj's outputs: scaling only those rows is not supported"
     if condition.startswith("homogeneous:"):
         activation = _activation_at(block, condition.removeprefix("homogeneous:"))
         return None if _positively_homogeneous(activation) else _NOT_HOMOGENEOUS
     raise ValueError(f"unknown scaling condition {condition!r} in the family table; known: {list(CONDITIONS)}")
+
+
+def _multiplies_by_one_plus_weight(module: nn.Module) -> bool:
+    """Whether a norm computes ``normalised * (1 + weight)`` (Gemma's RMSNorm) rather than ``* weight``: probed by
+    running it with its weight (and bias) zeroed, which zeroes the output of every norm a scale folds into. On the
+    meta device (no values, ``plan --model``) the class name says it."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.Linear) or _is_hf_conv1d(module) or not isinstance(weight, torch.Tensor) \
+            or weight.dim() != 1:
+        return False
+    if weight.is_meta:
+        return type(module).__name__.lower().startswith("gemma")
+    bias = getattr(module, "bias", None)
+    params = [t for t in (weight, bias) if isinstance(t, torch.Tensor)]
+    saved = [t.detach().clone() for t in params]
+    x = torch.randn(2, weight.numel(), generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    try:
+        with torch.no_grad():
+            for t in params:
+                t.zero_()
+            out = module(x)
+    finally:
+        with torch.no_grad():
+            for t, value in zip(params, saved):
+                t.copy_(value)
+    return bool(out.abs().max() > 0)
+
+
+def _offset_norm_problem(block: nn.Module, prev_op: str) -> str | None:
+    if _multiplies_by_one_plus_weight(block.get_submodule(prev_op)):
+        return (f"{prev_op} multiplies by (1 + weight) (Gemma's RMSNorm): dividing its weight by a scale does not "
+                "divide its output, so the fold would change the model")
+    return None
 
 
 def _shape_problem(block: nn.Module, prev_op: str, layers: Iterable[str]) -> str | None:
@@ -233,7 +270,8 @@ def infer_scaling_layers(block: nn.Module) -> tuple[tuple[ScalingGroup, ...], tu
         prev_op, layers = candidate.prev_op, candidate.layers
         if not _has(names, (prev_op, *layers)):
             continue
-        reason = _condition_problem(block, candidate.condition) or _shape_problem(block, prev_op, layers)
+        reason = (_condition_problem(block, candidate.condition) or _offset_norm_problem(block, prev_op)
+                  or _shape_problem(block, prev_op, layers))
         if reason is None:
             groups.append(ScalingGroup(prev_op, layers, layers[0], candidate.module2inspect))
         else:
@@ -252,7 +290,7 @@ def check_scaling_groups(block: nn.Module, block_name: str, groups: Iterable[Sca
                 close = sorted(n for n in names if n and n.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1])[:3]
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise ConfigError(f"{path}[{index}]", f"{name!r} is not a module of {where}{hint}")
-        problem = _shape_problem(block, group.prev_op, group.layers)
+        problem = _offset_norm_problem(block, group.prev_op) or _shape_problem(block, group.prev_op, group.layers)
         if problem is not None:
             raise ConfigError(f"{path}[{index}]", f"{group} cannot be scaled in {where}: {problem}")
 
