@@ -68,9 +68,9 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def cli_markdown() -> str:
-    from quark_brevitas.cli import _build_parser
+    from quark_brevitas.cli.parser import build_parser
 
-    parser = _build_parser()
+    parser = build_parser()
     parts = ["## quark-brevitas", "", "```text", parser.format_help().rstrip(), "```"]
     for name, sub in _subparsers(parser).items():
         parts += ["", f"## {name}", "", "```text", sub.format_help().rstrip(), "```"]
