@@ -22,6 +22,7 @@ Placement follows what FINN's ``ConvertQONNXtoFINN`` and ``Streamline`` can turn
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,10 +68,13 @@ class QuantPoint:
     signed: bool
     inputs: tuple[str, ...] = ()
 
+    #: whether the quantizer replaces the activation module ``producer`` itself (a ReLU module called once)
+    replaces_module: bool = False
+
     @property
     def module_name(self) -> str:
         """The name of the quantizer module in the quantized model."""
-        if self.kind == "activation" and self.producer.startswith("module:"):
+        if self.replaces_module:
             return self.producer.removeprefix("module:")
         if self.kind == "layer_input":
             return f"graph_quant_{self.inputs[0]}_input"
@@ -135,6 +139,7 @@ def analyse(graph: Any, modules: Mapping[str, nn.Module], compute_types: Iterabl
                     "specs; give both layers the same input_tensors spec (Backend.graph shares one quantizer)")
         return tuple(layer for layer, _ in owners), (owners[0][1] if owners else None)
 
+    calls = Counter(str(n.target) for n in nodes if n.op == "call_module")
     signs: dict[str, bool] = {}  # value -> signed (True) / non-negative (False)
 
     def signed(node: Any) -> bool:
@@ -157,8 +162,9 @@ def analyse(graph: Any, modules: Mapping[str, nn.Module], compute_types: Iterabl
                 quantized_output.discard(node.name)
                 continue
             point_kind = {"input": "input", REQUANT: "requant"}.get(kind, "activation")
+            own = kind == ACT_UNSIGNED and node.op == "call_module" and calls[node.target] == 1
             points.append(QuantPoint(node.name, point_kind, _label(node, modules), layers, spec,
-                                     signed=kind != ACT_UNSIGNED and signed(node)))
+                                     signed=kind != ACT_UNSIGNED and signed(node), replaces_module=own))
         elif kind == MERGE:
             layers, spec = agreed(node.name, reached(node.users))
             if spec is not None:

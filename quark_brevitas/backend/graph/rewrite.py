@@ -46,9 +46,9 @@ def insert_points(graph_model: Any, analysis: GraphAnalysis) -> set[str]:
         names.add(name)
         node = nodes[point.tensor]
         if point.kind == "activation" and analysis.kinds[node.name] == ACT_UNSIGNED:
-            if node.op == "call_module":
+            if point.replaces_module:
                 set_module(graph_model, module, name)
-            else:  # F.relu / x.relu(): the call becomes the quantizer's
+            else:  # F.relu, x.relu() or a ReLU module called more than once: the call becomes the quantizer's
                 graph_model.add_submodule(name, module)
                 node.op, node.target, node.args, node.kwargs = "call_module", name, (tensor_args(node)[0],), {}
             continue
