@@ -172,6 +172,7 @@ def _runtime_compatible_node_models() -> Iterator[None]:
 
 def _cleanup(model: Any) -> Any:
     """qonnx's cleanup, keeping every quantization node (also weight FloatQuant) in the graph."""
+    from quark_brevitas.export.empty_inputs import name_empty_inputs
     from qonnx.transformation.fold_constants import FoldConstants
     from qonnx.transformation.general import (
         GiveReadableTensorNames,
@@ -185,6 +186,7 @@ def _cleanup(model: Any) -> Any:
     for node in model.graph.node:  # older Brevitas versions wrote another domain
         if node.op_type in _QUANT_OPS:
             node.domain = QONNX_DOMAIN
+    name_empty_inputs(model.graph)  # qonnx's (and FINN's) executor needs a shape for every input
     for transform in (InferShapes(), GiveUniqueParameterTensors(),
                       FoldConstants(exclude_op_types=[*_QUANT_OPS, "QuantizeLinear", "DequantizeLinear"]),
                       RemoveUnusedTensors(), RemoveStaticGraphInputs(), GiveUniqueNodeNames(),
