@@ -38,6 +38,7 @@ from contextlib import contextmanager
 import torch
 
 from quark_brevitas.cli.analysis import add_analysis_commands
+from quark_brevitas.cli.check import add_check_command
 from quark_brevitas.cli.export import cmd_export
 from quark_brevitas.cli.options import (
     DEFAULT_MODEL,
@@ -162,6 +163,7 @@ def _build_parser() -> argparse.ArgumentParser:
     presets = sub.add_parser("presets", parents=[verbosity], help="list the presets")
     presets.set_defaults(func=cmd_presets)
     add_analysis_commands(sub, verbosity, config_args)
+    add_check_command(sub, verbosity)
     return parser
 
 

@@ -76,6 +76,7 @@ re-exports the public API only; the helpers are public names of those internal m
 from __future__ import annotations
 
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.export.finn_readiness import FinnFinding, finn_readiness
 from quark_brevitas.export.gguf import export_gguf
 from quark_brevitas.export.inspect import DEFAULT_INT_OPSET, MAX_OPSET, MIN_FLOAT8_OPSET
 from quark_brevitas.export.qcdq import ExportReport, export_onnx_qcdq
@@ -85,6 +86,8 @@ from quark_brevitas.export.safetensors_hf import export_safetensors
 from quark_brevitas.export.verify import VerificationResult, verify_onnx
 
 __all__ = [
+    "FinnFinding",
+    "finn_readiness",
     "DEFAULT_INT_OPSET",
     "MAX_OPSET",
     "MIN_FLOAT8_OPSET",
