@@ -157,7 +157,7 @@ DESCRIPTIONS: dict[str, str] = {
     "gguf_q4_1": "GGUF Q4_1: Linear layers only, uint4 asymmetric weights per group of 32, float16 scales and offsets",
     "gguf_q8_0": "GGUF Q8_0: Linear layers only, int8 symmetric weights (codes -127..127) per group of 32, "
                  "float16 scales",
-    "finn_w8a8": "Backend.graph for FINN: every tensor int8 (unsigned after ReLU), int8 per-channel weights, float bias",
+    "finn_w8a8": "Backend.graph for FINN: every tensor int8 (unsigned after ReLU), int8 per-channel weights",
     "finn_w4a4": "Backend.graph for FINN: every tensor 4-bit (unsigned after ReLU), int4 per-channel weights",
     "finn_w2a2": "Backend.graph for FINN: every tensor 2-bit (unsigned after ReLU), int2 per-channel weights",
 }

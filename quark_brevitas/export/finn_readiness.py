@@ -95,7 +95,7 @@ def finn_readiness(path: str | os.PathLike[str] | Any) -> list[FinnFinding]:
                     f"{node.op_type} reads float tensor {node.input[0]!r}, which no quantizer produces"), _GRAPH_FIX))
             elif any(len(consumers.get(t, [])) > 1 for t in chain[1:] + list(quant.output)):
                 findings.append(FinnFinding("fork", label, node.input[0], label, (
-                    f"its quantized input also feeds other nodes; FINN's Streamline cannot move the scale past "
+                    "its quantized input also feeds other nodes; FINN's Streamline cannot move the scale past "
                     "the fork and leaves this op a float input"),
                     "use Backend.graph, which gives each compute layer its own call of the input's quantizer"))
             weight = node.input[1] if len(node.input) > 1 else ""

@@ -172,7 +172,6 @@ def _runtime_compatible_node_models() -> Iterator[None]:
 
 def _cleanup(model: Any) -> Any:
     """qonnx's cleanup, keeping every quantization node (also weight FloatQuant) in the graph."""
-    from quark_brevitas.export.empty_inputs import name_empty_inputs
     from qonnx.transformation.fold_constants import FoldConstants
     from qonnx.transformation.general import (
         GiveReadableTensorNames,
@@ -182,6 +181,8 @@ def _cleanup(model: Any) -> Any:
         RemoveUnusedTensors,
     )
     from qonnx.transformation.infer_shapes import InferShapes
+
+    from quark_brevitas.export.empty_inputs import name_empty_inputs
 
     for node in model.graph.node:  # older Brevitas versions wrote another domain
         if node.op_type in _QUANT_OPS:
