@@ -41,7 +41,7 @@ def _points(name: str) -> list[QuantPoint]:
 
 def test_plan_lists_every_point_with_owner_sign_and_shared_group() -> None:
     points = {p.tensor: p for p in _points("residual_cnn")}
-    assert points["x"].kind == "input" and points["x"].signed and points["x"].layers == ("conv0",)
+    assert points["x"].kind == "layer_input" and points["x"].signed and points["x"].layers == ("conv0",)
     assert not points["relu0"].signed and points["relu0"].kind == "activation"
     shared = points["add"]
     assert shared.kind == "shared" and set(shared.inputs) == {"relu0", "bn2"} and shared.signed

@@ -13,7 +13,9 @@ Placement follows what FINN's ``ConvertQONNXtoFINN`` and ``Streamline`` can turn
   outputs), which becomes ReLU + unsigned quantizer: exact, since ReLU changes nothing there, and it keeps the
   bit that a signed quantizer would waste;
 - the inputs of an add/concat share one quantizer (``group``), so the sum is an integer at that scale;
-- a compute layer whose input is not a quantizer's output (a BatchNorm, an add) gets its own (``layer_input``);
+- a compute layer whose input is not a quantizer's output (a model input, a BatchNorm, an add) gets its own
+  (``layer_input``); a model input is so quantized in front of each layer reading it, behind any reshapes on the
+  way (FINN streamlines a quantizer right in front of a layer, not one whose scale must cross a Reshape first);
 - a quantized value that forks (a ReLU feeding a Conv and a skip) is re-quantized by the *same* quantizer once per
   compute layer reading it (``private``): FINN cannot move a scale past a fork, and calling the quantizer again
   on the same input gives the same values, so the model computes the same thing.
@@ -54,9 +56,9 @@ class QuantPoint:
     """One quantizer of the graph plan.
 
     ``tensor``: the graph value quantized (the FX node's name; for a shared group, the add/concat whose inputs
-    share it); ``kind``: ``input`` (a model input), ``activation`` (behind an activation), ``requant`` (behind an
+    share it); ``kind``: ``activation`` (behind an activation), ``requant`` (behind an
     op that leaves the grid), ``shared`` (the inputs of an add/concat), ``layer_input`` (in front of one
-    layer); ``producer``: the module or op producing the value; ``layers``: the compute layers it reaches (the
+    layer: behind a model input, a BatchNorm, an add...); ``producer``: the module or op producing the value; ``layers``: the compute layers it reaches (the
     owners, whose ``input_tensors`` give ``spec``); ``inputs``: for a shared point, the values sharing it.
     """
 
@@ -109,7 +111,7 @@ def analyse(graph: Any, modules: Mapping[str, nn.Module], compute_types: Iterabl
     nodes = list(graph.nodes)
     kinds = {node.name: ("input" if node.op == "placeholder" else classify(node, modules, compute_types))
              for node in nodes}
-    quantized_output = {n.name for n in nodes if kinds[n.name] in ("input", ACT_UNSIGNED, ACT_SIGNED, REQUANT)}
+    quantized_output = {n.name for n in nodes if kinds[n.name] in (ACT_UNSIGNED, ACT_SIGNED, REQUANT)}
     layer_of = {n.name: str(n.target) for n in nodes if kinds[n.name] == COMPUTE}
 
     def reached(start: Iterable[Any]) -> list[str]:
@@ -156,12 +158,12 @@ def analyse(graph: Any, modules: Mapping[str, nn.Module], compute_types: Iterabl
         elif kind in (REQUANT, MERGE):
             negative = node.target in _SIGNED_MERGES or node.target in (operator.truediv, torch.div, "div")
             signs[node.name] = negative or not args or any(signed(a) for a in args)
-        if kind in ("input", ACT_UNSIGNED, ACT_SIGNED, REQUANT):
+        if kind in (ACT_UNSIGNED, ACT_SIGNED, REQUANT):
             layers, spec = agreed(node.name, reached(node.users))
             if spec is None:
                 quantized_output.discard(node.name)
                 continue
-            point_kind = {"input": "input", REQUANT: "requant"}.get(kind, "activation")
+            point_kind = "requant" if kind == REQUANT else "activation"
             own = kind == ACT_UNSIGNED and node.op == "call_module" and calls[node.target] == 1
             points.append(QuantPoint(node.name, point_kind, _label(node, modules), layers, spec,
                                      signed=kind != ACT_UNSIGNED and signed(node), replaces_module=own))
