@@ -56,10 +56,11 @@ class QuantPoint:
     """One quantizer of the graph plan.
 
     ``tensor``: the graph value quantized (the FX node's name; for a shared group, the add/concat whose inputs
-    share it); ``kind``: ``activation`` (behind an activation), ``requant`` (behind an
-    op that leaves the grid), ``shared`` (the inputs of an add/concat), ``layer_input`` (in front of one
-    layer: behind a model input, a BatchNorm, an add...); ``producer``: the module or op producing the value; ``layers``: the compute layers it reaches (the
-    owners, whose ``input_tensors`` give ``spec``); ``inputs``: for a shared point, the values sharing it.
+    share it); ``kind``: ``activation`` (behind an activation), ``requant`` (behind an op that leaves the grid),
+    ``shared`` (the inputs of an add/concat), ``layer_input`` (in front of one layer: behind a model input, a
+    BatchNorm, an add...); ``producer``: the module or op producing the value; ``layers``: the compute layers it
+    reaches (the owners, whose ``input_tensors`` give ``spec``); ``inputs``: for a shared point, the values sharing
+    it, for a layer input, the layer's graph node.
     """
 
     tensor: str
