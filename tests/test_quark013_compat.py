@@ -343,7 +343,7 @@ def test_quarks_qconfig_fields_at_their_defaults_and_metadata_are_accepted() -> 
     ("kv_cache_quant_config", {"*k_proj": QLayerConfig(output_tensors=QTensorConfig())},
      "a dict is not supported: KV-cache quantization"),
     ("softmax_quant_spec", QTensorConfig(), "a QuantizationSpec is not supported: softmax"),
-    ("quant_mode", "fx_graph_mode", "'fx_graph_mode' is not supported: quark_brevitas replaces layers in place"),
+    ("quant_mode", "dynamic_mode", "'dynamic_mode' is not supported: quant_mode picks the backend"),
     ("quant_flow", "per_block", "quantize_pretrained"),
     ("min_kv_scale", 0.01, "0.01 is not supported: KV-cache"),
     ("keep_prequantized_layers", False, "float models only"),
