@@ -78,8 +78,9 @@ def _finn(path: Path, inputs: np.ndarray) -> str:
                                                    else [])], capture_output=True, text=True, check=True
     ).stdout.splitlines() if "=" in line)
     np.save(path.with_suffix(".npy"), inputs)
-    out = subprocess.run([env["FINN_PY"], str(Path(source) / "finn_check.py"), str(path), str(path.with_suffix(".npy"))],
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": env["FINN_PATH"]}).stdout
+    script = str(Path(source) / "finn_check.py")
+    out = subprocess.run([env["FINN_PY"], script, str(path), str(path.with_suffix(".npy"))], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": env["FINN_PATH"]}).stdout
     result = json.loads(out.strip().splitlines()[-1])
     if "error" in result:
         return result["error"][:60]
@@ -186,8 +187,8 @@ def main() -> None:
     print(f"W{args.bits}A{args.bits} finn preset, {args.qat_epochs} QAT epochs; {score}")
     print(format_table(("model", "float", "PTQ", "QAT", "readiness findings", "FINN convert+streamline"), rows))
     print("\nonnxruntime, W8A8: graph backend QCDQ vs quantize_static (QDQ, per-channel int8), batch 64, 1 thread")
-    print(format_table(("model", "graph acc", "static acc", "graph ms", "static ms", "static/graph", "graph integer kernels",
-                        "static integer kernels"), speed))
+    print(format_table(("model", "graph acc", "static acc", "graph ms", "static ms", "static/graph",
+                        "graph integer kernels", "static integer kernels"), speed))
 
 
 if __name__ == "__main__":
