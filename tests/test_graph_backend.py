@@ -10,7 +10,7 @@ from torch import nn
 
 from quark_brevitas import load_quantized, save_quantized
 from quark_brevitas.api import ModelQuantizer
-from quark_brevitas.backend.graph import GraphBackend, points_table
+from quark_brevitas.backend.graph import GraphBackend, plan_points, points_table
 from quark_brevitas.backend.graph.points import QuantPoint
 from quark_brevitas.cli import main
 from quark_brevitas.config import Backend, Config, QConfig, QLayerConfig, QTensorConfig
@@ -25,8 +25,8 @@ from quark_brevitas.qat import prepare_qat
 A4 = QTensorConfig(bit_width=4)
 
 
-def _backend() -> GraphBackend:
-    return Container().backends()["graph"]
+def test_container_serves_the_graph_backend() -> None:
+    assert isinstance(Container().backends()["graph"], GraphBackend)
 
 
 def _quantize(name: str, bits: int) -> tuple[nn.Module, nn.Module, torch.Tensor]:
@@ -36,7 +36,7 @@ def _quantize(name: str, bits: int) -> tuple[nn.Module, nn.Module, torch.Tensor]
 
 
 def _points(name: str) -> list[QuantPoint]:
-    return _backend().points(randomised(GRAPH_ZOO[name]()), get_preset("finn_w4a4"))
+    return plan_points(randomised(GRAPH_ZOO[name]()), get_preset("finn_w4a4"))
 
 
 def test_plan_lists_every_point_with_owner_sign_and_shared_group() -> None:

@@ -163,6 +163,15 @@ def _without_inputs(config: Config) -> Config:
         layer_quant_config={k: strip(v) for k, v in config.layer_quant_config.items()})
 
 
+def plan_points(model: nn.Module, config: Config) -> list[QuantPoint]:
+    """Every quantization point ``Backend.graph`` would put in ``model`` under ``config`` (tensor, kind, owning
+    layers, spec, sign; the inputs of each shared-scale group), before anything is calibrated or changed."""
+    from quark_brevitas.container import Container  # the container imports this package lazily
+
+    backend = Container().backends()["graph"]
+    return backend.points(model, config)
+
+
 def points_table(points: Sequence[QuantPoint]) -> str:
     """The points as an aligned text table: tensor, kind, producer, owning layers, spec, sign, shared inputs."""
     header = ("tensor", "kind", "producer", "layers", "spec", "sign", "shared by")
@@ -176,4 +185,4 @@ def points_table(points: Sequence[QuantPoint]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GraphBackend", "QuantPoint", "points_table"]
+__all__ = ["GraphBackend", "QuantPoint", "plan_points", "points_table"]
