@@ -28,6 +28,12 @@ from quark_brevitas.calibration import calibrate
 from quark_brevitas.export.registry import FORMATS
 
 
+def _graph_backend(layer_map):  # imported lazily: the graph backend imports the FX machinery
+    from quark_brevitas.backend.graph import GraphBackend
+
+    return GraphBackend(layer_map)
+
+
 def _onnx_exporter():  # imported lazily: onnx/onnxruntime are only needed when exporting
     from quark_brevitas.export import export_onnx_qcdq
 
@@ -44,7 +50,8 @@ class Container(containers.DeclarativeContainer):
     """The replaceable parts of the quantization pipeline."""
 
     layer_map = providers.Object(DEFAULT_LAYER_MAP)
-    backends = providers.Dict(layerwise=providers.Factory(LayerwiseBackend, layer_map=layer_map))
+    backends = providers.Dict(layerwise=providers.Factory(LayerwiseBackend, layer_map=layer_map),
+                              graph=providers.Factory(_graph_backend, layer_map=layer_map))
     calibrator = providers.Object(calibrate)
     onnx_exporter = providers.Callable(_onnx_exporter)
     qonnx_exporter = providers.Callable(_qonnx_exporter)

@@ -50,7 +50,7 @@ def test_presets_build_valid_configs() -> None:
     assert DEFAULT_PRESET == "w8a8"
     assert set(PRESETS) == set(DESCRIPTIONS) == {"w8a8", "w8a8_per_channel", "w4a8_gptq", "w4_weight_only", "fp8",
                                                  "bert_w8a8", "bert_w8a8_dynamic", "bert_w4_g32", "gguf_q4_0",
-                                                 "gguf_q4_1", "gguf_q8_0"}
+                                                 "gguf_q4_1", "gguf_q8_0", "finn_w8a8", "finn_w4a4", "finn_w2a2"}
     for name in PRESETS:
         config = get_preset(name)
         assert isinstance(config, Config)

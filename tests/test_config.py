@@ -192,7 +192,7 @@ def test_from_file(tmp_path) -> None:
          "integer"),
         (lambda d: d["algo_config"][0].update(name="GPTQQ"), "algo_config[0].name", "GPTQ"),
         (lambda d: d["algo_config"][0].update(order=True), "algo_config[0].order", "act_order"),
-        (lambda d: d.update(backend="graph"), "backend", "layerwise"),
+        (lambda d: d.update(backend="grpah"), "backend", "layerwise"),
         (lambda d: d.pop("global_quant_config"), "global_quant_config", "required"),
     ],
 )

@@ -342,7 +342,7 @@ def test_quarks_qconfig_fields_at_their_defaults_and_metadata_are_accepted() -> 
 
 @pytest.mark.parametrize(("field", "value", "fragment"), [
     ("softmax_quant_spec", QTensorConfig(), "a QuantizationSpec is not supported: softmax"),
-    ("quant_mode", "fx_graph_mode", "'fx_graph_mode' is not supported: quark_brevitas replaces layers in place"),
+    ("quant_mode", "dynamic_mode", "'dynamic_mode' is not supported: quant_mode picks the backend"),
     ("quant_flow", "per_block", "quantize_pretrained"),
     ("keep_prequantized_layers", False, "float models only"),
     ("version", 13, "13 is the version of Quark that wrote the config (metadata); allowed: a str or None"),

@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     presets.set_defaults(func="quark_brevitas.cli.plan:cmd_presets", uses_torch=False)
     _add_analysis_commands(sub, verbosity, config_args)
     _add_list_command(sub, verbosity)
+
+    check = sub.add_parser("check", parents=[verbosity],
+                           help="check an exported file against a deployment target's rules (FINN)")
+    check.add_argument("--target", choices=("finn",), required=True, help="the target whose rules apply")
+    check.add_argument("file", metavar="FILE.onnx", help="a QONNX file (export --format qonnx)")
+    check.set_defaults(func="quark_brevitas.cli.check:cmd_check")
     return parser
 
 

@@ -109,9 +109,13 @@ class Backend(Enum):
 
     - ``layerwise``: only quantizes inputs, weights, biases (and optionally outputs) of compute-heavy
       layers, which are replaced one by one by their Brevitas counterparts.
+    - ``graph``: traces the model (FX) and quantizes every tensor reaching a compute layer: inputs, activation
+      outputs, requantization after ops that leave the grid, shared scales on add/concat inputs
+      (Quark's ``QuantizationMode.fx_graph_mode``; docs/graph-finn.md).
     """
 
     layerwise = "layerwise"
+    graph = "graph"
 
 
 __all__ = [

@@ -88,7 +88,7 @@ class Config:
     - ``pre_quant_opt_config``: algorithms run on the float model before quantization, in order (one algorithm
       without a list, or ``None``, is accepted as Quark writes them).
     - ``algo_config``: algorithms run on the quantized model after calibration, in order (idem).
-    - ``backend``: how layers are replaced (``Backend.layerwise``).
+    - ``backend``: how layers are replaced (``Backend.layerwise``), or the whole traced network (``Backend.graph``).
     - ``layer_type_quant_config``: per layer type; keys are ``nn.Module`` classes or their names
       (``nn.Conv2d``, ``"Conv2d"``, ``"torch.nn.Conv2d"``), stored as names (see :func:`layer_type_key`).
     - ``layer_quant_config``: per layer name; keys are module names or fnmatch patterns

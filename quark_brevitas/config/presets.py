@@ -110,6 +110,20 @@ def _fp8() -> Config:
     return Config(QLayerConfig(weight=_FP8_E4M3, input_tensors=_FP8_E4M3))
 
 
+# ---------------------------------------------------------------- FINN (whole networks, Backend.graph)
+# Every tensor reaching a compute layer is quantized (docs/graph-finn.md): per-tensor symmetric activations (unsigned
+# behind ReLUs, signed elsewhere, zero point 0), per-channel symmetric weights, float biases (FINN absorbs them into
+# the next thresholds).
+def _finn(bits: int) -> Callable[[], Config]:
+    def build() -> Config:
+        from quark_brevitas.config.enums import Backend
+
+        weight = QTensorConfig(bit_width=bits, qscheme=QSchemeType.per_channel)
+        return Config(QLayerConfig(weight=weight, input_tensors=QTensorConfig(bit_width=bits)), backend=Backend.graph)
+
+    return build
+
+
 PRESETS: dict[str, Callable[[], Config]] = {
     "w8a8": _w8a8,
     "w8a8_per_channel": _w8a8_per_channel,
@@ -122,6 +136,9 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "gguf_q4_0": _gguf(Dtype.int4),
     "gguf_q4_1": _gguf(Dtype.uint4),
     "gguf_q8_0": _gguf(Dtype.int8),
+    "finn_w8a8": _finn(8),
+    "finn_w4a4": _finn(4),
+    "finn_w2a2": _finn(2),
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -140,6 +157,9 @@ DESCRIPTIONS: dict[str, str] = {
     "gguf_q4_1": "GGUF Q4_1: Linear layers only, uint4 asymmetric weights per group of 32, float16 scales and offsets",
     "gguf_q8_0": "GGUF Q8_0: Linear layers only, int8 symmetric weights (codes -127..127) per group of 32, "
                  "float16 scales",
+    "finn_w8a8": "Backend.graph for FINN: every tensor int8 (unsigned after ReLU), int8 per-channel weights",
+    "finn_w4a4": "Backend.graph for FINN: every tensor 4-bit (unsigned after ReLU), int4 per-channel weights",
+    "finn_w2a2": "Backend.graph for FINN: every tensor 2-bit (unsigned after ReLU), int2 per-channel weights",
 }
 
 

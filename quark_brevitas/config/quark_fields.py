@@ -58,8 +58,11 @@ QUARK_ONLY_FIELDS: Mapping[str, QuarkField] = {
                                       "scales, which have no Brevitas quantizer"),
     "softmax_quant_spec": QuarkField(lambda v: v is None, "None", "softmax (attention probability) quantization is "
                                      "not supported; quark_brevitas quantizes the inputs/outputs of layers"),
-    "quant_mode": QuarkField(_named("eager_mode"), "QuantizationMode.eager_mode or 'eager_mode'",
-                             "quark_brevitas replaces layers in place (eager mode); FX graph mode is not supported"),
+    "quant_mode": QuarkField(lambda v: _named("eager_mode")(v) or _named("fx_graph_mode")(v),
+                             "QuantizationMode.eager_mode / 'eager_mode' (Backend.layerwise) or "
+                             "QuantizationMode.fx_graph_mode / 'fx_graph_mode' (Backend.graph)",
+                             "quant_mode picks the backend: eager_mode is Backend.layerwise, fx_graph_mode "
+                             "Backend.graph"),
     "quant_flow": QuarkField(_named("standard"), "QuantFlow.standard or 'standard'",
                              "Quark's file2file/per_block flows are not ModelQuantizer options here (ModelQuantizer "
                              "already runs the data phase block by block; a model folder too big for memory is "
@@ -107,7 +110,24 @@ def without_quark_fields(data: Mapping[str, Any], path: str = "") -> dict[str, A
     """``data`` (a config's keyword arguments or a config file's top level) without Quark's fields, after
     :func:`check_quark_fields` has accepted them."""
     check_quark_fields({key: value for key, value in data.items() if key in QUARK_ONLY_FIELDS}, path)
-    return {key: value for key, value in data.items() if key not in QUARK_ONLY_FIELDS}
+    kept = {key: value for key, value in data.items() if key not in QUARK_ONLY_FIELDS}
+    if "quant_mode" in data:
+        kept = _with_mode_backend(kept, data["quant_mode"], path)
+    return kept
+
+
+def _with_mode_backend(data: dict[str, Any], mode: Any, path: str) -> dict[str, Any]:
+    """``data`` with the backend Quark's ``quant_mode`` names (``fx_graph_mode``: graph, ``eager_mode``:
+    layerwise); a ``backend`` given beside it must agree."""
+    from quark_brevitas.config.enums import Backend  # plain enums, no torch
+
+    wanted = Backend.graph if _named("fx_graph_mode")(mode) else Backend.layerwise
+    given = data.get("backend", wanted)
+    if getattr(given, "value", given) != wanted.value:
+        where = f"{path}.backend" if path else "backend"
+        raise ConfigError(where, f"{getattr(given, 'value', given)!r} disagrees with quant_mode="
+                                 f"{getattr(mode, 'name', mode)!r}, which means Backend.{wanted.value}; give one")
+    return {**data, "backend": given}
 
 
 # ===================================================================== Quark 0.13's config files

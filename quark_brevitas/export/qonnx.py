@@ -182,9 +182,12 @@ def _cleanup(model: Any) -> Any:
     )
     from qonnx.transformation.infer_shapes import InferShapes
 
+    from quark_brevitas.export.empty_inputs import name_empty_inputs
+
     for node in model.graph.node:  # older Brevitas versions wrote another domain
         if node.op_type in _QUANT_OPS:
             node.domain = QONNX_DOMAIN
+    name_empty_inputs(model.graph)  # qonnx's (and FINN's) executor needs a shape for every input
     for transform in (InferShapes(), GiveUniqueParameterTensors(),
                       FoldConstants(exclude_op_types=[*_QUANT_OPS, "QuantizeLinear", "DequantizeLinear"]),
                       RemoveUnusedTensors(), RemoveStaticGraphInputs(), GiveUniqueNodeNames(),
