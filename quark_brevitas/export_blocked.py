@@ -2,7 +2,7 @@
 :mod:`quark_brevitas.export.blocked`.
 
 A shim so that code written against the old path keeps working (with a ``DeprecationWarning`` naming the new
-location); see :mod:`quark_brevitas.public_api` and ``docs/public-api.md``.
+location); see :mod:`quark_brevitas.public_api` and ``docs/reference/public-api.md``.
 """
 
 from quark_brevitas.public_api import moved_module

@@ -21,7 +21,7 @@ rules:
   or a container running as another user can read it. An output is claimed (:func:`reserve`) before any
   work: a lock beside it refuses a second run on the same output at once, naming its process, and a probe
   write proves the destination writable (a read-only file system, a missing permission, a full disk), so
-  that such a run fails in its first second, not after hours of calibration. See docs/outputs.md.
+  that such a run fails in its first second, not after hours of calibration. See docs/how-to/outputs.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Why a table: the package was reorganised several times, and each time an import a user had copied from the README
 (``from quark_brevitas.presets import get_preset``) stopped working without a trace. From 0.2.0 on the rule is
-(see ``docs/public-api.md``):
+(see ``docs/reference/public-api.md``):
 
 - :data:`PUBLIC` lists every public module and the names the documentation shows from it. A name in it is only
   removed or moved in a new minor release, and ``CHANGELOG.md`` says so.
@@ -39,6 +39,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "export_gguf", "export_onnx", "export_safetensors", "import_model_from_safetensors", "load_params",
         "save_params",
     ),
+    "quark_brevitas.backend.graph": ("GraphBackend", "plan_points", "points_table"),
     "quark_brevitas.hf.kv_cache": ("kv_quantization_disabled", "kv_scales"),
     "quark_brevitas.hf.moe": ("unfuse_experts",),
     "quark_brevitas.quark_compat": (
@@ -76,7 +77,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "quark_brevitas.export": (
         "ExportArgumentError", "ExportError", "ExportMismatchError", "ExportReport", "QONNXExportReport",
         "VerificationResult", "create_ort_session", "export_gguf", "export_onnx_qcdq", "export_qonnx",
-        "export_safetensors", "run_onnx", "run_qonnx", "verify_onnx",
+        "export_safetensors", "run_onnx", "run_qonnx", "verify_onnx", "FinnFinding", "finn_readiness",
     ),
     "quark_brevitas.export.intweights": ("IntegerWeight", "integer_weights", "save_integer_weights"),
     "quark_brevitas.export.registry": ("FORMATS", "ExportFormat", "format_names", "get_format", "register_format"),

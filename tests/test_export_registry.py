@@ -144,10 +144,10 @@ def test_the_contract_refuses_arguments_a_format_cannot_use(tmp_path: Path) -> N
 
 
 def test_the_docs_list_every_built_in_format() -> None:
-    text = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    text = (Path(__file__).resolve().parent.parent / "docs" / "how-to" / "cli.md").read_text()
     listing = text.split("$ quark-brevitas list formats", 1)[1].split("```", 1)[0]
     documented = {line.split()[0].rstrip(",") for line in listing.strip().splitlines()[1:]}
-    assert documented == set(FORMATS), "docs/cli.md's format listing differs from the registry"
+    assert documented == set(FORMATS), "docs/how-to/cli.md's format listing differs from the registry"
 
 
 def test_a_container_can_supply_its_own_format_table(tmp_path: Path) -> None:

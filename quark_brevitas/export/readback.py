@@ -9,7 +9,7 @@ layer's weights, or garbage, under a proven name. So each writer records, at pro
 dequantize to), writes the file into its temporary folder, and calls this module on the *written file*, read through
 the format's own reader (``gguf.GGUFReader``, ``safetensors.safe_open``). A difference is a :class:`ReadBackError`
 naming the tensor and the file; the temporary folder is then removed by :mod:`quark_brevitas.outputs`, so nothing is
-moved into place. See ``docs/verification.md``.
+moved into place. See ``docs/explanation/verification.md``.
 """
 
 from __future__ import annotations

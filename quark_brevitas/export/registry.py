@@ -3,7 +3,7 @@ a checkpoint written block by block, the extra it needs, what ``--output`` names
 
 Everything that lists or dispatches formats reads this table: :meth:`quark_brevitas.api.ModelExporter.export`,
 the command line's ``export --format`` and ``quantize --model --export`` choices and help, ``quark-brevitas list
-formats`` and ``docs/cli.md``. Adding a format is one module (its writers) plus one row: a built-in row in
+formats`` and ``docs/how-to/cli.md``. Adding a format is one module (its writers) plus one row: a built-in row in
 :data:`FORMATS` below, or :func:`register_format` from the user's own code::
 
     from quark_brevitas.export.registry import ExportFormat, register_format

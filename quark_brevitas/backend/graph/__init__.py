@@ -166,10 +166,9 @@ def _without_inputs(config: Config) -> Config:
 def plan_points(model: nn.Module, config: Config) -> list[QuantPoint]:
     """Every quantization point ``Backend.graph`` would put in ``model`` under ``config`` (tensor, kind, owning
     layers, spec, sign; the inputs of each shared-scale group), before anything is calibrated or changed."""
-    from quark_brevitas.container import Container  # the container imports this package lazily
+    from quark_brevitas.backend import DEFAULT_LAYER_MAP
 
-    backend = Container().backends()["graph"]
-    return backend.points(model, config)
+    return GraphBackend(DEFAULT_LAYER_MAP).points(model, config)
 
 
 def points_table(points: Sequence[QuantPoint]) -> str:
