@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, register
 from quark_brevitas.brevitas_adapter import is_graph_module, symbolic_trace
 from quark_brevitas.calibration.data import CalibrationData
+from quark_brevitas.config.algorithms import Preprocess
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def _optional_inputs(model: nn.Module) -> list[str]:
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-@register(algos.Preprocess)
+@register(Preprocess)
 class PreprocessHandler(AlgorithmHandler):
     """Runs Brevitas's ``preprocess_for_quantize`` on an FX graph of the model; models that cannot be
     traced (most Hugging Face transformers) pass through unchanged with one warning."""

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas import algos
 from quark_brevitas.config import Config, QLayerConfig, QTensorConfig
+from quark_brevitas.config.algorithms import GPTQ
+from quark_brevitas.config.enums import QSchemeType
 from quark_brevitas.errors import ModelError, QuarkBrevitasError
 from quark_brevitas.extras import require
-from quark_brevitas.types import QSchemeType
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def default_llm_config() -> Config:
     """The LLM command line's default: int4 weights per group of 128 rounded by GPTQ, activations in float
     (no FX pre-processing: Hugging Face models cannot be traced)."""
     weight = QTensorConfig(qscheme=QSchemeType.per_group, group_size=128, bit_width=4)
-    return Config(QLayerConfig(weight=weight), pre_quant_opt_config=[], algo_config=[algos.GPTQ()])
+    return Config(QLayerConfig(weight=weight), pre_quant_opt_config=[], algo_config=[GPTQ()])
 
 
 def load_tokenizer(folder: str | os.PathLike[str], model_dir: str | os.PathLike[str] | None = None) -> Any:
