@@ -37,7 +37,6 @@ from torch import nn
 from quark_brevitas.algorithms import SavedStructure, handler_for
 from quark_brevitas.algorithms.ties import run_untied
 from quark_brevitas.backend import PlannedLayer
-from quark_brevitas.block_runs import blockwise_obstacle, choose_block_stack, named_decoder_layers, quantize_blocks
 from quark_brevitas.brevitas_adapter import current_shard, require_equal_shares
 from quark_brevitas.calibration.data import BatchToInputs, CalibrationData, model_device_dtype
 from quark_brevitas.calibration.threads import threads_per_process
@@ -45,6 +44,12 @@ from quark_brevitas.config import Config, verify_config
 from quark_brevitas.config.algorithms import BiasCorrection
 from quark_brevitas.container import Container
 from quark_brevitas.errors import CalibrationDataError, ModelError
+from quark_brevitas.orchestration.block_runs import (
+    blockwise_obstacle,
+    choose_block_stack,
+    named_decoder_layers,
+    quantize_blocks,
+)
 from quark_brevitas.resolve import Resolver
 
 logger = logging.getLogger(__name__)
@@ -329,8 +334,8 @@ class Pipeline:
 
     def _quantize_blockwise(self, model: nn.Module, stack: str, data: CalibrationData | None, *, inplace: bool,
                             offload: str | os.PathLike[str] | None) -> nn.Module:
-        """The block-by-block path (:func:`~quark_brevitas.block_runs.quantize_blocks`): the data-free
-        pre-quantization steps first, on the whole model."""
+        """The block-by-block path (:func:`~quark_brevitas.orchestration.block_runs.quantize_blocks`): the
+        data-free pre-quantization steps first, on the whole model."""
         data_free = [_algorithm_name(a) for a in self.config.pre_quant_algorithms() if not a.needs_data]
         prepare = functools.partial(self._run_algorithms, "pre_quant_opt_config", data=None, data_driven=False) \
             if data_free else None

@@ -1,8 +1,8 @@
 """The block engine: a model made of repeated blocks quantized (or evaluated) one block at a time.
 
 This package is the engine only: it imports no algorithm, checkpoint or pipeline module (what a config asks of
-a block-by-block run is decided one room up, in :mod:`quark_brevitas.block_runs`; the quantized blocks of a
-streamed checkpoint are read by :mod:`quark_brevitas.checkpoint.streamed_blocks`).
+a block-by-block run is decided one room up, in :mod:`quark_brevitas.orchestration.block_runs`; the quantized
+blocks of a streamed checkpoint are read by :mod:`quark_brevitas.checkpoint.streamed_blocks`).
 
 - :mod:`~quark_brevitas.blocks.stack`: the one stack finder (which ModuleList holds the blocks) and the layers
   outside it;

@@ -129,8 +129,8 @@ def meta_parameters(module: nn.Module, skip: str | None = None) -> list[str]:
 
 class FolderBlocks(BlockSource):
     """Blocks read from a float model folder just before they run, then given to ``prepare`` (the data-free steps'
-    part in each block, :func:`~quark_brevitas.block_runs.prepare_streamed`: a rotation); once finished, handed to
-    ``on_finish`` (the streaming writer, if any) and dropped."""
+    part in each block, :func:`~quark_brevitas.orchestration.block_runs.prepare_streamed`: a rotation); once
+    finished, handed to ``on_finish`` (the streaming writer, if any) and dropped."""
 
     releases = True
 

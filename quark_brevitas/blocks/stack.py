@@ -5,8 +5,8 @@ and streaming all ask the same question; :func:`find_block_stack` is the one ans
 one the user named, checked), so they cannot disagree. :func:`detect_block_stack` is the same search with the
 pipeline's policy for walking a model block by block without being told to (Hugging Face models with at least two
 blocks); what a run's ``blocks=`` argument and its config choose is decided above the engine
-(:func:`quark_brevitas.block_runs.choose_block_stack`, which calls these two). :func:`outside_layers` lists the
-quantized layers that are not in the blocks.
+(:func:`quark_brevitas.orchestration.block_runs.choose_block_stack`, which calls these two).
+:func:`outside_layers` lists the quantized layers that are not in the blocks.
 """
 
 from __future__ import annotations

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas.block_runs import choose_block_stack, prepare_streamed
 from quark_brevitas.blocks.disk import (
     FolderBlocks,
     FolderWeights,
@@ -74,6 +73,7 @@ from quark_brevitas.config import Config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import ModelError
 from quark_brevitas.extras import require
+from quark_brevitas.orchestration.block_runs import choose_block_stack, prepare_streamed
 from quark_brevitas.outputs import check_output_dir, commit, file_sha256, open_work_dir, work_dir
 from quark_brevitas.outputs import write_file as _write_atomic
 from quark_brevitas.pipeline import CONFIG_ATTRIBUTE, Pipeline, SavedStructure, restrict_structure
