@@ -40,6 +40,12 @@ class ModelError(QuarkBrevitasError):
     """The model cannot be quantized as asked (e.g. it has no parameters)."""
 
 
+class CheckpointError(QuarkBrevitasError):
+    """A checkpoint cannot be written, read, or does not fit the model it is loaded into (defined here, below
+    every room, so that the block sources reading folders raise it without importing the checkpoint package;
+    :mod:`quark_brevitas.checkpoint` re-exports it)."""
+
+
 class UnsupportedAlgorithmError(QuarkBrevitasError):
     """The installed Brevitas cannot run the requested algorithm."""
 

@@ -34,19 +34,24 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from quark_brevitas import algos
 from quark_brevitas.algorithms import SavedStructure, handler_for
 from quark_brevitas.algorithms.ties import run_untied
 from quark_brevitas.backend import PlannedLayer
-from quark_brevitas.blocks.run import blockwise_obstacle, choose_block_stack, named_decoder_layers, quantize_blocks
 from quark_brevitas.brevitas_adapter import current_shard, require_equal_shares
 from quark_brevitas.calibration.data import BatchToInputs, CalibrationData, model_device_dtype
 from quark_brevitas.calibration.threads import threads_per_process
 from quark_brevitas.config import Config, verify_config
+from quark_brevitas.config.algorithms import BiasCorrection
 from quark_brevitas.container import Container
 from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.hf.kv_cache import attach_kv_quantizers, finish_kv_calibration, kv_targets
 from quark_brevitas.hf.moe import log_expert_coverage
+from quark_brevitas.orchestration.block_runs import (
+    blockwise_obstacle,
+    choose_block_stack,
+    named_decoder_layers,
+    quantize_blocks,
+)
 from quark_brevitas.resolve import Resolver
 
 logger = logging.getLogger(__name__)
@@ -291,7 +296,7 @@ class Pipeline:
             raise TypeError(f"offload must be None, 'disk' or a directory path, got {type(offload).__name__}")
         plan = self.prepare(model, calib_loader, batch_to_inputs=batch_to_inputs, distributed=distributed)
         data, activations, needs_data = plan.data, plan.activations, plan.needs_data
-        stack = self.block_stack(model, blocks, needs_data)
+        stack = choose_block_stack(model, self.config, blocks, needs_data)
         start = time.perf_counter()
         with threads_per_process(data.shard if data is not None else None):
             try:
@@ -344,17 +349,13 @@ class Pipeline:
         """Brevitas's bias correction averages its corrections over processes assuming equal shares."""
         if data is None or data.shard is None or not needs_data:
             return
-        if any(isinstance(a, algos.BiasCorrection) for a in self.config.algo_config):
+        if any(isinstance(a, BiasCorrection) for a in self.config.algo_config):
             require_equal_shares(data.loader, data.shard, "BiasCorrection")
-
-    def block_stack(self, model: nn.Module, blocks: str | bool | None, needs_data: bool) -> str | None:
-        """The block stack for the block-by-block data phase, or ``None`` for the whole-model path."""
-        return choose_block_stack(model, self.config, blocks, needs_data)
 
     def _quantize_blockwise(self, model: nn.Module, stack: str, data: CalibrationData | None, *, inplace: bool,
                             offload: str | os.PathLike[str] | None) -> nn.Module:
-        """The block-by-block path (:func:`~quark_brevitas.blocks.run.quantize_blocks`): the data-free
-        pre-quantization steps first, on the whole model."""
+        """The block-by-block path (:func:`~quark_brevitas.orchestration.block_runs.quantize_blocks`): the
+        data-free pre-quantization steps first, on the whole model."""
         data_free = [_algorithm_name(a) for a in self.config.pre_quant_algorithms() if not a.needs_data]
         prepare = functools.partial(self._run_algorithms, "pre_quant_opt_config", data=None, data_driven=False) \
             if data_free else None

@@ -46,8 +46,8 @@ from quark_brevitas.brevitas_adapter import (
     scale_parameters,
 )
 from quark_brevitas.calibration.data import CalibrationData
+from quark_brevitas.config.enums import TQTThresholdInitMeth
 from quark_brevitas.errors import CalibrationDataError, QuarkBrevitasError
-from quark_brevitas.types import TQTThresholdInitMeth
 
 logger = logging.getLogger(__name__)
 

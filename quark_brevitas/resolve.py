@@ -56,8 +56,8 @@ from quark_brevitas.config import (
     type_name,
     verify_layer_config,
 )
+from quark_brevitas.config.enums import QSchemeType
 from quark_brevitas.errors import ConfigError
-from quark_brevitas.types import QSchemeType
 
 __all__ = ["EXCLUDED", "GLOBAL", "Resolution", "Resolver", "literal_length"]
 

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas import algos
 from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.scaling import (
@@ -52,6 +51,7 @@ from quark_brevitas.brevitas_adapter import (
 )
 from quark_brevitas.calibration import calibrate
 from quark_brevitas.calibration.data import BlockInputs, CalibrationData
+from quark_brevitas.config.algorithms import AWQConfig
 from quark_brevitas.hf.structure import ScalingGroup, check_scaling_groups, is_linear
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ def clip_search(layer: nn.Module, rows: torch.Tensor, group_size: int, data: Cal
     return torch.clamp(grouped, -limit, limit).view(out_features, -1)[:, :in_features]
 
 
-@register(algos.AWQConfig)
+@register(AWQConfig)
 class AWQConfigHandler(BlockwiseHandler):
     """AWQ block by block; see the module docstring."""
 

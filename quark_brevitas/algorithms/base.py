@@ -29,23 +29,18 @@ The contract between the pipeline and a handler:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from quark_brevitas.blocks.protocol import BlockStep
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import CalibrationDataError, ConfigError
 
 __all__ = ["AlgorithmHandler", "BlockStep", "SavedStructure", "apply_algorithm", "describe_algorithms", "handler_for",
            "register", "registered_handlers"]
-
-
-#: What a data-free step does to one block of a streamed model when it is loaded
-#: (:meth:`AlgorithmHandler.apply_streamed`): ``step(block, qualified_name)`` returns the block (the same module, or
-#: one that replaces it).
-BlockStep = Callable[[nn.Module, str], nn.Module]
 
 
 @dataclass(frozen=True)

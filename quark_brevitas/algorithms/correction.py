@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, SavedStructure, register
 from quark_brevitas.brevitas_adapter import QuantLayer, bias_correction_mode, norm_correction_mode
 from quark_brevitas.calibration.data import CalibrationData
+from quark_brevitas.config.algorithms import BiasCorrection, CalibrateBatchNorm
 
 
 def _forward_in_mode(model: nn.Module, data: CalibrationData, name: str, mode: Any) -> nn.Module:
@@ -20,7 +20,7 @@ def _forward_in_mode(model: nn.Module, data: CalibrationData, name: str, mode: A
     return model
 
 
-@register(algos.BiasCorrection)
+@register(BiasCorrection)
 class BiasCorrectionHandler(AlgorithmHandler):
     """Shifts each layer's bias by the mean output error; gives bias-free layers a bias."""
 
@@ -36,7 +36,7 @@ class BiasCorrectionHandler(AlgorithmHandler):
         return model
 
 
-@register(algos.CalibrateBatchNorm)
+@register(CalibrateBatchNorm)
 class CalibrateBatchNormHandler(AlgorithmHandler):
     """Re-estimates the running statistics of BatchNorm layers on the quantized model."""
 

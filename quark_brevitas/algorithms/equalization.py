@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, SavedStructure, register
 from quark_brevitas.brevitas_adapter import activation_equalization_mode, wrap_equalized
 from quark_brevitas.calibration.data import CalibrationData
+from quark_brevitas.config.algorithms import ActivationEqualization
 
 #: Class name of the wrapper activation equalization puts around a layer (as a checkpoint records it).
 _WRAPPER = "EqualizedModule"
@@ -24,7 +24,7 @@ def _runtime_shape(layer: nn.Module, features: int) -> list[int]:
     return [1, features, *[1] * spatial] if spatial is not None else [features]
 
 
-@register(algos.ActivationEqualization)
+@register(ActivationEqualization)
 class ActivationEqualizationHandler(AlgorithmHandler):
     """Collects per-channel activation ranges on the calibration data, moves them into the weights and
     puts a scale module in front of each equalized layer (structure a checkpoint must recreate)."""

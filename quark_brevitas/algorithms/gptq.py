@@ -32,7 +32,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from quark_brevitas import algos
 from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.magr import magnitude_reduced
@@ -46,6 +45,7 @@ from quark_brevitas.brevitas_adapter import (
     weight_grid,
 )
 from quark_brevitas.calibration.data import CalibrationData
+from quark_brevitas.config.algorithms import GPTQConfig
 from quark_brevitas.errors import ModelError
 from quark_brevitas.hf.structure import is_linear
 
@@ -271,7 +271,7 @@ class HessianPass:
         self.this_batch = {}
 
 
-@register(algos.GPTQConfig)
+@register(GPTQConfig)
 class GPTQConfigHandler(BlockwiseHandler):
     """GPTQ block by block; see the module docstring."""
 

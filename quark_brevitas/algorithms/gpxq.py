@@ -18,7 +18,6 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, SavedStructure, register
 from quark_brevitas.algorithms.gptq import warn_few_samples
 from quark_brevitas.blocks.capture import UntilStopped
@@ -33,6 +32,7 @@ from quark_brevitas.brevitas_adapter import (
     layer_outputs_remembered,
 )
 from quark_brevitas.calibration.data import CalibrationData
+from quark_brevitas.config.algorithms import GPFA2Q, GPFQ, GPTQ
 from quark_brevitas.errors import UnsupportedAlgorithmError
 
 #: The float copy of each weight GPFQ keeps while it runs (Brevitas's name); removed afterwards.
@@ -154,7 +154,7 @@ class _GPxQHandler(AlgorithmHandler):
         return model
 
 
-@register(algos.GPTQ)
+@register(GPTQ)
 class GPTQHandler(_GPxQHandler):
     """GPTQ with float inputs to each layer."""
 
@@ -164,7 +164,7 @@ class GPTQHandler(_GPxQHandler):
         return gptq_mode(model, act_order=algo.act_order)
 
 
-@register(algos.GPFQ)
+@register(GPFQ)
 class GPFQHandler(_GPxQHandler):
     """GPFQ with quantized inputs to each layer."""
 
@@ -174,7 +174,7 @@ class GPFQHandler(_GPxQHandler):
         return gpfq_mode(model, act_order=algo.act_order)
 
 
-@register(algos.GPFA2Q)
+@register(GPFA2Q)
 class GPFA2QHandler(_GPxQHandler):
     """GPFQ whose weights keep every dot product inside an accumulator of the given width."""
 

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, register
 from quark_brevitas.brevitas_adapter import is_graph_module, symbolic_trace
 from quark_brevitas.calibration.data import CalibrationData
+from quark_brevitas.config.algorithms import Preprocess
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _is_hugging_face(model: nn.Module) -> bool:
                for cls in type(model).__mro__)
 
 
-@register(algos.Preprocess)
+@register(Preprocess)
 class PreprocessHandler(AlgorithmHandler):
     """Runs Brevitas's ``preprocess_for_quantize`` on an FX graph of the model; models that cannot be
     traced (most Hugging Face transformers) pass through unchanged with one warning."""
@@ -111,7 +111,7 @@ class PreprocessHandler(AlgorithmHandler):
         graph_model = model
         if algo.trace_model and not is_graph_module(model):
             optional = _optional_inputs(model)
-            if optional and algo == algos.Preprocess() and _is_hugging_face(model):
+            if optional and algo == Preprocess() and _is_hugging_face(model):
                 # Every preset and Config() starts with the default Preprocess, and a Hugging Face forward always
                 # has optional inputs: the skip is expected there, so it is not worth a warning on every run.
                 logger.debug("Preprocess: %s is a Hugging Face model (optional inputs %s); the default graph steps "

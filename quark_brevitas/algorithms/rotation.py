@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas import algos
 from quark_brevitas.algorithms.base import AlgorithmHandler, BlockStep, register
 from quark_brevitas.brevitas_adapter import OnlineHadamard, RotatedInput, hadamard_supported, rotation_matrix
 from quark_brevitas.calibration.data import CalibrationData
+from quark_brevitas.config.rotation import RotationConfig
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.hf.rotation import RotationSites, rotation_sites
 
@@ -209,7 +209,7 @@ def _require_values(model: nn.Module, path: str, skip: str | None = None) -> Non
                                 "which rotates each block as it loads")
 
 
-@register(algos.RotationConfig)
+@register(RotationConfig)
 class RotationHandler(AlgorithmHandler):
     """Folds R1/R2 into the weights and puts R4's online Hadamards in place; see the module docstring."""
 

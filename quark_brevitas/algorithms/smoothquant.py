@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas import algos
 from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.scaling import ChannelStats, fold_scales, linear_weight
 from quark_brevitas.blocks.capture import first_batch_output
 from quark_brevitas.calibration.data import CalibrationData
+from quark_brevitas.config.algorithms import SmoothQuantConfig
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.hf.structure import ScalingGroup, check_scaling_groups
 
@@ -44,7 +44,7 @@ def smoothing_scales(act_max: torch.Tensor, layers: list[nn.Module], alpha: floa
     return scales.clamp(min=clamp_min)
 
 
-@register(algos.SmoothQuantConfig)
+@register(SmoothQuantConfig)
 class SmoothQuantHandler(BlockwiseHandler):
     """Measures each group's input ranges, then folds the scales; see the module docstring."""
 

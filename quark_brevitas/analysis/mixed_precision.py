@@ -54,9 +54,9 @@ from quark_brevitas.analysis.sizes import layer_storage, model_size
 from quark_brevitas.api import ModelQuantizer
 from quark_brevitas.calibration.data import BatchToInputs
 from quark_brevitas.config import Config, QLayerConfig, QTensorConfig, QuantizationConfig
+from quark_brevitas.config.enums import Dtype, QSchemeType
 from quark_brevitas.container import Container
 from quark_brevitas.errors import ModelError, QuarkBrevitasError
-from quark_brevitas.types import Dtype, QSchemeType
 
 logger = logging.getLogger(__name__)
 

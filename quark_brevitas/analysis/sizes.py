@@ -29,8 +29,8 @@ from torch import nn
 
 from quark_brevitas.api import ModelQuantizer
 from quark_brevitas.config import Config, QuantizationConfig, QuantizationSpec
+from quark_brevitas.config.enums import QSchemeType, QuantType, ScaleType, ZeroPointType
 from quark_brevitas.container import Container
-from quark_brevitas.types import QSchemeType, QuantType, ScaleType, ZeroPointType
 
 __all__ = ["LayerStorage", "ModelSize", "layer_storage", "model_size", "tensor_bits"]
 

@@ -42,10 +42,10 @@ from quark_brevitas.brevitas_adapter import (
 )
 from quark_brevitas.calibration.data import model_device_dtype
 from quark_brevitas.config import Config, QuantizationConfig
+from quark_brevitas.config.enums import QSchemeType
 from quark_brevitas.errors import ConfigError, ModelError
 from quark_brevitas.quantizers import build_quantizer
 from quark_brevitas.resolve import EXCLUDED, GLOBAL, Resolver
-from quark_brevitas.types import QSchemeType
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,9 @@
 """Block sources on disk, for models larger than memory: float blocks read from a Hugging Face safetensors
-folder just before they run (:class:`FolderBlocks`), and the quantized blocks of a streamed checkpoint rebuilt and
-loaded one at a time (:class:`CheckpointBlocks`). :mod:`quark_brevitas.hf.streaming` drives them through the
-block engine.
+folder just before they run (:class:`FolderBlocks`), the file names of a streamed checkpoint's blocks
+(:func:`block_file`) and placeholder values for a skeleton's parameters (:func:`random_fill`). The quantized
+blocks of a streamed checkpoint, which need the checkpoint reader and the pipeline's structure phase, are a block
+source one room up (:class:`quark_brevitas.checkpoint.streamed_blocks.CheckpointBlocks`).
+:mod:`quark_brevitas.hf.streaming` drives them through the block engine.
 """
 
 from __future__ import annotations
@@ -15,15 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas.algorithms import BlockStep, SavedStructure
-from quark_brevitas.blocks.protocol import UnitRebuilder
+from quark_brevitas.blocks.protocol import BlockStep
 from quark_brevitas.blocks.sources import BlockPlaceholder, BlockSource
-from quark_brevitas.brevitas_adapter import ignore_missing_keys, load_quant_model_mode
-from quark_brevitas.checkpoint import CheckpointError, checksums, read_safetensors
-from quark_brevitas.pipeline import restrict_structure
+from quark_brevitas.errors import CheckpointError
 
-__all__ = ["SAFETENSORS_DTYPES", "CheckpointBlocks", "FolderBlocks", "FolderWeights", "block_file", "materialise",
-           "meta_parameters", "random_fill", "read_block_file", "safetensors_header"]
+__all__ = ["SAFETENSORS_DTYPES", "FolderBlocks", "FolderWeights", "block_file", "materialise", "meta_parameters",
+           "random_fill", "safetensors_header"]
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -130,8 +129,8 @@ def meta_parameters(module: nn.Module, skip: str | None = None) -> list[str]:
 
 class FolderBlocks(BlockSource):
     """Blocks read from a float model folder just before they run, then given to ``prepare`` (the data-free steps'
-    part in each block, :func:`~quark_brevitas.blocks.run.prepare_streamed`: a rotation); once finished, handed to
-    ``on_finish`` (the streaming writer, if any) and dropped."""
+    part in each block, :func:`~quark_brevitas.orchestration.block_runs.prepare_streamed`: a rotation); once
+    finished, handed to ``on_finish`` (the streaming writer, if any) and dropped."""
 
     releases = True
 
@@ -165,38 +164,3 @@ def random_fill(module: nn.Module, seed: int, skip: str | None = None) -> None:
         value = torch.randn(parameter.shape, generator=generator) * 0.02
         setattr(module.get_submodule(owner_name), attribute,
                 nn.Parameter(value.to(parameter.dtype), requires_grad=parameter.requires_grad))
-
-
-
-def read_block_file(path: Path, name: str, checksum: str | None) -> dict[str, torch.Tensor]:
-    """A block's tensors from its file (checked against its recorded SHA-256), with the block's name taken off
-    the keys."""
-    return {key.removeprefix(name + "."): tensor for key, tensor in read_safetensors(path, checksum).items()}
-
-
-
-class CheckpointBlocks(BlockSource):
-    """The quantized blocks of a streamed checkpoint, each rebuilt (the structure the data-free steps leave in it,
-    ``prepare``, then the pipeline's structure phase on the block) and loaded just before it is needed; dropped
-    after unless ``keep``."""
-
-    def __init__(self, rebuilder: UnitRebuilder, directory: Path, stack: str, saved: SavedStructure,
-                 keep: bool, prepare: BlockStep | None = None) -> None:
-        self.rebuilder, self.directory, self.stack, self.saved, self.keep = rebuilder, directory, stack, saved, keep
-        self.prepare = prepare
-        self.releases = not keep
-        self.checksums: dict[str, str] = checksums(directory)
-
-    def load(self, index: int, current: nn.Module) -> nn.Module:
-        name = f"{self.stack}.{index}"
-        random_fill(current, index)
-        if self.prepare is not None:
-            current = self.prepare(current, name)
-        block = self.rebuilder.rebuild_unit(current, name, restrict_structure(self.saved, name, name))
-        state = read_block_file(self.directory / block_file(index), name, self.checksums.get(block_file(index)))
-        with ignore_missing_keys(), load_quant_model_mode(block):
-            block.load_state_dict(state, strict=True)
-        return block.eval()
-
-    def finish(self, index: int, block: nn.Module) -> nn.Module:
-        return block if self.keep else BlockPlaceholder()

@@ -10,6 +10,7 @@ same engine with one algorithm.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
@@ -17,7 +18,12 @@ from torch import nn
 if TYPE_CHECKING:
     from quark_brevitas.calibration.data import CalibrationData
 
-__all__ = ["UnitQuantizer", "UnitRebuilder"]
+__all__ = ["BlockStep", "UnitQuantizer", "UnitRebuilder"]
+
+#: What a data-free step does to one block of a streamed model when it is loaded (a block source runs it; the
+#: algorithms make it, :meth:`~quark_brevitas.algorithms.AlgorithmHandler.apply_streamed`):
+#: ``step(block, qualified_name)`` returns the block (the same module, or one that replaces it).
+BlockStep = Callable[[nn.Module, str], nn.Module]
 
 
 class UnitQuantizer(Protocol):

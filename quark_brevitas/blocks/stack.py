@@ -1,10 +1,12 @@
 """Which ``nn.ModuleList`` holds a model's repeated blocks: the one stack finder.
 
 The pipeline's block-by-block data phase, the LLM algorithms (SmoothQuant, AWQ, GPTQ: ``model_decoder_layers``)
-and streaming all ask the same question; :func:`find_block_stack` is the one answer, so they cannot disagree.
-:func:`detect_block_stack` adds the pipeline's policy for walking a model block by block without being told
-to (Hugging Face models with at least two blocks), :func:`resolve_block_stack` what the user named, and
-:func:`outside_layers` the quantized layers that are not in the blocks.
+and streaming all ask the same question; :func:`find_block_stack` is the one answer (a stack it searches for, or
+one the user named, checked), so they cannot disagree. :func:`detect_block_stack` is the same search with the
+pipeline's policy for walking a model block by block without being told to (Hugging Face models with at least two
+blocks); what a run's ``blocks=`` argument and its config choose is decided above the engine
+(:func:`quark_brevitas.orchestration.block_runs.choose_block_stack`, which calls these two).
+:func:`outside_layers` lists the quantized layers that are not in the blocks.
 """
 
 from __future__ import annotations
@@ -48,14 +50,18 @@ def _candidates(model: nn.Module) -> list[str]:
     return stacks
 
 
-def find_block_stack(model: nn.Module) -> str | None:
+def find_block_stack(model: nn.Module, named: str | None = None) -> str | None:
     """The qualified name of the ``nn.ModuleList`` holding ``model``'s repeated blocks, or ``None``.
 
-    A stack is an outermost ModuleList of modules of one class holding parameters. A Hugging Face model must
+    ``named`` (what the user or an algorithm's ``model_decoder_layers`` named): that submodule, checked to be a
+    non-empty ``nn.ModuleList`` (a :class:`~quark_brevitas.errors.ModelError` otherwise). Without it the stack is
+    searched for: an outermost ModuleList of modules of one class holding parameters. A Hugging Face model must
     have exactly one (encoder-decoder and multimodal models, with several, are ambiguous: name one with
     ``blocks=`` or ``model_decoder_layers``); another model's stack must also sit at one of
     :data:`BLOCK_STACK_PATHS` (the first path of the table that matches wins).
     """
+    if named is not None:
+        return _checked_stack(model, named)
     stacks = _candidates(model)
     if is_hugging_face(model):
         if len(stacks) != 1:
@@ -68,6 +74,19 @@ def find_block_stack(model: nn.Module) -> str | None:
             if name == path or name.endswith(f".{path}"):
                 return name
     return None
+
+
+def _checked_stack(model: nn.Module, named: str) -> str:
+    try:
+        stack = model.get_submodule(named)
+    except AttributeError:
+        raise ModelError(f"blocks / model_decoder_layers {named!r}: {type(model).__name__} has no submodule of "
+                         "that name; name the nn.ModuleList holding the repeated blocks, e.g. 'model.layers'"
+                         ) from None
+    if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
+        raise ModelError(f"blocks / model_decoder_layers {named!r} is a {type(stack).__name__}; it must name a "
+                         "non-empty nn.ModuleList of blocks")
+    return named
 
 
 def detect_block_stack(model: nn.Module) -> str | None:
@@ -89,13 +108,23 @@ def stack_blocks(model: nn.Module, stack: str | None) -> list[tuple[str, nn.Modu
     return [(f"{stack}.{name}", block) for name, block in model.get_submodule(stack).named_children()]
 
 
-def resolve_block_stack(model: nn.Module, blocks: str | bool | None, decoder_layers: Sequence[str] = ()) -> str | None:
-    """The block stack to calibrate block by block, or ``None`` for the whole-model path.
+def outside_layers(quantizer: UnitQuantizer, model: nn.Module, stack: str) -> dict[str, nn.Module]:
+    """The layers outside the block stack ``stack`` that ``quantizer``'s config quantizes, in model order (the
+    engine quantizes them one at a time; a streamed checkpoint rebuilds them)."""
+    modules = dict(model.named_modules())
+    inside = stack + "."
+    return {name: modules[name] for name in quantizer.quantized_layers(model)
+            if name and name != stack and not name.startswith(inside)}
 
-    ``blocks``: ``None`` (detect: Quark's ``model_decoder_layers`` of an algorithm config if one names it,
-    else :func:`detect_block_stack`), ``True`` (detect, and fail if nothing is found), ``False`` (whole model),
-    or the qualified name of the ``nn.ModuleList`` of blocks. ``decoder_layers``: the
-    ``model_decoder_layers`` values of the config's algorithms.
+
+def resolve_block_stack(model: nn.Module, blocks: str | bool | None, decoder_layers: Sequence[str] = ()) -> str | None:
+    """The block stack ``blocks`` asks for in ``model``, or ``None`` for the whole-model path (the finder's policy
+    for a run; :func:`~quark_brevitas.orchestration.block_runs.choose_block_stack` adds what the config allows).
+
+    ``blocks``: ``None`` (detect: Quark's ``model_decoder_layers`` of an algorithm config if one names it, else
+    :func:`detect_block_stack`), ``True`` (detect, and fail if nothing is found), ``False`` (whole model), or the
+    qualified name of the ``nn.ModuleList`` of blocks. ``decoder_layers``: the ``model_decoder_layers`` values of the
+    config's algorithms, which must agree.
     """
     if blocks is False:
         return None
@@ -105,28 +134,10 @@ def resolve_block_stack(model: nn.Module, blocks: str | bool | None, decoder_lay
             raise ModelError(f"the algorithms name different decoder layers ({sorted(set(decoder_layers))}); "
                              "model_decoder_layers must agree")
         named = decoder_layers[0]
-    if named is None:
-        found = detect_block_stack(model)
-        if found is None and blocks is True:
-            raise ModelError(f"blocks=True but no stack of repeated blocks was found in {type(model).__name__}; "
-                             "name the nn.ModuleList of blocks, e.g. blocks='model.layers'")
-        return found
-    try:
-        stack = model.get_submodule(named)
-    except AttributeError:
-        raise ModelError(f"blocks / model_decoder_layers {named!r}: {type(model).__name__} has no submodule of "
-                         "that name; name the nn.ModuleList holding the repeated blocks, e.g. 'model.layers'"
-                         ) from None
-    if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
-        raise ModelError(f"blocks / model_decoder_layers {named!r} is a {type(stack).__name__}; it must name a "
-                         "non-empty nn.ModuleList of blocks")
-    return named
-
-
-def outside_layers(quantizer: UnitQuantizer, model: nn.Module, stack: str) -> dict[str, nn.Module]:
-    """The layers outside the block stack ``stack`` that ``quantizer``'s config quantizes, in model order (the
-    engine quantizes them one at a time; a streamed checkpoint rebuilds them)."""
-    modules = dict(model.named_modules())
-    inside = stack + "."
-    return {name: modules[name] for name in quantizer.quantized_layers(model)
-            if name and name != stack and not name.startswith(inside)}
+    if named is not None:
+        return find_block_stack(model, named)
+    stack = detect_block_stack(model)
+    if stack is None and blocks is True:
+        raise ModelError(f"blocks=True but no stack of repeated blocks was found in {type(model).__name__}; "
+                         "name the nn.ModuleList of blocks, e.g. blocks='model.layers'")
+    return stack

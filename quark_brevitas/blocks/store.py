@@ -16,15 +16,17 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from quark_brevitas.calibration.data import map_tensors
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["ActivationStore", "StoreFactory", "available_memory", "default_memory_budget", "detached", "map_tensors",
+__all__ = ["ActivationStore", "StoreFactory", "available_memory", "default_memory_budget", "detached",
            "nbytes"]
 
 
@@ -60,20 +62,6 @@ def nbytes(value: Any) -> int:
     if isinstance(value, tuple | list):
         return sum(nbytes(v) for v in value)
     return 0
-
-
-def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``fn`` applied to every tensor of a nest of tuples, lists and dicts; other values and the container
-    types unchanged, except a Hugging Face ``ModelOutput``, which becomes the tuple of its non-None fields."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if hasattr(value, "to_tuple"):
-        return tuple(map_tensors(v, fn) for v in value.to_tuple())
-    if isinstance(value, Mapping):
-        return {k: map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, tuple | list):
-        return type(value)(map_tensors(v, fn) for v in value)
-    return value
 
 
 def detached(value: Any, device: torch.device | str = "cpu") -> Any:

@@ -44,17 +44,30 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quark_brevitas.blocks.store import map_tensors
 from quark_brevitas.brevitas_adapter import Shard, StopFwdException, all_reduce_statistics, weights_quantized_once
 from quark_brevitas.errors import CalibrationDataError, ModelError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ALLOWED_BATCHES", "CACHE_KEYWORDS", "BatchToInputs", "BlockInputs", "CalibrationData", "Shard",
-           "cache_keyword", "model_device_dtype", "output_cache", "prepare_batch", "run_batches", "split_batch",
-           "takes"]
+           "cache_keyword", "map_tensors", "model_device_dtype", "output_cache", "prepare_batch", "run_batches",
+           "split_batch", "takes"]
 
 ALLOWED_BATCHES = "a tensor, an (inputs, target) tuple/list, or a dict of keyword arguments"
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to every tensor of a nest of tuples, lists and dicts; other values and the container
+    types unchanged, except a Hugging Face ``ModelOutput``, which becomes the tuple of its non-None fields."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if hasattr(value, "to_tuple"):
+        return tuple(map_tensors(v, fn) for v in value.to_tuple())
+    if isinstance(value, Mapping):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
+
 
 #: ``batch -> (args, kwargs)``: how one batch becomes the model's forward call.
 BatchToInputs = Callable[[Any], "tuple[tuple[Any, ...], dict[str, Any]]"]

@@ -16,7 +16,7 @@ from torch import nn
 
 from quark_brevitas.brevitas_adapter import brevitas_version, is_graph_module, quantizer_names
 from quark_brevitas.config import Config
-from quark_brevitas.errors import QuarkBrevitasError
+from quark_brevitas.errors import CheckpointError
 from quark_brevitas.version import __version__
 
 __all__ = ["CHECKSUMS_KEY", "CONFIG_FILE", "EXAMPLE_FILE", "FORMAT", "FORMAT_VERSION", "MANIFEST_FILE", "WEIGHTS_FILE",
@@ -36,11 +36,6 @@ CHECKSUMS_KEY = "checksums"
 
 #: A model's example input: a tensor, a tuple/list of positional tensors or a dict of keyword tensors.
 ExampleInput = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | dict[str, torch.Tensor]
-
-
-
-class CheckpointError(QuarkBrevitasError):
-    """A checkpoint cannot be written, read, or does not fit the model it is loaded into."""
 
 
 

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from quark_brevitas import algos
 from quark_brevitas.config import Config, QLayerConfig, QTensorConfig
+from quark_brevitas.config.algorithms import GPTQ
+from quark_brevitas.config.enums import QSchemeType
 from quark_brevitas.errors import ModelError, QuarkBrevitasError
 from quark_brevitas.extras import require
-from quark_brevitas.types import QSchemeType
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def default_llm_config() -> Config:
     """The LLM command line's default: int4 weights per group of 128 rounded by GPTQ, activations in float
     (no FX pre-processing: Hugging Face models cannot be traced)."""
     weight = QTensorConfig(qscheme=QSchemeType.per_group, group_size=128, bit_width=4)
-    return Config(QLayerConfig(weight=weight), pre_quant_opt_config=[], algo_config=[algos.GPTQ()])
+    return Config(QLayerConfig(weight=weight), pre_quant_opt_config=[], algo_config=[GPTQ()])
 
 
 def load_tokenizer(folder: str | os.PathLike[str], model_dir: str | os.PathLike[str] | None = None) -> Any:
@@ -257,7 +257,7 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
     ``overwrite`` (checked before any work; see :mod:`quark_brevitas.outputs`)."""
     transformers = require("transformers", "a Hugging Face model folder")
 
-    from quark_brevitas.blocks.stack import detect_block_stack as find_block_stack
+    from quark_brevitas.blocks.stack import detect_block_stack
     from quark_brevitas.hf import streaming
     from quark_brevitas.outputs import add_file, add_folder, check_output_dir, reserve
 
@@ -279,7 +279,7 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
         else:
             calib = sentence_batches(tokenizer, text_sentences(calib_text)[:calib_sequences], max_length=seq_len)
             evaluation = sentence_batches(tokenizer, text_sentences(eval_text)[:eval_sequences], max_length=seq_len)
-        blockwise = find_block_stack(skeleton) is not None
+        blockwise = detect_block_stack(skeleton) is not None
         del skeleton
         times: dict[str, float] = {}
         start = time.perf_counter()

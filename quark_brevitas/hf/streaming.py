@@ -43,7 +43,6 @@ import torch
 from torch import nn
 
 from quark_brevitas.blocks.disk import (
-    CheckpointBlocks,
     FolderBlocks,
     FolderWeights,
     block_file,
@@ -52,7 +51,6 @@ from quark_brevitas.blocks.disk import (
     random_fill,
 )
 from quark_brevitas.blocks.engine import BlockwiseEngine
-from quark_brevitas.blocks.run import prepare_streamed
 from quark_brevitas.blocks.sources import BlockSource, SoloLayer
 from quark_brevitas.blocks.stack import detect_block_stack, outside_layers
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory
@@ -71,10 +69,12 @@ from quark_brevitas.checkpoint import (
 )
 from quark_brevitas.checkpoint.load import check_state, check_structure
 from quark_brevitas.checkpoint.manifest import dtype_name, library_versions, module_structure, state_tensors
+from quark_brevitas.checkpoint.streamed_blocks import CheckpointBlocks
 from quark_brevitas.config import Config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import ModelError
 from quark_brevitas.extras import require
+from quark_brevitas.orchestration.block_runs import choose_block_stack, prepare_streamed
 from quark_brevitas.outputs import check_output_dir, commit, file_sha256, open_work_dir, reserve, work_dir
 from quark_brevitas.outputs import write_file as _write_atomic
 from quark_brevitas.pipeline import CONFIG_ATTRIBUTE, Pipeline, SavedStructure, restrict_structure
@@ -351,7 +351,7 @@ def quantize_pretrained(
         work = work_dir(output)
         pipeline = Pipeline(config, container)
         model, hf_config = load_skeleton(model_dir)
-        stack = pipeline.block_stack(model, blocks if blocks is not None else True, needs_data=True)
+        stack = choose_block_stack(model, pipeline.config, blocks if blocks is not None else True, needs_data=True)
         if stack is None:
             raise ModelError(f"{type(model).__name__} cannot be streamed block by block "
                              f"({pipeline.blockwise_obstacle()}); load it and use ModelQuantizer.quantize_model")

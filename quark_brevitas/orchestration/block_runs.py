@@ -1,10 +1,15 @@
-"""The pipeline's block-by-block path: which stack to walk, whether the config can, and the walk itself.
+"""Running a recipe block by block: the orchestration above the block engine.
 
-:class:`~quark_brevitas.pipeline.Pipeline` keeps the stages; what is about blocks lives here: the choice of the
-stack (:func:`choose_block_stack`), why a config cannot run block by block (:func:`blockwise_obstacle`) and the
-run with the right block source and activation stores (:func:`quantize_blocks`). The pipeline is reached only
-through :class:`~quark_brevitas.blocks.protocol.UnitQuantizer` and a ``prepare`` callable, so this module does
-not import it.
+:mod:`quark_brevitas.blocks` is the engine (capture, replay, activation stores, block sources, the stack finder)
+and knows nothing of configs or algorithms; :class:`~quark_brevitas.pipeline.Pipeline` keeps the stages. What
+ties a config to the engine lives here: which stack a run walks (:func:`choose_block_stack`, from the user's
+``blocks=`` and the algorithms' ``model_decoder_layers``, through the one finder
+:func:`~quark_brevitas.blocks.stack.find_block_stack`), why a config cannot run block by block
+(:func:`blockwise_obstacle`, asked of the algorithm handlers), the run with the right block source and activation
+stores (:func:`quantize_blocks`) and the data-free steps of a run whose blocks load one at a time
+(:func:`prepare_streamed`). The pipeline is reached only through
+:class:`~quark_brevitas.blocks.protocol.UnitQuantizer` and a ``prepare`` callable, so this module does not import
+it (the pipeline imports this one).
 """
 
 from __future__ import annotations
@@ -62,8 +67,12 @@ def blockwise_obstacle(config: Any) -> str | None:
 
 
 def choose_block_stack(model: nn.Module, config: Any, blocks: str | bool | None, needs_data: bool) -> str | None:
-    """The block stack for the block-by-block data phase, or ``None`` for the whole-model path (``blocks`` as
-    for ``quantize_model``; a named or required stack that ``config`` cannot walk is an error)."""
+    """The block stack for the block-by-block data phase, or ``None`` for the whole-model path.
+
+    ``blocks``: ``None`` (detect: Quark's ``model_decoder_layers`` of an algorithm config if one names it, else
+    :func:`~quark_brevitas.blocks.stack.detect_block_stack`), ``True`` (detect, and fail if nothing is found),
+    ``False`` (whole model), or the qualified name of the ``nn.ModuleList`` of blocks. A named or required stack
+    that ``config`` cannot walk is an error."""
     if blocks is None and not needs_data:
         return None  # nothing runs on data: the whole model is converted in one step anyway
     stack = resolve_block_stack(model, blocks, named_decoder_layers(config))
