@@ -111,7 +111,7 @@ class Backend(Enum):
       layers, which are replaced one by one by their Brevitas counterparts.
     - ``graph``: traces the model (FX) and quantizes every tensor reaching a compute layer: inputs, activation
       outputs, requantization after ops that leave the grid, shared scales on add/concat inputs
-      (Quark's ``QuantizationMode.fx_graph_mode``; docs/graph-finn.md).
+      (Quark's ``QuantizationMode.fx_graph_mode``; docs/how-to/graph-finn.md).
     """
 
     layerwise = "layerwise"

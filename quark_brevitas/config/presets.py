@@ -111,7 +111,7 @@ def _fp8() -> Config:
 
 
 # ---------------------------------------------------------------- FINN (whole networks, Backend.graph)
-# Every tensor reaching a compute layer is quantized (docs/graph-finn.md): per-tensor symmetric activations (unsigned
+# Every tensor reaching a compute layer is quantized (docs/how-to/graph-finn.md): per-tensor symmetric activations (unsigned
 # behind ReLUs, signed elsewhere, zero point 0), per-channel symmetric weights, float biases (FINN absorbs them into
 # the next thresholds).
 def _finn(bits: int) -> Callable[[], Config]:

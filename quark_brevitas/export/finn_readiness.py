@@ -4,7 +4,7 @@ FINN's front end (``ConvertQONNXtoFINN`` + ``Streamline``) maps a Conv/MatMul to
 an integer tensor, i.e. the output of a quantizer (possibly through ops that keep the grid: max pooling,
 reshapes, nearest upsampling), and converts activation quantizers under rules of its own. :func:`finn_readiness`
 names, for each place that breaks them, the node, the tensor and the config change that fixes it
-(docs/graph-finn.md):
+(docs/how-to/graph-finn.md):
 
 - ``float_input``: a compute op whose data input is not quantized (a layerwise-quantized network's skip paths);
 - ``float_weight``: a compute op whose weight is not a quantizer's output;

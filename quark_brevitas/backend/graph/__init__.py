@@ -6,7 +6,7 @@ float. This backend traces the model (FX) and quantizes every tensor that reache
 inputs, every activation's output, a requantization behind every op that leaves the grid, and the inputs of each
 add/concat through one shared quantizer. The compute layers themselves are replaced as in the layerwise backend
 (same layer map, weight specs, per-layer config hierarchy), without their own input quantizers: their inputs are
-the points in front of them. See :mod:`.points` for where the points go and why, and docs/graph-finn.md.
+the points in front of them. See :mod:`.points` for where the points go and why, and docs/how-to/graph-finn.md.
 
 The config maps plainly: a layer's ``input_tensors`` is the spec of every point whose value reaches it,
 ``output_tensors`` quantizes the layer's own output (the model's output when set on the last layer), ``weight`` as

@@ -6,7 +6,7 @@ it. Points whose layers disagree are a :class:`ConfigError` naming two of them; 
 layer (the model's output, a branch into float layers) is not created.
 
 Placement follows what FINN's ``ConvertQONNXtoFINN`` and ``Streamline`` can turn into integer hardware
-(docs/graph-finn.md):
+(docs/how-to/graph-finn.md):
 
 - a ReLU's quantizer is unsigned and sits right behind it (FINN's ReLU handler); every other quantizer is signed
   (FINN's identity handler), except a requantization of a value known to be non-negative (an average of ReLU
