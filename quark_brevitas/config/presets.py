@@ -105,6 +105,17 @@ def _gguf(dtype: Dtype) -> Callable[[], Config]:
     return build
 
 
+# GGUF K-quants (symmetric): int6 (Q6_K) / int3 (Q3_K) weights per group of 16 on their full code range, the group
+# scales snapped per 256 input channels to integer multiples of one float16 number (scale_type=gguf_k).
+def _gguf_kquant(bit_width: int) -> Callable[[], Config]:
+    def build() -> Config:
+        weight = QTensorConfig(bit_width=bit_width, qscheme=QSchemeType.per_group, group_size=16,
+                               scale_type=ScaleType.gguf_k, narrow_range=False)
+        return _linear_only(QLayerConfig(weight=weight))
+
+    return build
+
+
 def _fp8() -> Config:
     # No bias quantization: an integer bias needs integer input and weight scales.
     return Config(QLayerConfig(weight=_FP8_E4M3, input_tensors=_FP8_E4M3))
@@ -122,6 +133,8 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "gguf_q4_0": _gguf(Dtype.int4),
     "gguf_q4_1": _gguf(Dtype.uint4),
     "gguf_q8_0": _gguf(Dtype.int8),
+    "gguf_q6_k": _gguf_kquant(6),
+    "gguf_q3_k": _gguf_kquant(3),
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -140,6 +153,10 @@ DESCRIPTIONS: dict[str, str] = {
     "gguf_q4_1": "GGUF Q4_1: Linear layers only, uint4 asymmetric weights per group of 32, float16 scales and offsets",
     "gguf_q8_0": "GGUF Q8_0: Linear layers only, int8 symmetric weights (codes -127..127) per group of 32, "
                  "float16 scales",
+    "gguf_q6_k": "GGUF Q6_K: Linear layers only, int6 symmetric weights per group of 16, per 256 input channels "
+                 "int8 multiples of one float16 scale",
+    "gguf_q3_k": "GGUF Q3_K: Linear layers only, int3 symmetric weights per group of 16, per 256 input channels "
+                 "6-bit multiples of one float16 scale",
 }
 
 

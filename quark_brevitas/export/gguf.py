@@ -39,7 +39,7 @@ from torch import nn
 from quark_brevitas.brevitas_adapter import iter_quantizers
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
-from quark_brevitas.export.gguf_kquants import Q6_K_GROUP, Q6_K_SUPER_BLOCK, pack_q6_k
+from quark_brevitas.export.gguf_kquants import Q6_K_GROUP, Q6_K_SUPER_BLOCK, pack_q3_k, pack_q6_k
 from quark_brevitas.export.hf import refuse_online_rotations
 from quark_brevitas.export.intweights import IntegerWeight, integer_weights
 from quark_brevitas.extras import require
@@ -58,13 +58,14 @@ BLOCK = 32
 
 #: (format, symmetric) of an integer weight -> GGUF type name.
 GGUF_WEIGHT_TYPES: dict[tuple[str, bool], str] = {("int8", True): "Q8_0", ("int4", True): "Q4_0",
-                                                   ("uint4", False): "Q4_1", ("int6", True): "Q6_K"}
+                                                   ("uint4", False): "Q4_1", ("int6", True): "Q6_K",
+                                                   ("int3", True): "Q3_K"}
 #: GGUF type -> (input channels per scale, input channels a row must be a whole number of).
 _LAYOUTS = {"Q8_0": (BLOCK, BLOCK), "Q4_0": (BLOCK, BLOCK), "Q4_1": (BLOCK, BLOCK),
-            "Q6_K": (Q6_K_GROUP, Q6_K_SUPER_BLOCK)}
+            "Q6_K": (Q6_K_GROUP, Q6_K_SUPER_BLOCK), "Q3_K": (Q6_K_GROUP, Q6_K_SUPER_BLOCK)}
 _FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 (int4 symmetric, groups of 32) or Q4_1 (uint4 asymmetric, "
-         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1; Q6_K (int6 symmetric, "
-         "groups of 16, rows of whole 256s, power-of-two scales: scale_type=pof2)")
+         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1; Q6_K / Q3_K (int6 / int3 "
+         "symmetric, groups of 16, rows of whole 256s, scale_type=gguf_k: presets gguf_q6_k / gguf_q3_k)")
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ def _pack(name: str, entry: IntegerWeight, qtype: str) -> np.ndarray:
     (Q4_1: then offset), then the 32 codes; 4-bit codes two per byte, element ``j`` low and ``j + 16`` high)."""
     if qtype == "Q6_K":
         return pack_q6_k(name, entry)
+    if qtype == "Q3_K":
+        return pack_q3_k(name, entry)
     rows, cols = entry.int_weight.shape
     scale = entry.scale.detach().float().reshape(-1, 1)
     d = _float16_exact(name, "scales", scale).view(np.uint8)

@@ -1,0 +1,71 @@
+"""``scale_type=gguf_k``: per-group weight scales snapped to what a GGUF K-quant super-block stores.
+
+Brevitas computes one scale per group of 16 input channels (from max|w|, or an MSE search) and passes the final
+scales through ``restrict_scale_threshold_impl``. :class:`KQuantScaleRestrict` is that hook: for every 256 input
+channels of a row it picks one float16 ``d`` (the largest group scale over ``sub_scale_max``, rounded to float16)
+and rounds every group scale to an integer multiple ``1..sub_scale_max`` of it, as llama.cpp's quantizer does
+when it quantizes the sub-scales of a K-quant block. ``d * sub_scale`` (11 + 7 significant bits) and its product
+with a code are exact in float32, so the weight Brevitas computes is what llama.cpp (and the ``gguf`` package)
+dequantize from the block. Because the hook is a pure function of the group scales, RTN, GPTQ and checkpoints
+(which store the unrestricted scale parameter) all see the same grid. The gradient is straight-through (QAT,
+AutoRound's learned scales).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["KQuantScaleRestrict", "snap_kquant_scales"]
+
+_FLOAT16_TINY = 2.0 ** -24
+_FLOAT16_MAX = 65504.0
+
+
+def snap_kquant_scales(scales: torch.Tensor, groups_per_super_block: int, sub_scale_max: int) -> torch.Tensor:
+    """``scales`` (``[..., groups]``, positive) as ``d * s``: per run of ``groups_per_super_block`` groups one
+    float16 ``d``, integer ``s`` in ``1..sub_scale_max``. A row whose group count is no multiple of the run has a
+    shorter last run (such a tensor is no whole K-quant block; the exporter refuses it)."""
+    shape = scales.shape
+    groups = shape[-1]
+    full = groups - groups % groups_per_super_block
+    flat = scales.reshape(-1, groups).float()
+    parts = []
+    for start, stop in ((0, full), (full, groups)):
+        if stop <= start:
+            continue
+        block = flat[:, start:stop].reshape(flat.shape[0], -1, min(groups_per_super_block, stop - start))
+        top = block.abs().amax(dim=-1, keepdim=True)
+        d = (top / sub_scale_max).clamp(min=_FLOAT16_TINY, max=_FLOAT16_MAX).to(torch.float16).float()
+        d = d.clamp(min=_FLOAT16_TINY)  # float16 rounding to 0 is impossible after the clamp; keep d > 0 anyway
+        sub = torch.clamp(torch.round(block.abs() / d), 1, sub_scale_max)
+        parts.append((d * sub).reshape(flat.shape[0], -1))
+    return torch.cat(parts, dim=1).reshape(shape).to(scales.dtype)
+
+
+class _SnapScales(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, groups: int, sub_max: int) -> torch.Tensor:
+        squeeze = x.dim() >= 2 and x.shape[-1] == 1
+        values = x.squeeze(-1) if squeeze else x
+        snapped = snap_kquant_scales(values, groups, sub_max)
+        return snapped.unsqueeze(-1) if squeeze else snapped
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+class KQuantScaleRestrict(nn.Module):
+    """Brevitas ``restrict_scale_threshold_impl`` of ``scale_type=gguf_k`` (final per-group scales, shaped
+    ``[out, groups, 1]``, snapped by :func:`snap_kquant_scales`)."""
+
+    def __init__(self, kquant_groups_per_super_block: int, kquant_sub_scale_max: int) -> None:
+        super().__init__()
+        self.groups = int(kquant_groups_per_super_block)
+        self.sub_max = int(kquant_sub_scale_max)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SnapScales.apply(x, self.groups, self.sub_max)

@@ -1,0 +1,141 @@
+"""GGUF K-quants with general scales: ``scale_type=gguf_k`` grids (presets ``gguf_q6_k``, ``gguf_q3_k``) written as
+Q6_K / Q3_K blocks exactly.
+
+Checks: the grid's scales are, per 256 input channels, integer multiples of one float16 number within the
+K-quant's sub-scale range; RTN and GPTQ round on it; the ``gguf`` package dequantizes every quantized tensor of
+Llama, Qwen2 and Mistral models built from configs to exactly the quantized model's weight; transformers' GGUF
+loader computes the quantized model's logits; a Q3_K block packed here decodes like a hand-computed one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from llm_models import VOCAB, token_batches  # noqa: E402
+
+from quark_brevitas import ModelQuantizer, QTensorConfig, algos  # noqa: E402
+from quark_brevitas.brevitas_adapter.kquant import snap_kquant_scales  # noqa: E402
+from quark_brevitas.config.presets import get_preset  # noqa: E402
+from quark_brevitas.errors import ConfigError  # noqa: E402
+from quark_brevitas.export import export_gguf  # noqa: E402
+from quark_brevitas.export.intweights import IntegerWeight, integer_weights  # noqa: E402
+from quark_brevitas.types import QSchemeType, ScaleType  # noqa: E402
+
+KQUANTS = {"gguf_q6_k": ("Q6_K", 127, 6), "gguf_q3_k": ("Q3_K", 31, 3)}
+_WIDE = {"vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def _model(family: str) -> torch.nn.Module:
+    """A decoder whose every Linear input is a multiple of 256 (whole K-quant super-blocks)."""
+    torch.manual_seed(0)
+    config, model = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
+    return model(config(**_WIDE)).eval()
+
+
+def _quantize(model: torch.nn.Module, preset: str, gptq: bool = False) -> torch.nn.Module:
+    config = get_preset(preset)
+    if gptq:
+        config.algo_config = [algos.GPTQ()]
+    return ModelQuantizer(config).quantize_model(model, token_batches(2))
+
+
+def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def test_snapped_scales_are_small_multiples_of_one_float16_number() -> None:
+    scales = torch.rand(3, 32) * 0.05 + 0.05
+    snapped = snap_kquant_scales(scales, 16, 31).reshape(3, 2, 16)
+    d = snapped.amax(-1, keepdim=True) / 31
+    assert torch.equal(d.half().float(), d)  # the largest sub-scale is the largest allowed
+    multiples = snapped / d
+    assert torch.equal(multiples, multiples.round()) and multiples.min() >= 1 and multiples.max() <= 31
+    error = (snapped - scales.reshape(3, 2, 16)).abs()
+    assert (error <= d / 2 * (1 + 1e-6)).all()  # the nearest multiple: within half a step
+
+
+@pytest.mark.parametrize("preset", sorted(KQUANTS))
+def test_the_grid_holds_every_scale_as_a_sub_scale_of_a_float16_super_block_scale(preset: str) -> None:
+    _, top, bits = KQUANTS[preset]
+    quant = _quantize(_model("llama"), preset)
+    for name, entry in integer_weights(quant).items():
+        assert entry.format == f"int{bits}" and entry.group_size == 16, name
+        scales = entry.scale.double().reshape(-1, 16)
+        d = scales.max(dim=1, keepdim=True).values / top
+        assert torch.equal(d.half().double(), d), name
+        sub = scales / d
+        assert torch.equal(sub, sub.round()) and sub.max() <= top, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "preset", "gptq"), [("llama", "gguf_q6_k", False), ("llama", "gguf_q3_k", True),
+                                                        ("qwen2", "gguf_q3_k", False), ("mistral", "gguf_q6_k", True)])
+def test_every_tensor_dequantizes_exactly_and_transformers_computes_the_same_logits(
+        family: str, preset: str, gptq: bool, tmp_path: Path) -> None:
+    qtype = KQUANTS[preset][0]
+    quant = _quantize(_model(family), preset, gptq)
+    path = export_gguf(quant, tmp_path / "out")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    arch = gguf.MODEL_ARCH.QWEN2 if family == "qwen2" else gguf.MODEL_ARCH.LLAMA
+    name_map = gguf.get_tensor_name_map(arch, 1)
+    layers = {n: m for n, m in quant.named_modules() if hasattr(m, "quant_weight")}
+    assert len(layers) == 8
+    for name, layer in layers.items():
+        tensor = tensors[name_map.get_name(name) + ".weight"]
+        assert tensor.tensor_type.name == qtype
+        decoded = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if family != "qwen2" and (".q_proj" in name or ".k_proj" in name):
+            decoded = _unpermute(decoded, 4 if ".q_proj" in name else 2)
+        expected = layer.quant_weight().value.detach().numpy()
+        assert np.abs(decoded - expected).max() == 0.0, name
+    if family == "mistral":
+        return  # transformers 5's GGUF loader maps a file named "mistral" to a gguf-py architecture it lacks
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf").eval()
+    tokens = token_batches(1, seed=3)[0]
+    with torch.no_grad():
+        ours, theirs = quant(tokens, labels=tokens), loaded(tokens, labels=tokens)
+    assert torch.allclose(theirs.logits, ours.logits, atol=1e-5, rtol=0)
+    assert abs(float(torch.exp(theirs.loss)) / float(torch.exp(ours.loss)) - 1) < 1e-3
+
+
+def test_gptq_rounds_on_the_k_quant_grid() -> None:
+    """GPTQ changes codes (not only RTN's) while keeping the snapped scales: both are exact K-quant weights."""
+    rtn, gptq = _quantize(_model("llama"), "gguf_q3_k"), _quantize(_model("llama"), "gguf_q3_k", gptq=True)
+    a, b = integer_weights(rtn), integer_weights(gptq)
+    name = "model.layers.0.mlp.gate_proj"
+    assert not torch.equal(a[name].int_weight, b[name].int_weight)
+    assert torch.equal(a[name].scale, b[name].scale)
+
+
+def test_q3_k_block_decodes_like_hand_computed_weights() -> None:
+    """One Q3_K super-block: codes -4..3 in every position, sub-scales 1..16, d = 2**-7; the gguf package's
+    decoding of our bytes is d * s * q element by element."""
+    from quark_brevitas.export.gguf_kquants import pack_q3_k
+
+    codes = (torch.arange(256) % 8 - 4).reshape(1, 256).to(torch.int8)
+    sub = torch.arange(1, 17, dtype=torch.float32)
+    scale = (sub * 2.0 ** -7).reshape(1, 16)
+    entry = IntegerWeight("w", codes, scale, torch.zeros(()), 3, True, False, 1, "int3", group_size=16)
+    decoded = gguf.quants.dequantize(pack_q3_k("w", entry), gguf.GGMLQuantizationType.Q3_K)
+    expected = codes.float().numpy() * np.repeat(scale.numpy(), 16, axis=1)
+    assert decoded.shape == (1, 256) and np.array_equal(decoded, expected)
+
+
+def test_gguf_k_refuses_a_layout_no_k_quant_has() -> None:
+    from quark_brevitas import Config, QLayerConfig
+
+    spec = QTensorConfig(bit_width=4, qscheme=QSchemeType.per_group, group_size=32, scale_type=ScaleType.gguf_k)
+    with pytest.raises(ConfigError, match=r"gguf_k scales are GGUF K-quant.*Q6_K: int6 symmetric per_group "
+                                          r"group_size=16"):
+        ModelQuantizer(Config(QLayerConfig(weight=spec)))
