@@ -33,13 +33,13 @@ _WIDE = {"vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 512, "num
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 
 
-def _model(family: str) -> torch.nn.Module:
+def _model(family: str, layers: int = 1) -> torch.nn.Module:
     """A decoder whose every Linear input is a multiple of 256 (whole K-quant super-blocks)."""
     torch.manual_seed(0)
     config, model = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                      "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                      "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
-    return model(config(**_WIDE)).eval()
+    return model(config(**{**_WIDE, "num_hidden_layers": layers})).eval()
 
 
 def _quantize(model: torch.nn.Module, preset: str, gptq: bool = False) -> torch.nn.Module:
@@ -139,3 +139,48 @@ def test_gguf_k_refuses_a_layout_no_k_quant_has() -> None:
     with pytest.raises(ConfigError, match=r"gguf_k scales are GGUF K-quant.*Q6_K: int6 symmetric per_group "
                                           r"group_size=16"):
         ModelQuantizer(Config(QLayerConfig(weight=spec)))
+
+
+@pytest.mark.parametrize(("preset", "fallback"), [("gguf_q6_k", "Q8_0"), ("gguf_q3_k", "Q4_0")])
+def test_rows_of_no_whole_super_block_are_written_in_the_32_channel_fallback_type_exactly(
+        preset: str, fallback: str, tmp_path: Path) -> None:
+    """tiny_llama's Linear layers have 64 or 128 input channels: the grid shares one float16 scale per 32 channels
+    there, and the file holds them as Q8_0 (int6 codes) / Q4_0 (int3 codes), still dequantizing exactly."""
+    from llm_models import tiny_llama
+
+    quant = _quantize(tiny_llama(kv_heads=2), preset)
+    path = export_gguf(quant, tmp_path / "out")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    for name, layer in ((n, m) for n, m in quant.named_modules() if hasattr(m, "quant_weight")):
+        tensor = tensors[name_map.get_name(name) + ".weight"]
+        assert tensor.tensor_type.name == fallback, name
+        decoded = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if ".q_proj" in name or ".k_proj" in name:
+            decoded = _unpermute(decoded, 4 if ".q_proj" in name else 2)
+        assert np.abs(decoded - layer.quant_weight().value.detach().numpy()).max() == 0.0, name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf").eval()
+    tokens = token_batches(1, seed=3)[0]
+    with torch.no_grad():
+        assert torch.allclose(loaded(tokens).logits, quant(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_streamed_checkpoint_writes_the_same_k_quant_file(tmp_path: Path) -> None:
+    """A gguf_q3_k checkpoint quantized block by block is written block by block with the tensors (types and
+    bytes) export_gguf writes for the loaded model."""
+    from quark_brevitas.hf.export_streamed import export_gguf_streamed
+    from quark_brevitas.hf.streaming import load_pretrained_quantized, quantize_pretrained
+
+    float_dir = tmp_path / "float"
+    _model("llama", layers=2).save_pretrained(float_dir)
+    checkpoint = quantize_pretrained(float_dir, get_preset("gguf_q3_k"), [{"input_ids": t} for t in token_batches(1)],
+                                     tmp_path / "ckpt")
+    streamed = export_gguf_streamed(checkpoint, tmp_path / "streamed")
+    whole = export_gguf(load_pretrained_quantized(checkpoint), tmp_path / "whole")
+    written = {t.name: t for t in gguf.GGUFReader(str(streamed)).tensors}
+    expected = {t.name: t for t in gguf.GGUFReader(str(whole)).tensors}
+    assert written.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert written[name].tensor_type == tensor.tensor_type
+        assert np.array_equal(np.asarray(written[name].data), np.asarray(tensor.data)), name
+    assert sum(t.tensor_type.name == "Q3_K" for t in written.values()) == 15

@@ -26,23 +26,26 @@ _FLOAT16_MAX = 65504.0
 
 def snap_kquant_scales(scales: torch.Tensor, groups_per_super_block: int, sub_scale_max: int) -> torch.Tensor:
     """``scales`` (``[..., groups]``, positive) as ``d * s``: per run of ``groups_per_super_block`` groups one
-    float16 ``d``, integer ``s`` in ``1..sub_scale_max``. A row whose group count is no multiple of the run has a
-    shorter last run (such a tensor is no whole K-quant block; the exporter refuses it)."""
+    float16 ``d``, integer ``s`` in ``1..sub_scale_max``.
+
+    A row that is no whole number of super-blocks (MiniLM's 384 input channels) cannot be a K-quant tensor;
+    llama.cpp's quantizer then writes the tensor in a 32-channel type instead (Q6_K -> Q8_0, Q3_K -> IQ4_NL). Here
+    such rows get the grid that a 32-channel float16-scale type holds exactly: each pair of groups shares the
+    larger scale, rounded to float16 (int6 codes then fit Q8_0, int3 codes Q4_0; see
+    :mod:`quark_brevitas.export.gguf_kquants`)."""
     shape = scales.shape
     groups = shape[-1]
-    full = groups - groups % groups_per_super_block
-    flat = scales.reshape(-1, groups).float()
-    parts = []
-    for start, stop in ((0, full), (full, groups)):
-        if stop <= start:
-            continue
-        block = flat[:, start:stop].reshape(flat.shape[0], -1, min(groups_per_super_block, stop - start))
-        top = block.abs().amax(dim=-1, keepdim=True)
-        d = (top / sub_scale_max).clamp(min=_FLOAT16_TINY, max=_FLOAT16_MAX).to(torch.float16).float()
-        d = d.clamp(min=_FLOAT16_TINY)  # float16 rounding to 0 is impossible after the clamp; keep d > 0 anyway
-        sub = torch.clamp(torch.round(block.abs() / d), 1, sub_scale_max)
-        parts.append((d * sub).reshape(flat.shape[0], -1))
-    return torch.cat(parts, dim=1).reshape(shape).to(scales.dtype)
+    flat = scales.reshape(-1, groups).float().abs()
+    if groups % groups_per_super_block:
+        pairs = 2 if groups % 2 == 0 else 1
+        top = flat.reshape(flat.shape[0], -1, pairs).amax(dim=-1, keepdim=True)
+        top = top.clamp(min=_FLOAT16_TINY, max=_FLOAT16_MAX).to(torch.float16).float()
+        return top.expand(-1, -1, pairs).reshape(shape).to(scales.dtype)
+    block = flat.reshape(flat.shape[0], -1, groups_per_super_block)
+    top = block.amax(dim=-1, keepdim=True)
+    d = (top / sub_scale_max).clamp(min=_FLOAT16_TINY, max=_FLOAT16_MAX).to(torch.float16).float()
+    sub = torch.clamp(torch.round(block / d), 1, sub_scale_max)
+    return (d * sub).reshape(shape).to(scales.dtype)
 
 
 class _SnapScales(torch.autograd.Function):

@@ -39,7 +39,14 @@ from torch import nn
 from quark_brevitas.brevitas_adapter import iter_quantizers
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
-from quark_brevitas.export.gguf_kquants import Q6_K_GROUP, Q6_K_SUPER_BLOCK, pack_q3_k, pack_q6_k
+from quark_brevitas.export.gguf_kquants import (
+    KQUANT_FALLBACK,
+    Q6_K_GROUP,
+    Q6_K_SUPER_BLOCK,
+    kquant_fallback,
+    pack_q3_k,
+    pack_q6_k,
+)
 from quark_brevitas.export.hf import refuse_online_rotations
 from quark_brevitas.export.intweights import IntegerWeight, integer_weights
 from quark_brevitas.extras import require
@@ -103,7 +110,7 @@ def _gguf_type(name: str, entry: IntegerWeight) -> str:
     if qtype is None or entry.group_size != group or entry.axis != 1 or entry.int_weight.dim() != 2:
         raise ExportError(f"layer '{name}' has {entry.format} {'symmetric' if symmetric else 'asymmetric'} weights "
                           f"{layout}, which no GGUF type holds; GGUF types that fit: {_FITS}")
-    if entry.int_weight.shape[1] % row:
+    if entry.int_weight.shape[1] % row and qtype not in KQUANT_FALLBACK:
         raise ExportError(f"layer '{name}' has {entry.int_weight.shape[1]} input channels, not a multiple of "
                           f"{row} (the GGUF block); {qtype} needs whole blocks")
     return qtype
@@ -348,6 +355,8 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
         if layer in weights and leaf == "weight":
             entry = weights[layer]
             qtype = _gguf_type(prefix + layer, entry)
+            if qtype in KQUANT_FALLBACK and entry.int_weight.shape[1] % Q6_K_SUPER_BLOCK:
+                entry, qtype = kquant_fallback(prefix + layer, entry, qtype)
             data, expected = _pack(prefix + layer, entry, qtype), entry.dequantize().detach().float().numpy()
         else:
             qtype, data, expected = "F32", param.detach().float().cpu().numpy(), None

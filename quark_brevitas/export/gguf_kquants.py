@@ -16,6 +16,8 @@ the largest one) and refuses a super-block that has none.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -23,7 +25,8 @@ from quark_brevitas.config.kquants import KQUANT_SUPER_BLOCK, KQUANT_TYPES
 from quark_brevitas.export.errors import ExportError
 from quark_brevitas.export.intweights import IntegerWeight
 
-__all__ = ["Q6_K_GROUP", "Q6_K_SUPER_BLOCK", "kquant_scales", "pack_q3_k", "pack_q6_k"]
+__all__ = ["KQUANT_FALLBACK", "Q6_K_GROUP", "Q6_K_SUPER_BLOCK", "kquant_fallback", "kquant_scales", "pack_q3_k",
+           "pack_q6_k"]
 
 #: Input channels per Q6_K super-block and per sub-block (one int8 scale each).
 Q6_K_SUPER_BLOCK = KQUANT_SUPER_BLOCK
@@ -113,3 +116,22 @@ def pack_q3_k(name: str, entry: IntegerWeight) -> np.ndarray:
     high_bytes = (top[:, 0] | (top[:, 1] << np.uint8(2)) | (top[:, 2] << np.uint8(4)) | (top[:, 3] << np.uint8(6)))
     blocks = np.concatenate([hmask, qs, low_bytes, high_bytes, d.reshape(-1, 1).view(np.uint8)], axis=1)
     return blocks.reshape(rows, -1)
+
+
+#: K-quant -> the 32-channel type its fallback grid is written as (rows that are no whole super-blocks).
+KQUANT_FALLBACK = {"Q6_K": "Q8_0", "Q3_K": "Q4_0"}
+
+
+def kquant_fallback(name: str, entry: IntegerWeight, qtype: str) -> tuple[IntegerWeight, str]:
+    """A ``gguf_k`` weight whose rows are no whole super-blocks as the 32-channel type that holds it exactly
+    (Q6_K's int6 codes as Q8_0, Q3_K's int3 codes as Q4_0): the grid gave each pair of groups of 16 one float16
+    scale (:func:`~quark_brevitas.brevitas_adapter.kquant.snap_kquant_scales`), which becomes the scale of the
+    group of 32. llama.cpp's own quantizer falls back to Q8_0 and IQ4_NL there (``llama_tensor_get_type``)."""
+    cols = entry.int_weight.shape[1]
+    scale = entry.scale.detach()
+    if cols % 32 or not torch.equal(scale[:, 0::2], scale[:, 1::2]):
+        raise ExportError(f"layer '{name}' has {cols} input channels, not a multiple of {KQUANT_SUPER_BLOCK} (the "
+                          f"{qtype} super-block), and its scales are not shared by each 32 channels, so no GGUF type "
+                          f"holds it exactly; quantize it with scale_type=gguf_k (which gives such rows the "
+                          f"{KQUANT_FALLBACK[qtype]} grid) and a multiple of 32 input channels")
+    return replace(entry, scale=scale[:, 0::2].contiguous(), group_size=32), KQUANT_FALLBACK[qtype]
