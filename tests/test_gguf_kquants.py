@@ -184,3 +184,21 @@ def test_streamed_checkpoint_writes_the_same_k_quant_file(tmp_path: Path) -> Non
         assert written[name].tensor_type == tensor.tensor_type
         assert np.array_equal(np.asarray(written[name].data), np.asarray(tensor.data)), name
     assert sum(t.tensor_type.name == "Q3_K" for t in written.values()) == 15
+
+
+def test_rows_of_no_multiple_of_32_hold_the_quantized_weight_as_f32(tmp_path: Path) -> None:
+    """An MLP of 688 channels (the trained Llama's): down_proj's rows fit no 32-channel type (llama.cpp writes F16
+    there); the file holds its quantized weight as F32, exactly, and the other layers as Q6_K."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**_WIDE, "intermediate_size": 688})).eval()
+    quant = _quantize(model, "gguf_q6_k")
+    path = export_gguf(quant, tmp_path / "out")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    assert tensors["blk.0.ffn_down.weight"].tensor_type.name == "F32"
+    assert tensors["blk.0.ffn_up.weight"].tensor_type.name == "Q6_K"
+    down = quant.get_submodule("model.layers.0.mlp.down_proj").quant_weight().value.detach().numpy()
+    assert np.array_equal(np.asarray(tensors["blk.0.ffn_down.weight"].data), down)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf").eval()
+    tokens = token_batches(1, seed=3)[0]
+    with torch.no_grad():
+        assert torch.allclose(loaded(tokens).logits, quant(tokens).logits, atol=1e-5, rtol=0)

@@ -357,7 +357,8 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
             qtype = _gguf_type(prefix + layer, entry)
             if qtype in KQUANT_FALLBACK and entry.int_weight.shape[1] % Q6_K_SUPER_BLOCK:
                 entry, qtype = kquant_fallback(prefix + layer, entry, qtype)
-            data, expected = _pack(prefix + layer, entry, qtype), entry.dequantize().detach().float().numpy()
+            expected = entry.dequantize().detach().float().numpy()
+            data = expected if qtype == "F32" else _pack(prefix + layer, entry, qtype)
         else:
             qtype, data, expected = "F32", param.detach().float().cpu().numpy(), None
             if leaf == "weight" and _float_conv1d(model.get_submodule(layer)):

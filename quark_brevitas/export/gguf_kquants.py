@@ -126,12 +126,16 @@ def kquant_fallback(name: str, entry: IntegerWeight, qtype: str) -> tuple[Intege
     """A ``gguf_k`` weight whose rows are no whole super-blocks as the 32-channel type that holds it exactly
     (Q6_K's int6 codes as Q8_0, Q3_K's int3 codes as Q4_0): the grid gave each pair of groups of 16 one float16
     scale (:func:`~quark_brevitas.brevitas_adapter.kquant.snap_kquant_scales`), which becomes the scale of the
-    group of 32. llama.cpp's own quantizer falls back to Q8_0 and IQ4_NL there (``llama_tensor_get_type``)."""
+    group of 32. llama.cpp's own quantizer falls back to Q8_0 and IQ4_NL there (``llama_tensor_get_type``), and to
+    F16 when the rows are no multiple of 32 either; those are written here as ``"F32"`` (the quantized weight
+    itself: ``d * q`` has more significant bits than float16 holds)."""
     cols = entry.int_weight.shape[1]
     scale = entry.scale.detach()
-    if cols % 32 or not torch.equal(scale[:, 0::2], scale[:, 1::2]):
+    if cols % 32:
+        return entry, "F32"
+    if not torch.equal(scale[:, 0::2], scale[:, 1::2]):
         raise ExportError(f"layer '{name}' has {cols} input channels, not a multiple of {KQUANT_SUPER_BLOCK} (the "
                           f"{qtype} super-block), and its scales are not shared by each 32 channels, so no GGUF type "
                           f"holds it exactly; quantize it with scale_type=gguf_k (which gives such rows the "
-                          f"{KQUANT_FALLBACK[qtype]} grid) and a multiple of 32 input channels")
+                          f"{KQUANT_FALLBACK[qtype]} grid)")
     return replace(entry, scale=scale[:, 0::2].contiguous(), group_size=32), KQUANT_FALLBACK[qtype]
