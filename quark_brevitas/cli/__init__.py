@@ -112,7 +112,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="keep cached activations on disk instead of in memory")
     llm.add_argument("--export", choices=QUANTIZE_EXPORTS, default=None,
                      help="also write the quantized model as ONNX QCDQ (verified in onnxruntime), GGUF (llama.cpp; "
-                          "needs a gguf_q4_0/q4_1/q8_0 preset), compressed-tensors or quark (AMD Quark's format; "
+                          "needs a gguf_* preset: q4_0/q4_1/q8_0/q6_k/q3_k), compressed-tensors or quark (AMD Quark's format; "
                           "both for transformers and vLLM) into "
                           "--output/<format>/")
     llm.add_argument("--no-resume", action="store_true",

@@ -11,9 +11,10 @@ GGUF block types hold one float16 scale (Q4_1: and one float16 offset) per 32 co
 
 The presets ``gguf_q4_0``, ``gguf_q4_1`` and ``gguf_q8_0`` (``scale_type=float16``) make those scales float16
 numbers, so the file is exact: the ``gguf`` package dequantizes every block to the quantized model's weight bit
-for bit, and the exporter checks that before it writes. The K-quant ``Q6_K`` holds int6 symmetric weights per
-group of 16 whose scales are, per 256 input channels, int8 multiples of one float16 number: power-of-two scales
-(``scale_type=pof2``) are (:mod:`quark_brevitas.export.gguf_kquants`, which also says why Q4_K is not written).
+for bit, and the exporter checks that before it writes. The K-quants ``Q6_K`` / ``Q3_K`` hold int6 / int3
+symmetric weights per group of 16 whose scales are, per 256 input channels, integer multiples of one float16
+number: ``scale_type=gguf_k`` (presets ``gguf_q6_k`` / ``gguf_q3_k``) makes them so, and gives rows of no whole
+256 the grid of the 32-channel type llama.cpp falls back to (:mod:`quark_brevitas.export.gguf_kquants`).
 
 Families: Llama, Mistral, Qwen2 and GPT-2 (whose Conv1D weights, stored ``[in, out]``, are written ``[out, in]`` as
 llama.cpp's converter writes them). A head tied to the embedding is written as its own tensor (``output``), with
