@@ -28,7 +28,8 @@ from quark_brevitas.export import export_gguf  # noqa: E402
 from quark_brevitas.export.intweights import IntegerWeight, integer_weights  # noqa: E402
 from quark_brevitas.types import QSchemeType, ScaleType  # noqa: E402
 
-KQUANTS = {"gguf_q6_k": ("Q6_K", 127, 6), "gguf_q3_k": ("Q3_K", 31, 3)}
+KQUANTS = {"gguf_q6_k": ("Q6_K", 127, 6, 16), "gguf_q5_k": ("Q5_K", 63, 5, 32), "gguf_q4_k": ("Q4_K", 63, 4, 32),
+           "gguf_q3_k": ("Q3_K", 31, 3, 16), "gguf_q2_k": ("Q2_K", 15, 2, 16)}
 _WIDE = {"vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 
@@ -67,11 +68,11 @@ def test_snapped_scales_are_small_multiples_of_one_float16_number() -> None:
 
 @pytest.mark.parametrize("preset", sorted(KQUANTS))
 def test_the_grid_holds_every_scale_as_a_sub_scale_of_a_float16_super_block_scale(preset: str) -> None:
-    _, top, bits = KQUANTS[preset]
+    _, top, bits, group = KQUANTS[preset]
     quant = _quantize(_model("llama"), preset)
     for name, entry in integer_weights(quant).items():
-        assert entry.format == f"int{bits}" and entry.group_size == 16, name
-        scales = entry.scale.double().reshape(-1, 16)
+        assert entry.format == f"int{bits}" and entry.group_size == group, name
+        scales = entry.scale.double().reshape(-1, 256 // group)
         d = scales.max(dim=1, keepdim=True).values / top
         assert torch.equal(d.half().double(), d), name
         sub = scales / d
@@ -79,8 +80,10 @@ def test_the_grid_holds_every_scale_as_a_sub_scale_of_a_float16_super_block_scal
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "preset", "gptq"), [("llama", "gguf_q6_k", False), ("llama", "gguf_q3_k", True),
-                                                        ("qwen2", "gguf_q3_k", False), ("mistral", "gguf_q6_k", True)])
+@pytest.mark.parametrize(("family", "preset", "gptq"), [
+    ("llama", "gguf_q6_k", False), ("llama", "gguf_q5_k", True), ("llama", "gguf_q4_k", False),
+    ("llama", "gguf_q3_k", True), ("llama", "gguf_q2_k", False), ("qwen2", "gguf_q4_k", True),
+    ("qwen2", "gguf_q3_k", False), ("mistral", "gguf_q2_k", True), ("mistral", "gguf_q5_k", False)])
 def test_every_tensor_dequantizes_exactly_and_transformers_computes_the_same_logits(
         family: str, preset: str, gptq: bool, tmp_path: Path) -> None:
     qtype = KQUANTS[preset][0]
@@ -135,13 +138,14 @@ def test_q3_k_block_decodes_like_hand_computed_weights() -> None:
 def test_gguf_k_refuses_a_layout_no_k_quant_has() -> None:
     from quark_brevitas import Config, QLayerConfig
 
-    spec = QTensorConfig(bit_width=4, qscheme=QSchemeType.per_group, group_size=32, scale_type=ScaleType.gguf_k)
-    with pytest.raises(ConfigError, match=r"gguf_k scales are GGUF K-quant.*Q6_K: int6 symmetric per_group "
-                                          r"group_size=16"):
+    spec = QTensorConfig(bit_width=4, qscheme=QSchemeType.per_group, group_size=16, scale_type=ScaleType.gguf_k)
+    with pytest.raises(ConfigError, match=r"gguf_k scales are GGUF K-quant.*Q4_K: int4 symmetric per_group "
+                                          r"group_size=32"):
         ModelQuantizer(Config(QLayerConfig(weight=spec)))
 
 
-@pytest.mark.parametrize(("preset", "fallback"), [("gguf_q6_k", "Q8_0"), ("gguf_q3_k", "Q4_0")])
+@pytest.mark.parametrize(("preset", "fallback"), [("gguf_q6_k", "Q8_0"), ("gguf_q5_k", "Q8_0"), ("gguf_q4_k", "Q4_0"),
+                                                  ("gguf_q3_k", "Q4_0"), ("gguf_q2_k", "Q4_0")])
 def test_rows_of_no_whole_super_block_are_written_in_the_32_channel_fallback_type_exactly(
         preset: str, fallback: str, tmp_path: Path) -> None:
     """tiny_llama's Linear layers have 64 or 128 input channels: the grid shares one float16 scale per 32 channels

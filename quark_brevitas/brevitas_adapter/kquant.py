@@ -18,26 +18,26 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["KQuantScaleRestrict", "snap_kquant_scales"]
+__all__ = ["KQuantScaleRestrict", "is_kquant_layer", "snap_kquant_scales"]
 
 _FLOAT16_TINY = 2.0 ** -24
 _FLOAT16_MAX = 65504.0
 
 
-def snap_kquant_scales(scales: torch.Tensor, groups_per_super_block: int, sub_scale_max: int) -> torch.Tensor:
+def snap_kquant_scales(scales: torch.Tensor, groups_per_super_block: int, sub_scale_max: int,
+                       groups_per_32: int = 2) -> torch.Tensor:
     """``scales`` (``[..., groups]``, positive) as ``d * s``: per run of ``groups_per_super_block`` groups one
     float16 ``d``, integer ``s`` in ``1..sub_scale_max``.
 
     A row that is no whole number of super-blocks (MiniLM's 384 input channels) cannot be a K-quant tensor;
     llama.cpp's quantizer then writes the tensor in a 32-channel type instead (Q6_K -> Q8_0, Q3_K -> IQ4_NL). Here
-    such rows get the grid that a 32-channel float16-scale type holds exactly: each pair of groups shares the
-    larger scale, rounded to float16 (int6 codes then fit Q8_0, int3 codes Q4_0; see
-    :mod:`quark_brevitas.export.gguf_kquants`)."""
+    such rows get the grid that a 32-channel float16-scale type holds exactly: the ``groups_per_32`` groups of
+    each 32 channels share the largest scale, rounded to float16 (see :mod:`quark_brevitas.export.gguf_kquants`)."""
     shape = scales.shape
     groups = shape[-1]
     flat = scales.reshape(-1, groups).float().abs()
     if groups % groups_per_super_block:
-        pairs = 2 if groups % 2 == 0 else 1
+        pairs = groups_per_32 if groups % groups_per_32 == 0 else 1
         top = flat.reshape(flat.shape[0], -1, pairs).amax(dim=-1, keepdim=True)
         top = top.clamp(min=_FLOAT16_TINY, max=_FLOAT16_MAX).to(torch.float16).float()
         return top.expand(-1, -1, pairs).reshape(shape).to(scales.dtype)
@@ -53,7 +53,7 @@ class _SnapScales(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, groups: int, sub_max: int) -> torch.Tensor:
         squeeze = x.dim() >= 2 and x.shape[-1] == 1
         values = x.squeeze(-1) if squeeze else x
-        snapped = snap_kquant_scales(values, groups, sub_max)
+        snapped = snap_kquant_scales(values, groups, sub_max, max(1, groups * 32 // 256))  # groups per 32 channels
         return snapped.unsqueeze(-1) if squeeze else snapped
 
     @staticmethod
@@ -72,3 +72,10 @@ class KQuantScaleRestrict(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _SnapScales.apply(x, self.groups, self.sub_max)
+
+
+def is_kquant_layer(layer: nn.Module) -> bool:
+    """Whether ``layer``'s weight scales are ``scale_type=gguf_k`` ones (its quantizer restricts them with
+    :class:`KQuantScaleRestrict`): the exporter writes such an int4 weight as Q4_K, not Q4_0."""
+    proxy = getattr(layer, "weight_quant", None)
+    return proxy is not None and any(isinstance(module, KQuantScaleRestrict) for module in proxy.modules())

@@ -112,8 +112,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="keep cached activations on disk instead of in memory")
     llm.add_argument("--export", choices=QUANTIZE_EXPORTS, default=None,
                      help="also write the quantized model as ONNX QCDQ (verified in onnxruntime), GGUF (llama.cpp; "
-                          "needs a gguf_* preset: q4_0/q4_1/q8_0/q6_k/q3_k), compressed-tensors or quark (AMD Quark's format; "
-                          "both for transformers and vLLM) into "
+                          "needs a gguf_* preset: q4_0/q4_1/q8_0, K-quants q2_k..q6_k), compressed-tensors or "
+                          "quark (AMD Quark's format; both for transformers and vLLM) into "
                           "--output/<format>/")
     llm.add_argument("--no-resume", action="store_true",
                      help="start over even if --output holds an interrupted run of the same job")

@@ -304,7 +304,7 @@ def _verify_kquant(spec: QuantizationSpec, kind: str, scheme: str, path: str) ->
     if (kind != "weight" or spec.quant_type is not QuantType.int_quant or scheme != PER_GROUP or not spec.symmetric
             or kquant is None or spec.group_size != kquant.group_size):
         raise ConfigError(f"{path}.scale_type", f"gguf_k scales are GGUF K-quant super-blocks of weights; allowed: "
-                          f"{fits} (presets gguf_q6_k, gguf_q3_k)")
+                          f"{fits} (presets gguf_q2_k .. gguf_q6_k)")
 
 
 def verify_spec(spec: QuantizationSpec, role: str, path: str) -> None:

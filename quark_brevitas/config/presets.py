@@ -14,6 +14,7 @@ from collections.abc import Callable
 from quark_brevitas.config import Config, ParamType, QLayerConfig, QTensorConfig, QuantType
 from quark_brevitas.config import algorithms as algos
 from quark_brevitas.config.enums import Dtype, QSchemeType, ScaleType
+from quark_brevitas.config.kquants import KQUANT_BY_BITS
 from quark_brevitas.errors import ConfigError
 
 __all__ = ["DEFAULT_PRESET", "DESCRIPTIONS", "PRESETS", "get_preset"]
@@ -105,11 +106,12 @@ def _gguf(dtype: Dtype) -> Callable[[], Config]:
     return build
 
 
-# GGUF K-quants (symmetric): int6 (Q6_K) / int3 (Q3_K) weights per group of 16 on their full code range, the group
-# scales snapped per 256 input channels to integer multiples of one float16 number (scale_type=gguf_k).
+# GGUF K-quants: int2..int6 symmetric weights per group of 16 (Q2_K, Q3_K, Q6_K) or 32 (Q4_K, Q5_K) on their full code
+# range, the group scales snapped per 256 input channels to integer multiples of one float16 number (gguf_k).
 def _gguf_kquant(bit_width: int) -> Callable[[], Config]:
     def build() -> Config:
-        weight = QTensorConfig(bit_width=bit_width, qscheme=QSchemeType.per_group, group_size=16,
+        group_size = KQUANT_BY_BITS[bit_width].group_size
+        weight = QTensorConfig(bit_width=bit_width, qscheme=QSchemeType.per_group, group_size=group_size,
                                scale_type=ScaleType.gguf_k, narrow_range=False)
         return _linear_only(QLayerConfig(weight=weight))
 
@@ -134,7 +136,10 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "gguf_q4_1": _gguf(Dtype.uint4),
     "gguf_q8_0": _gguf(Dtype.int8),
     "gguf_q6_k": _gguf_kquant(6),
+    "gguf_q5_k": _gguf_kquant(5),
+    "gguf_q4_k": _gguf_kquant(4),
     "gguf_q3_k": _gguf_kquant(3),
+    "gguf_q2_k": _gguf_kquant(2),
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -155,8 +160,14 @@ DESCRIPTIONS: dict[str, str] = {
                  "float16 scales",
     "gguf_q6_k": "GGUF Q6_K: Linear layers only, int6 symmetric weights per group of 16, per 256 input channels "
                  "int8 multiples of one float16 scale",
+    "gguf_q5_k": "GGUF Q5_K: Linear layers only, int5 symmetric weights per group of 32, per 256 input channels "
+                 "6-bit multiples of one float16 scale",
+    "gguf_q4_k": "GGUF Q4_K: Linear layers only, int4 symmetric weights per group of 32, per 256 input channels "
+                 "6-bit multiples of one float16 scale",
     "gguf_q3_k": "GGUF Q3_K: Linear layers only, int3 symmetric weights per group of 16, per 256 input channels "
                  "6-bit multiples of one float16 scale",
+    "gguf_q2_k": "GGUF Q2_K: Linear layers only, int2 symmetric weights per group of 16, per 256 input channels "
+                 "4-bit multiples of one float16 scale",
 }
 
 

@@ -38,16 +38,11 @@ import torch
 from torch import nn
 
 from quark_brevitas.brevitas_adapter import iter_quantizers
+from quark_brevitas.brevitas_adapter.kquant import is_kquant_layer
+from quark_brevitas.config.kquants import KQUANT_BY_BITS, KQUANT_SUPER_BLOCK, KQUANT_TYPES
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
-from quark_brevitas.export.gguf_kquants import (
-    KQUANT_FALLBACK,
-    Q6_K_GROUP,
-    Q6_K_SUPER_BLOCK,
-    kquant_fallback,
-    pack_q3_k,
-    pack_q6_k,
-)
+from quark_brevitas.export.gguf_kquants import KQUANT_FALLBACK, KQUANT_PACKERS, kquant_fallback
 from quark_brevitas.export.hf import refuse_online_rotations
 from quark_brevitas.export.intweights import IntegerWeight, integer_weights
 from quark_brevitas.extras import require
@@ -70,7 +65,7 @@ GGUF_WEIGHT_TYPES: dict[tuple[str, bool], str] = {("int8", True): "Q8_0", ("int4
                                                    ("int3", True): "Q3_K"}
 #: GGUF type -> (input channels per scale, input channels a row must be a whole number of).
 _LAYOUTS = {"Q8_0": (BLOCK, BLOCK), "Q4_0": (BLOCK, BLOCK), "Q4_1": (BLOCK, BLOCK),
-            "Q6_K": (Q6_K_GROUP, Q6_K_SUPER_BLOCK), "Q3_K": (Q6_K_GROUP, Q6_K_SUPER_BLOCK)}
+            **{name: (t.group_size, KQUANT_SUPER_BLOCK) for name, t in KQUANT_TYPES.items()}}
 _FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 (int4 symmetric, groups of 32) or Q4_1 (uint4 asymmetric, "
          "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1; Q6_K / Q3_K (int6 / int3 "
          "symmetric, groups of 16, rows of whole 256s, scale_type=gguf_k: presets gguf_q6_k / gguf_q3_k)")
@@ -101,10 +96,13 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
 
 
 # ===================================================================== weights
-def _gguf_type(name: str, entry: IntegerWeight) -> str:
-    """The GGUF type of a quantized layer's weight, or the ExportError saying what fits."""
+def _gguf_type(name: str, entry: IntegerWeight, kquant: bool = False) -> str:
+    """The GGUF type of a quantized layer's weight (``kquant``: its scales are ``scale_type=gguf_k`` ones), or the
+    ExportError saying what fits."""
     symmetric = entry.zero_point.numel() == 1 and not entry.zero_point.any()
     qtype = GGUF_WEIGHT_TYPES.get((entry.format, symmetric))
+    if kquant and symmetric and entry.format in {f"int{bits}" for bits in KQUANT_BY_BITS}:
+        qtype = KQUANT_BY_BITS[entry.bit_width].name
     layout = (f"per group of {entry.group_size}" if entry.group_size else
               "per channel" if entry.axis is not None else "per tensor")
     group, row = _LAYOUTS.get(qtype, (0, 0))
@@ -129,10 +127,8 @@ def _float16_exact(name: str, what: str, values: torch.Tensor) -> np.ndarray:
 def _pack(name: str, entry: IntegerWeight, qtype: str) -> np.ndarray:
     """The GGUF blocks of one weight as ``uint8 [rows, bytes per row]`` (llama.cpp's layout: float16 scale
     (Q4_1: then offset), then the 32 codes; 4-bit codes two per byte, element ``j`` low and ``j + 16`` high)."""
-    if qtype == "Q6_K":
-        return pack_q6_k(name, entry)
-    if qtype == "Q3_K":
-        return pack_q3_k(name, entry)
+    if qtype in KQUANT_PACKERS:
+        return KQUANT_PACKERS[qtype](name, entry)
     rows, cols = entry.int_weight.shape
     scale = entry.scale.detach().float().reshape(-1, 1)
     d = _float16_exact(name, "scales", scale).view(np.uint8)
@@ -355,8 +351,8 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
         rows_heads = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else None
         if layer in weights and leaf == "weight":
             entry = weights[layer]
-            qtype = _gguf_type(prefix + layer, entry)
-            if qtype in KQUANT_FALLBACK and entry.int_weight.shape[1] % Q6_K_SUPER_BLOCK:
+            qtype = _gguf_type(prefix + layer, entry, is_kquant_layer(model.get_submodule(layer)))
+            if qtype in KQUANT_FALLBACK and entry.int_weight.shape[1] % KQUANT_SUPER_BLOCK:
                 entry, qtype = kquant_fallback(prefix + layer, entry, qtype)
             expected = entry.dequantize().detach().float().numpy()
             data = expected if qtype == "F32" else _pack(prefix + layer, entry, qtype)

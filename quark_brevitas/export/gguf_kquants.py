@@ -25,8 +25,8 @@ from quark_brevitas.config.kquants import KQUANT_SUPER_BLOCK, KQUANT_TYPES
 from quark_brevitas.export.errors import ExportError
 from quark_brevitas.export.intweights import IntegerWeight
 
-__all__ = ["KQUANT_FALLBACK", "Q6_K_GROUP", "Q6_K_SUPER_BLOCK", "kquant_fallback", "kquant_scales", "pack_q3_k",
-           "pack_q6_k"]
+__all__ = ["KQUANT_FALLBACK", "KQUANT_PACKERS", "Q6_K_GROUP", "Q6_K_SUPER_BLOCK", "kquant_fallback", "kquant_scales",
+           "pack_q2_k", "pack_q3_k", "pack_q4_k", "pack_q5_k", "pack_q6_k"]
 
 #: Input channels per Q6_K super-block and per sub-block (one int8 scale each).
 Q6_K_SUPER_BLOCK = KQUANT_SUPER_BLOCK
@@ -118,14 +118,15 @@ def pack_q3_k(name: str, entry: IntegerWeight) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-#: K-quant -> the 32-channel type its fallback grid is written as (rows that are no whole super-blocks).
-KQUANT_FALLBACK = {"Q6_K": "Q8_0", "Q3_K": "Q4_0"}
+#: K-quant -> the 32-channel type its fallback grid is written as (rows that are no whole super-blocks): one that
+#: holds its codes (Q4_0: -8..7, Q8_0: -127..127) with one float16 scale per 32 channels.
+KQUANT_FALLBACK = {"Q6_K": "Q8_0", "Q5_K": "Q8_0", "Q4_K": "Q4_0", "Q3_K": "Q4_0", "Q2_K": "Q4_0"}
 
 
 def kquant_fallback(name: str, entry: IntegerWeight, qtype: str) -> tuple[IntegerWeight, str]:
     """A ``gguf_k`` weight whose rows are no whole super-blocks as the 32-channel type that holds it exactly
-    (Q6_K's int6 codes as Q8_0, Q3_K's int3 codes as Q4_0): the grid gave each pair of groups of 16 one float16
-    scale (:func:`~quark_brevitas.brevitas_adapter.kquant.snap_kquant_scales`), which becomes the scale of the
+    (Q6_K's / Q5_K's codes as Q8_0, the others' as Q4_0): the grid gave the groups of each 32 channels one
+    float16 scale (:func:`~quark_brevitas.brevitas_adapter.kquant.snap_kquant_scales`), which becomes the scale of the
     group of 32. llama.cpp's own quantizer falls back to Q8_0 and IQ4_NL there (``llama_tensor_get_type``), and to
     F16 when the rows are no multiple of 32 either; those are written here as ``"F32"`` (the quantized weight
     itself: ``d * q`` has more significant bits than float16 holds)."""
@@ -133,9 +134,73 @@ def kquant_fallback(name: str, entry: IntegerWeight, qtype: str) -> tuple[Intege
     scale = entry.scale.detach()
     if cols % 32:
         return entry, "F32"
-    if not torch.equal(scale[:, 0::2], scale[:, 1::2]):
+    per_32 = 32 // entry.group_size
+    if any(not torch.equal(scale[:, 0::per_32], scale[:, k::per_32]) for k in range(1, per_32)):
         raise ExportError(f"layer '{name}' has {cols} input channels, not a multiple of {KQUANT_SUPER_BLOCK} (the "
                           f"{qtype} super-block), and its scales are not shared by each 32 channels, so no GGUF type "
                           f"holds it exactly; quantize it with scale_type=gguf_k (which gives such rows the "
                           f"{KQUANT_FALLBACK[qtype]} grid)")
-    return replace(entry, scale=scale[:, 0::2].contiguous(), group_size=32), KQUANT_FALLBACK[qtype]
+    return replace(entry, scale=scale[:, 0::per_32].contiguous(), group_size=32), KQUANT_FALLBACK[qtype]
+
+
+def _minimum_form(name: str, entry: IntegerWeight, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A type with sub-minimums holding a symmetric weight: unsigned codes ``q = code + 2 ** (bits - 1)``, the
+    super-blocks' ``d`` and ``dmin = 2 ** (bits - 1) * d`` as float16 bytes ``[n, 4]``, and the sub-scales (which
+    are the sub-minimums too): ``d * s * q - dmin * s == d * s * code`` exactly."""
+    codes, d, sub = _codes_and_scales(name, entry, qtype)
+    half = 2 ** (KQUANT_TYPES[qtype].bit_width - 1)
+    dmin = (d.astype(np.float32) * half).astype(np.float16)
+    if not np.array_equal(dmin.astype(np.float32), d.astype(np.float32) * half):  # only at float16's top end
+        raise ExportError(f"layer '{name}': a super-block scale {float(d.max())} times {half} overflows float16, "
+                          f"so {qtype} cannot store its minimum")
+    halves = np.stack([d, dmin], axis=1).view(np.uint8)
+    return (codes + half).astype(np.uint8), halves, sub.astype(np.uint8)
+
+
+def pack_q2_k(name: str, entry: IntegerWeight) -> np.ndarray:
+    """Q2_K blocks (``block_q2_K``: 16 bytes of 4-bit sub-scale | sub-minimum << 4, 64 bytes of 2-bit codes,
+    float16 ``d`` and ``dmin``; element ``128 * h + 32 * j + l`` at bits ``2 * j`` of byte ``32 * h + l``)."""
+    rows = entry.int_weight.shape[0]
+    q, halves, sub = _minimum_form(name, entry, "Q2_K")
+    q = q.reshape(-1, 2, 4, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << np.uint8(2)) | (q[:, :, 2] << np.uint8(4))
+          | (q[:, :, 3] << np.uint8(6))).reshape(-1, 64)
+    scales = sub | (sub << np.uint8(4))
+    return np.concatenate([scales, qs, halves], axis=1).reshape(rows, -1)
+
+
+def _scale_min_bytes(sub: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's 12 bytes of eight 6-bit sub-scales and eight 6-bit sub-minimums (here equal): bytes 0..3 /
+    4..7 hold scales / minimums 0..3 and the top two bits of 4..7; bytes 8..11 the low nibbles of 4..7."""
+    low, high = sub[:, :4], sub[:, 4:]
+    first = low | ((high >> np.uint8(4)) << np.uint8(6))
+    last = (high & np.uint8(0x0F)) | ((high & np.uint8(0x0F)) << np.uint8(4))
+    return np.concatenate([first, first, last], axis=1)
+
+
+def pack_q4_k(name: str, entry: IntegerWeight) -> np.ndarray:
+    """Q4_K blocks (``block_q4_K``: float16 ``d``, ``dmin``, 12 bytes of sub-scales / sub-minimums, 128 bytes of
+    4-bit codes; element ``64 * h + 32 * k + l`` in nibble ``k`` of byte ``32 * h + l``)."""
+    rows = entry.int_weight.shape[0]
+    q, halves, sub = _minimum_form(name, entry, "Q4_K")
+    q = q.reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << np.uint8(4))).reshape(-1, 128)
+    return np.concatenate([halves, _scale_min_bytes(sub), qs], axis=1).reshape(rows, -1)
+
+
+def pack_q5_k(name: str, entry: IntegerWeight) -> np.ndarray:
+    """Q5_K blocks (``block_q5_K``: Q4_K's layout of the low four bits, after 32 bytes whose bit ``b`` of byte
+    ``l`` is the fifth bit of element ``32 * b + l``)."""
+    rows = entry.int_weight.shape[0]
+    q, halves, sub = _minimum_form(name, entry, "Q5_K")
+    low = (q & np.uint8(0x0F)).reshape(-1, 4, 2, 32)
+    qs = (low[:, :, 0] | (low[:, :, 1] << np.uint8(4))).reshape(-1, 128)
+    top = (q >> np.uint8(4)).reshape(-1, 8, 32)
+    qh = np.zeros((top.shape[0], 32), dtype=np.uint8)
+    for bit in range(8):
+        qh |= top[:, bit] << np.uint8(bit)
+    return np.concatenate([halves, _scale_min_bytes(sub), qh, qs], axis=1).reshape(rows, -1)
+
+
+#: K-quant type -> its packer.
+KQUANT_PACKERS = {"Q2_K": pack_q2_k, "Q3_K": pack_q3_k, "Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k}
