@@ -206,3 +206,30 @@ def test_rows_of_no_multiple_of_32_hold_the_quantized_weight_as_f32(tmp_path: Pa
     tokens = token_batches(1, seed=3)[0]
     with torch.no_grad():
         assert torch.allclose(loaded(tokens).logits, quant(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_q4_k_m_mix_follows_llama_cpps_per_tensor_rules(tmp_path: Path) -> None:
+    """8 layers: use_more_bits picks layers 0, 3, 6, 7 (first and last eighth, every third between) for Q6_K
+    attn_v / ffn_down; the head is Q6_K; every other Linear weight Q4_K; all exact."""
+    from quark_brevitas.config.gguf_mixes import gguf_mix_types
+
+    assert gguf_mix_types("Q3_K_M", 32, 1)["*layers.1.self_attn.v_proj"] == "Q5_K"
+    assert gguf_mix_types("Q3_K_M", 32, 1)["*layers.2.mlp.down_proj"] == "Q4_K"
+    assert gguf_mix_types("Q3_K_M", 32, 1)["*layers.1.mlp.down_proj"] == "Q5_K"  # first sixteenth: 0, 1
+    assert gguf_mix_types("Q2_K", 4, 4)["*layers.0.self_attn.v_proj"] == "Q4_K"  # 4 query heads per kv head
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**_WIDE, "num_hidden_layers": 8})).eval()
+    quant = ModelQuantizer(get_preset("gguf_q4_k_m", model.config)).quantize_model(model, token_batches(1))
+    path = export_gguf(quant, tmp_path / "out")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    more = {0, 3, 6, 7}
+    for layer in range(8):
+        for tensor in ("attn_v", "ffn_down"):
+            assert types[f"blk.{layer}.{tensor}.weight"] == ("Q6_K" if layer in more else "Q4_K"), (layer, tensor)
+        assert types[f"blk.{layer}.attn_q.weight"] == types[f"blk.{layer}.ffn_up.weight"] == "Q4_K"
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "F32"
+
+
+def test_a_mix_without_the_model_says_what_it_needs() -> None:
+    with pytest.raises(ConfigError, match="number of layers: give the model"):
+        get_preset("gguf_q3_k_m")

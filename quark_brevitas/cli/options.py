@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from quark_brevitas.config import Config
-from quark_brevitas.config.presets import DEFAULT_PRESET, get_preset
+from quark_brevitas.config.presets import DEFAULT_PRESET, MODEL_PRESETS, get_preset
 from quark_brevitas.errors import ConfigError, QuarkBrevitasError
 from quark_brevitas.outputs import OutputError, check_output_dir
 
@@ -80,7 +80,16 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, str]:
                 raise
             raise CLIError(f"{args.config}: {exc}") from exc
     name = args.preset if args.preset is not None else DEFAULT_PRESET
-    return get_preset(name), f"preset {name}"
+    model_config = None
+    if name in MODEL_PRESETS and getattr(args, "model", None) is not None:
+        import types
+
+        config_file = Path(args.model) / "config.json"
+        if config_file.is_file():  # the GGUF mixes' per-layer rules need the layer count
+            import json
+
+            model_config = types.SimpleNamespace(**json.loads(config_file.read_text(encoding="utf-8")))
+    return get_preset(name, model_config), f"preset {name}"
 
 
 def read_text(path: str, option: str) -> str:

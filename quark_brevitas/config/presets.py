@@ -14,10 +14,11 @@ from collections.abc import Callable
 from quark_brevitas.config import Config, ParamType, QLayerConfig, QTensorConfig, QuantType
 from quark_brevitas.config import algorithms as algos
 from quark_brevitas.config.enums import Dtype, QSchemeType, ScaleType
+from quark_brevitas.config.gguf_mixes import gguf_mix_config
 from quark_brevitas.config.kquants import KQUANT_BY_BITS
 from quark_brevitas.errors import ConfigError
 
-__all__ = ["DEFAULT_PRESET", "DESCRIPTIONS", "PRESETS", "get_preset"]
+__all__ = ["DEFAULT_PRESET", "DESCRIPTIONS", "MODEL_PRESETS", "PRESETS", "get_preset"]
 
 DEFAULT_PRESET = "w8a8"
 
@@ -118,12 +119,23 @@ def _gguf_kquant(bit_width: int) -> Callable[[], Config]:
     return build
 
 
+def _gguf_mix(mix: str) -> Callable[..., Config]:
+    def build(model_config: object = None) -> Config:
+        if model_config is None:
+            raise ConfigError("preset", f"preset gguf_{mix.lower()} follows llama.cpp's per-layer rules, which depend "
+                              "on the model's number of layers: give the model (quark-brevitas quantize --model DIR, "
+                              "or get_preset(name, model.config) / gguf_mix_config(mix, model.config))")
+        return gguf_mix_config(mix, model_config)
+
+    return build
+
+
 def _fp8() -> Config:
     # No bias quantization: an integer bias needs integer input and weight scales.
     return Config(QLayerConfig(weight=_FP8_E4M3, input_tensors=_FP8_E4M3))
 
 
-PRESETS: dict[str, Callable[[], Config]] = {
+PRESETS: dict[str, Callable[..., Config]] = {
     "w8a8": _w8a8,
     "w8a8_per_channel": _w8a8_per_channel,
     "w4a8_gptq": _w4a8_gptq,
@@ -140,7 +152,15 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "gguf_q4_k": _gguf_kquant(4),
     "gguf_q3_k": _gguf_kquant(3),
     "gguf_q2_k": _gguf_kquant(2),
+    "gguf_q6_k_mix": _gguf_mix("Q6_K"),
+    "gguf_q5_k_m": _gguf_mix("Q5_K_M"),
+    "gguf_q4_k_m": _gguf_mix("Q4_K_M"),
+    "gguf_q3_k_m": _gguf_mix("Q3_K_M"),
+    "gguf_q2_k_mix": _gguf_mix("Q2_K"),
 }
+
+#: The presets built for a model (``get_preset(name, model_config)``).
+MODEL_PRESETS = ("gguf_q6_k_mix", "gguf_q5_k_m", "gguf_q4_k_m", "gguf_q3_k_m", "gguf_q2_k_mix")
 
 DESCRIPTIONS: dict[str, str] = {
     "w8a8": "int8 per-tensor weights, int8 per-tensor inputs, int32 bias (default)",
@@ -168,13 +188,23 @@ DESCRIPTIONS: dict[str, str] = {
                  "6-bit multiples of one float16 scale",
     "gguf_q2_k": "GGUF Q2_K: Linear layers only, int2 symmetric weights per group of 16, per 256 input channels "
                  "4-bit multiples of one float16 scale",
+    "gguf_q6_k_mix": "llama.cpp's Q6_K file: gguf_q6_k everywhere (the head Q6_K too); needs the model",
+    "gguf_q5_k_m": "llama.cpp's Q5_K_M mix: Q5_K, Q6_K for attn_v / ffn_down in some layers and the head; needs the "
+                   "model",
+    "gguf_q4_k_m": "llama.cpp's Q4_K_M mix: Q4_K, Q6_K for attn_v / ffn_down in some layers and the head; needs the "
+                   "model",
+    "gguf_q3_k_m": "llama.cpp's Q3_K_M mix: Q3_K, Q4_K/Q5_K for attn_v, ffn_down, attn_output, Q6_K head; needs the "
+                   "model",
+    "gguf_q2_k_mix": "llama.cpp's Q2_K mix: Q2_K, Q3_K/Q4_K for attn_v, ffn_down, attn_output, Q6_K head; needs the "
+                     "model",
 }
 
 
-def get_preset(name: str) -> Config:
-    """A fresh Config for preset ``name``; :class:`ConfigError` listing the presets if unknown."""
+def get_preset(name: str, model_config: object = None) -> Config:
+    """A fresh Config for preset ``name``; :class:`ConfigError` listing the presets if unknown. The GGUF mixes
+    (``gguf_q4_k_m`` ...) need the model's config (``model_config``: its layer count); the others ignore it."""
     try:
         build = PRESETS[name]
     except KeyError:
         raise ConfigError("", f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}") from None
-    return build()
+    return build(model_config) if name in MODEL_PRESETS else build()

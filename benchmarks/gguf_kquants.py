@@ -1,10 +1,10 @@
-"""GGUF K-quants (issue 31): our Q6_K / Q3_K files of the trained Llama beside llama.cpp's own quantizer.
+"""GGUF K-quants (issue 31): our Q2_K .. Q6_K files of the trained Llama beside llama.cpp's own quantizer.
 
-Run: ``python benchmarks/gguf.py`` (a few minutes; ``--quick`` for fewer evaluation windows). It needs the trained
+Run: ``python benchmarks/gguf_kquants.py`` (a few minutes; ``--quick`` for fewer evaluation windows). It needs the trained
 Llama of ``benchmarks/llm.py`` (trained and cached on first use) and, for the llama.cpp columns, llama-cpp-python
 (the optional extra ``[llamacpp]``); without it those columns say why they are empty.
 
-Per type (Q6_K, Q3_K) and recipe (ours: round to nearest with max|w| scales, with MSE-searched scales, GPTQ on the
+Per type (Q2_K .. Q6_K) and recipe (ours: round to nearest with max|w| scales, with MSE-searched scales, GPTQ on the
 same grid; llama.cpp: ``llama_model_quantize`` of our F32 file, every tensor but the embedding at the type, like
 ours): bits per weight of the K-quant tensors, file size, perplexity of the quantized model in PyTorch, of the file
 loaded by transformers' GGUF loader, and of the file computed by llama.cpp (its own kernels: activations are
@@ -36,7 +36,8 @@ from llm_deploy_hf import hf_perplexity  # noqa: E402
 from tables import format_table  # noqa: E402
 
 #: preset -> (GGUF type, llama.cpp's ftype for its quantizer, ggml type id).
-TYPES = {"gguf_q6_k": ("Q6_K", 18, 14), "gguf_q3_k": ("Q3_K", 11, 11)}
+TYPES = {"gguf_q6_k": ("Q6_K", 18, 14), "gguf_q5_k": ("Q5_K", 16, 13), "gguf_q4_k": ("Q4_K", 14, 12),
+         "gguf_q3_k": ("Q3_K", 11, 11), "gguf_q2_k": ("Q2_K", 10, 10)}
 GGML_F32 = 0
 
 
