@@ -1,8 +1,8 @@
 """GGUF K-quants (issue 31): our Q2_K .. Q6_K files of the trained Llama beside llama.cpp's own quantizer.
 
-Run: ``python benchmarks/gguf_kquants.py`` (a few minutes; ``--quick`` for fewer evaluation windows). It needs the
-trained Llama of ``benchmarks/llm.py`` (trained and cached on first use) and, for the llama.cpp columns, llama-cpp-python
-(the optional extra ``[llamacpp]``); without it those columns say why they are empty.
+Run: ``python benchmarks/gguf_kquants.py`` (a few minutes; ``--quick`` for fewer evaluation windows). It needs
+the trained Llama of ``benchmarks/llm.py`` (trained and cached on first use) and, for the llama.cpp columns,
+llama-cpp-python (the optional extra ``[llamacpp]``); without it those columns say why they are empty.
 
 Per type (Q2_K .. Q6_K) and recipe (ours: round to nearest with max|w| scales, with MSE-searched scales, GPTQ on the
 same grid; llama.cpp: ``llama_model_quantize`` of our F32 file, every tensor but the embedding at the type, like
