@@ -36,12 +36,14 @@ from llm_deploy_hf import hf_perplexity  # noqa: E402
 from tables import format_table  # noqa: E402
 
 #: preset -> (GGUF type, llama.cpp's ftype for its quantizer, ggml type id).
+#: mix preset -> (llama.cpp's name, its ftype); llama.cpp's own per-tensor rules (its head: Q6_K).
+MIXES = {"gguf_q4_k_m": ("Q4_K_M", 15), "gguf_q3_k_m": ("Q3_K_M", 12)}
 TYPES = {"gguf_q6_k": ("Q6_K", 18, 14), "gguf_q5_k": ("Q5_K", 16, 13), "gguf_q4_k": ("Q4_K", 14, 12),
          "gguf_q3_k": ("Q3_K", 11, 11), "gguf_q2_k": ("Q2_K", 10, 10)}
 GGML_F32 = 0
 
 
-def _config(preset: str, recipe: str) -> Any:
+def _config(preset: str, recipe: str, model_config: Any) -> Any:
     import dataclasses
 
     from quark_brevitas import QLayerConfig
@@ -49,15 +51,15 @@ def _config(preset: str, recipe: str) -> Any:
     from quark_brevitas.config.presets import get_preset
     from quark_brevitas.types import ParamType
 
-    config = get_preset(preset)
+    config = get_preset(preset, model_config)
     config.exclude = ["*down_proj"]  # 688 input channels: no whole K-quant block (llama.cpp: F16)
     config.pre_quant_opt_config = []
     if recipe == "GPTQ":
         config.algo_config = [GPTQConfig(damp_percent=0.01, desc_act=True)]
-    if recipe in ("RTN mse", "GPTQ"):
-        key = next(iter(config.layer_type_quant_config))  # the Linear layers
-        weight = dataclasses.replace(config.layer_type_quant_config[key].weight, param_type=ParamType.mse)
-        config.layer_type_quant_config[key] = QLayerConfig(weight=weight)
+    if recipe in ("RTN mse", "GPTQ"):  # MSE-searched group scales, in every layer config of the preset
+        for level in (config.layer_type_quant_config, config.layer_quant_config):
+            for key, layer in level.items():
+                level[key] = QLayerConfig(weight=dataclasses.replace(layer.weight, param_type=ParamType.mse))
     return config
 
 
@@ -73,16 +75,17 @@ def k_quant_bits_per_weight(path: Path) -> float:
     return bits / elements
 
 
-def llama_cpp_quantize(source: Path, out: Path, ftype: int, ggml_type: int) -> Path:
-    """llama.cpp's own quantizer (``llama_model_quantize``) of ``source`` at ``ftype``: every tensor at the type
-    (``pure``) but the token embedding, kept F32 as in our files."""
+def llama_cpp_quantize(source: Path, out: Path, ftype: int, ggml_type: int | None) -> Path:
+    """llama.cpp's own quantizer (``llama_model_quantize``) of ``source`` at ``ftype``: with ``ggml_type``, every
+    tensor at that type (``pure``), else its mix's own per-tensor rules; the token embedding kept F32 as in ours."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
-    params.pure = True
     params.token_embedding_type = GGML_F32
-    params.output_tensor_type = ggml_type
+    params.pure = ggml_type is not None
+    if ggml_type is not None:
+        params.output_tensor_type = ggml_type
     params.nthread = 1
     out.parent.mkdir(parents=True, exist_ok=True)
     status = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 evaluation windows instead of 32")
-    parser.add_argument("--types", default=",".join(TYPES), help="presets, comma-separated")
+    parser.add_argument("--types", default=",".join([*MIXES, *TYPES]), help="presets, comma-separated")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
@@ -124,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     float_file = llamacpp.float_gguf(fresh(), folder, work / "float")
     rows.append(["float", "F32", "32.00", f"{float_file.stat().st_size / 1e6:.2f}",
                  f"{hf_perplexity(fresh(), evaluation):.3f}", f"{loader_ppl(float_file):.3f}", cpp_ppl(float_file)])
+    model_config = fresh().config
     for preset in args.types.split(","):
-        qtype, ftype, ggml_type = TYPES[preset]
+        qtype, ftype, ggml_type = TYPES[preset] if preset in TYPES else (*MIXES[preset], None)
         for recipe in ("RTN", "RTN mse", "GPTQ"):
-            quant = ModelQuantizer(_config(preset, recipe)).quantize_model(fresh(), calib)
+            quant = ModelQuantizer(_config(preset, recipe, model_config)).quantize_model(fresh(), calib)
             path = export_gguf(quant, work / f"{preset}_{recipe.replace(' ', '_')}", tokenizer_path=folder)
             ours, loaded = hf_perplexity(quant, evaluation), loader_ppl(path)
             rows.append([f"ours {recipe}", qtype, f"{k_quant_bits_per_weight(path):.3f}",
