@@ -67,8 +67,8 @@ GGUF_WEIGHT_TYPES: dict[tuple[str, bool], str] = {("int8", True): "Q8_0", ("int4
 _LAYOUTS = {"Q8_0": (BLOCK, BLOCK), "Q4_0": (BLOCK, BLOCK), "Q4_1": (BLOCK, BLOCK),
             **{name: (t.group_size, KQUANT_SUPER_BLOCK) for name, t in KQUANT_TYPES.items()}}
 _FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 (int4 symmetric, groups of 32) or Q4_1 (uint4 asymmetric, "
-         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1; Q6_K / Q3_K (int6 / int3 "
-         "symmetric, groups of 16, rows of whole 256s, scale_type=gguf_k: presets gguf_q6_k / gguf_q3_k)")
+         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1; K-quants Q2_K .. Q6_K "
+         "(int2 .. int6 symmetric, groups of 16 or 32, scale_type=gguf_k: presets gguf_q2_k .. gguf_q6_k)")
 
 
 @dataclass(frozen=True)

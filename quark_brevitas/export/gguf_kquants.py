@@ -1,4 +1,4 @@
-"""GGUF's symmetric K-quants Q6_K and Q3_K, packed from our integer codes when the scales can be written exactly.
+"""GGUF's K-quants Q2_K .. Q6_K, packed from our integer codes when the scales can be written exactly.
 
 A K-quant super-block holds 256 consecutive input channels of one row: per sub-block of 16 channels one small
 integer sub-scale ``s``, per super-block one float16 ``d``; a weight is ``d * s * q``.
@@ -9,7 +9,9 @@ integer sub-scale ``s``, per super-block one float16 ``d``; a weight is ``d * s 
 
 So an int6 / int3 symmetric weight per group of 16 is exact in the K-quant when, in every super-block, the 16
 group scales are integer multiples of one float16 number within the sub-scale's range. ``scale_type=gguf_k`` (the
-presets ``gguf_q6_k`` / ``gguf_q3_k``) makes them so; power-of-two scales (``scale_type=pof2``) usually are too.
+presets ``gguf_q2_k`` .. ``gguf_q6_k``) makes them so; power-of-two scales (``scale_type=pof2``) usually are too.
+Q2_K, Q4_K and Q5_K (``d * s * q - dmin * m``) hold symmetric codes with ``dmin = 2 ** (bits - 1) * d`` and
+``m = s`` (:mod:`quark_brevitas.config.kquants`).
 This module finds, per super-block, the largest such float16 ``d`` (the scales over each candidate sub-scale of
 the largest one) and refuses a super-block that has none.
 """
