@@ -1,5 +1,5 @@
-"""GGUF K-quants with general scales: ``scale_type=gguf_k`` grids (presets ``gguf_q6_k``, ``gguf_q3_k``) written as
-Q6_K / Q3_K blocks exactly.
+"""GGUF K-quants with general scales: ``scale_type=gguf_k`` grids (presets ``gguf_q2_k`` .. ``gguf_q6_k`` and
+llama.cpp's mixes) written as Q2_K .. Q6_K blocks exactly.
 
 Checks: the grid's scales are, per 256 input channels, integer multiples of one float16 number within the
 K-quant's sub-scale range; RTN and GPTQ round on it; the ``gguf`` package dequantizes every quantized tensor of
