@@ -233,3 +233,25 @@ def test_q4_k_m_mix_follows_llama_cpps_per_tensor_rules(tmp_path: Path) -> None:
 def test_a_mix_without_the_model_says_what_it_needs() -> None:
     with pytest.raises(ConfigError, match="number of layers: give the model"):
         get_preset("gguf_q3_k_m")
+
+
+# ===================================================================== optional: llama.cpp itself
+@pytest.mark.parametrize("preset", ["gguf_q6_k", "gguf_q5_k", "gguf_q4_k", "gguf_q3_k", "gguf_q2_k"])
+def test_llama_cpp_runs_our_k_quant_file_like_the_quantized_model(preset: str, tmp_path: Path) -> None:
+    """llama.cpp (llama-cpp-python, the extra [llamacpp]) loads the K-quant file and its logits follow the quantized
+    model's (not bit for bit: its K-quant products quantize the activations to 8 bits too) far closer than the
+    float model's do."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the extra [llamacpp])")
+    from test_gguf import _bpe_tokenizer
+
+    _bpe_tokenizer(tmp_path / "tok")
+    quant = _quantize(_model("llama"), preset)
+    path = export_gguf(quant, tmp_path / "out", tokenizer_path=tmp_path / "tok")
+    tokens = token_batches(1, seed=3)[0][0]
+    runner = llama_cpp.Llama(model_path=str(path), n_ctx=len(tokens), logits_all=True, n_threads=1, verbose=False)
+    runner.eval(tokens.tolist())
+    theirs = torch.tensor(np.asarray(runner.scores[:len(tokens)]), dtype=torch.float32)
+    with torch.no_grad():
+        ours, float_logits = quant(tokens[None]).logits[0], _model("llama")(tokens[None]).logits[0]
+    error, float_error = (float((logits - ours).norm() / ours.norm()) for logits in (theirs, float_logits))
+    assert error < 0.25 * float_error, (error, float_error)
