@@ -258,3 +258,27 @@ def test_llama_cpp_runs_our_k_quant_file_like_the_quantized_model(preset: str, t
     if preset in ("gguf_q4_k", "gguf_q3_k", "gguf_q2_k"):  # Q5_K / Q6_K weights are near float themselves
         assert error < 0.25 * float_error, (error, float_error)
     assert float((theirs.argmax(-1) == ours.argmax(-1)).float().mean()) >= 0.9
+
+
+@pytest.mark.parametrize("float_type", ["F32", "F16"])
+def test_a_float_model_is_written_as_an_f32_or_f16_file(float_type: str, tmp_path: Path) -> None:
+    """What llama.cpp's own quantizer starts from: the float model, matrices F32 (exact) or F16, vectors F32."""
+    model = _model("llama")
+    path = export_gguf(model, tmp_path / "out", float_type=float_type)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["blk.0.ffn_up.weight"] == types["output.weight"] == float_type
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf").eval()
+    tokens = token_batches(1, seed=3)[0]
+    with torch.no_grad():
+        reference = model.half().float() if float_type == "F16" else model
+        mlp = "model.layers.0.mlp.up_proj"
+        assert torch.equal(loaded.get_submodule(mlp).weight, reference.get_submodule(mlp).weight)
+        assert torch.allclose(loaded(tokens).logits, reference(tokens).logits, atol=1e-4, rtol=0)
+
+
+def test_float_type_is_checked(tmp_path: Path) -> None:
+    from quark_brevitas.export.errors import ExportArgumentError
+
+    with pytest.raises(ExportArgumentError, match="float_type must be 'F32' or 'F16'"):
+        export_gguf(_model("llama"), tmp_path / "out", float_type="BF16")

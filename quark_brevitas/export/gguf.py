@@ -49,8 +49,8 @@ from quark_brevitas.extras import require
 from quark_brevitas.outputs import output_dir as atomic_output_dir
 
 __all__ = ["GGUF_FAMILIES", "GGUF_FILE_NAME", "GGUF_WEIGHT_TYPES", "GGUFFamily", "GGUFPlan", "GGUFTensor",
-           "check_gguf_blocks", "collect_checked", "collect_gguf_tensors", "export_gguf", "plan_gguf",
-           "refuse_activation_quantizers", "tokenizer_dir_of", "write_gguf"]
+           "check_gguf_blocks", "collect_checked", "collect_gguf_tensors", "export_gguf", "float16_weights",
+           "plan_gguf", "refuse_activation_quantizers", "tokenizer_dir_of", "write_gguf"]
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ class GGUFTensor:
 
     name: str  # GGUF name
     data: np.ndarray
-    qtype: str  # "F32" or a GGUF block type
+    qtype: str  # "F32", "F16" or a GGUF block type
     expected: np.ndarray | None = None  # quantized: the weight the blocks must dequantize to (GGUF's row order)
 
 
@@ -381,8 +381,16 @@ def check_gguf_blocks(gguf: Any, tensors: list[GGUFTensor]) -> None:
 
 
 # ===================================================================== entry point
+def float16_weights(tensors: list[GGUFTensor]) -> list[GGUFTensor]:
+    """``tensors`` with every float (not quantized) matrix as F16, vectors (norms, biases) kept F32: the F16
+    file llama.cpp's converter writes (``--outtype f16``)."""
+    return [GGUFTensor(t.name, t.data.astype(np.float16), "F16") if t.qtype == "F32" and t.expected is None
+            and t.data.ndim == 2 else t for t in tensors]
+
+
 def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], model_type: str | None = None,
-                tokenizer_path: str | os.PathLike[str] | None = None, *, overwrite: bool = False) -> Path:
+                tokenizer_path: str | os.PathLike[str] | None = None, *, overwrite: bool = False,
+                float_type: str = "F32") -> Path:
     """Write ``output_dir/model.gguf`` for llama.cpp (and transformers' ``gguf_file=`` loader); returns its path.
 
     Args:
@@ -398,7 +406,11 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
         tokenizer_path: A folder with the model's ``tokenizer.json`` (byte-level BPE); ``None``: the model's own
             folder if it has one, else the file has no tokenizer (a warning says so).
         overwrite: Write into a folder holding files quark_brevitas did not write (only ours are replaced).
+        float_type: ``"F32"`` or ``"F16"``: the type of the weight matrices that are not quantized (a float model
+            as an F16 file, as llama.cpp's converter writes it; vectors stay F32 either way).
     """
+    if float_type not in ("F32", "F16"):
+        raise ExportArgumentError(f"float_type must be 'F32' or 'F16', got {float_type!r}")
     if not isinstance(quant_model, nn.Module):
         raise ExportArgumentError(f"quant_model must be a torch.nn.Module, got {type(quant_model).__name__}")
     config = getattr(quant_model, "config", None)
@@ -407,6 +419,8 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
     refuse_activation_quantizers(quant_model)
     with torch.no_grad():
         tensors = collect_checked(lambda: collect_gguf_tensors(quant_model, plan.family, plan.name_map, config))
+    if float_type == "F16":
+        tensors = float16_weights(tensors)
     check_gguf_blocks(plan.gguf, tensors)
     path = write_gguf(plan, config, tensors, output_dir, overwrite=overwrite)
     logger.info("Wrote %s (%d tensors, %d quantized)", path, len(tensors), sum(t.expected is not None for t in tensors))
@@ -459,7 +473,7 @@ def write_gguf(plan: GGUFPlan, config: Any, tensors: list[GGUFTensor], output_di
             _add_tokenizer(writer, gguf, plan.tokenizer_dir, plan.family.tokenizer_pre,
                            _config_value(config, "vocab_size", default=None))
         for tensor in tensors:
-            raw = None if tensor.qtype == "F32" else gguf.GGMLQuantizationType[tensor.qtype]
+            raw = None if tensor.qtype in ("F32", "F16") else gguf.GGMLQuantizationType[tensor.qtype]
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
