@@ -122,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     def cpp_ppl(path: Path) -> str:
         return f"{llamacpp.perplexity(path, evaluation):.3f}" if no_llama is None else "n/a"
 
-    rows: list[list[str]] = []
+    class Rows(list):  # each row printed as it is measured (a long run shows its progress)
+        def append(self, row: list[str]) -> None:
+            print(" | ".join(row), file=sys.stderr, flush=True)
+            super().append(row)
+
+    rows: list[list[str]] = Rows()
     work = Path(tempfile.mkdtemp(prefix="gguf_bench_"))
     float_file = llamacpp.float_gguf(fresh(), folder, work / "float")
     rows.append(["float", "F32", "32.00", f"{float_file.stat().st_size / 1e6:.2f}",
