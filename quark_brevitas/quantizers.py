@@ -58,6 +58,7 @@ from torch import nn
 
 from quark_brevitas.brevitas_adapter import RECIPROCAL_INT8_LETS
 from quark_brevitas.brevitas_adapter import generative_quantizers as bq_gen
+from quark_brevitas.brevitas_adapter.kquant import KQuantScaleRestrict
 from quark_brevitas.config.checks import (
     BIAS_BIT_WIDTHS,
     DEFAULT_PERCENTILE,
@@ -78,6 +79,7 @@ from quark_brevitas.config.checks import (
 from quark_brevitas.config.checks import verify_spec as verify_spec_rules
 from quark_brevitas.config.enums import ParamType, RoundType, ScaleType, ZeroPointType
 from quark_brevitas.config.formats import MIN_MAX_OBSERVERS
+from quark_brevitas.config.kquants import KQUANT_BY_BITS
 from quark_brevitas.config.specs import QuantizationSpec, narrow_range_of
 
 P = ParamType
@@ -267,6 +269,11 @@ def _scale_lets(spec: QuantizationSpec) -> dict[str, Any]:
     if spec.scale_type is ScaleType.float16:
         return {"restrict_scale_threshold_impl": Float16ScaleRestrict,
                 "scale_significant_bits": float16_scale_bits(spec)}
+    if spec.scale_type is ScaleType.gguf_k:
+        kquant = KQUANT_BY_BITS[spec.bit_width]
+        return {"restrict_scale_threshold_impl": KQuantScaleRestrict,
+                "kquant_groups_per_super_block": kquant.groups_per_super_block,
+                "kquant_sub_scale_max": kquant.sub_scale_max}
     return _SCALE_LETS[spec.scale_type]
 
 class _RoundHalfAwayFromZero(torch.autograd.Function):

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -50,12 +51,16 @@ def test_presets_build_valid_configs() -> None:
     assert DEFAULT_PRESET == "w8a8"
     assert set(PRESETS) == set(DESCRIPTIONS) == {"w8a8", "w8a8_per_channel", "w4a8_gptq", "w4_weight_only", "fp8",
                                                  "bert_w8a8", "bert_w8a8_dynamic", "bert_w4_g32", "gguf_q4_0",
-                                                 "gguf_q4_1", "gguf_q8_0", "finn_w8a8", "finn_w4a4", "finn_w2a2"}
+                                                 "gguf_q4_1", "gguf_q8_0", "finn_w8a8", "finn_w4a4", "finn_w2a2",
+                                                 "gguf_q6_k", "gguf_q5_k", "gguf_q4_k",
+                                                 "gguf_q3_k", "gguf_q2_k", "gguf_q6_k_mix", "gguf_q5_k_m",
+                                                 "gguf_q4_k_m", "gguf_q3_k_m", "gguf_q2_k_mix"}
+    model = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4)  # the GGUF mixes are per model
     for name in PRESETS:
-        config = get_preset(name)
+        config = get_preset(name, model)
         assert isinstance(config, Config)
         assert Config.from_dict(config.to_dict()) == config  # verifies too
-        assert get_preset(name) is not config  # a fresh object every call
+        assert get_preset(name, model) is not config  # a fresh object every call
 
 
 def test_unknown_preset_lists_names() -> None:

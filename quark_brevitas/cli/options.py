@@ -74,7 +74,7 @@ def shape_option(text: str) -> tuple[int, ...]:
 def resolve_config(args: argparse.Namespace) -> tuple[Config, str]:
     """The Config asked for (file, preset or the default preset) and a label for it."""
     from quark_brevitas.config import Config
-    from quark_brevitas.config.presets import DEFAULT_PRESET, get_preset
+    from quark_brevitas.config.presets import DEFAULT_PRESET, MODEL_PRESETS, get_preset
 
     if args.config is not None:
         try:
@@ -84,7 +84,16 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, str]:
                 raise
             raise CLIError(f"{args.config}: {exc}") from exc
     name = args.preset if args.preset is not None else DEFAULT_PRESET
-    return get_preset(name), f"preset {name}"
+    model_config = None
+    if name in MODEL_PRESETS and getattr(args, "model", None) is not None:
+        import types
+
+        config_file = Path(args.model) / "config.json"
+        if config_file.is_file():  # the GGUF mixes' per-layer rules need the layer count
+            import json
+
+            model_config = types.SimpleNamespace(**json.loads(config_file.read_text(encoding="utf-8")))
+    return get_preset(name, model_config), f"preset {name}"
 
 
 def read_text(path: str, option: str) -> str:

@@ -59,6 +59,8 @@ class ScaleType(Enum):
     float32 = "float32"
     float16 = "float16"
     bfloat16 = "bfloat16"
+    #: GGUF K-quant scales: per 256 input channels, one float16 number times integer sub-scales (Q3_K, Q6_K).
+    gguf_k = "gguf_k"
 
 
 class RoundType(Enum):

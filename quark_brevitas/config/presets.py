@@ -14,9 +14,11 @@ from collections.abc import Callable
 from quark_brevitas.config import Config, ParamType, QLayerConfig, QTensorConfig, QuantType
 from quark_brevitas.config import algorithms as algos
 from quark_brevitas.config.enums import Dtype, QSchemeType, ScaleType
+from quark_brevitas.config.gguf_mixes import gguf_mix_config
+from quark_brevitas.config.kquants import KQUANT_BY_BITS
 from quark_brevitas.errors import ConfigError
 
-__all__ = ["DEFAULT_PRESET", "DESCRIPTIONS", "PRESETS", "get_preset"]
+__all__ = ["DEFAULT_PRESET", "DESCRIPTIONS", "MODEL_PRESETS", "PRESETS", "get_preset"]
 
 DEFAULT_PRESET = "w8a8"
 
@@ -105,15 +107,38 @@ def _gguf(dtype: Dtype) -> Callable[[], Config]:
     return build
 
 
+# GGUF K-quants: int2..int6 symmetric weights per group of 16 (Q2_K, Q3_K, Q6_K) or 32 (Q4_K, Q5_K) on their full code
+# range, the group scales snapped per 256 input channels to integer multiples of one float16 number (gguf_k).
+def _gguf_kquant(bit_width: int) -> Callable[[], Config]:
+    def build() -> Config:
+        group_size = KQUANT_BY_BITS[bit_width].group_size
+        weight = QTensorConfig(bit_width=bit_width, qscheme=QSchemeType.per_group, group_size=group_size,
+                               scale_type=ScaleType.gguf_k, narrow_range=False)
+        return _linear_only(QLayerConfig(weight=weight))
+
+    return build
+
+
+def _gguf_mix(mix: str) -> Callable[..., Config]:
+    def build(model_config: object = None) -> Config:
+        if model_config is None:
+            raise ConfigError("preset", f"preset gguf_{mix.lower()} follows llama.cpp's per-layer rules, which depend "
+                              "on the model's number of layers: give the model (quark-brevitas quantize --model DIR, "
+                              "or get_preset(name, model.config) / gguf_mix_config(mix, model.config))")
+        return gguf_mix_config(mix, model_config)
+
+    return build
+
+
 def _fp8() -> Config:
     # No bias quantization: an integer bias needs integer input and weight scales.
     return Config(QLayerConfig(weight=_FP8_E4M3, input_tensors=_FP8_E4M3))
 
 
 # ---------------------------------------------------------------- FINN (whole networks, Backend.graph)
-# Every tensor reaching a compute layer is quantized (docs/how-to/graph-finn.md): per-tensor symmetric activations (unsigned
-# behind ReLUs, signed elsewhere, zero point 0), per-channel symmetric weights, float biases (FINN absorbs them into
-# the next thresholds).
+# Every tensor reaching a compute layer is quantized (docs/how-to/graph-finn.md): per-tensor symmetric activations
+# (unsigned behind ReLUs, signed elsewhere, zero point 0), per-channel symmetric weights, float biases (FINN absorbs
+# them into the next thresholds).
 def _finn(bits: int) -> Callable[[], Config]:
     def build() -> Config:
         from quark_brevitas.config.enums import Backend
@@ -124,7 +149,7 @@ def _finn(bits: int) -> Callable[[], Config]:
     return build
 
 
-PRESETS: dict[str, Callable[[], Config]] = {
+PRESETS: dict[str, Callable[..., Config]] = {
     "w8a8": _w8a8,
     "w8a8_per_channel": _w8a8_per_channel,
     "w4a8_gptq": _w4a8_gptq,
@@ -136,10 +161,23 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "gguf_q4_0": _gguf(Dtype.int4),
     "gguf_q4_1": _gguf(Dtype.uint4),
     "gguf_q8_0": _gguf(Dtype.int8),
+    "gguf_q6_k": _gguf_kquant(6),
+    "gguf_q5_k": _gguf_kquant(5),
+    "gguf_q4_k": _gguf_kquant(4),
+    "gguf_q3_k": _gguf_kquant(3),
+    "gguf_q2_k": _gguf_kquant(2),
+    "gguf_q6_k_mix": _gguf_mix("Q6_K"),
+    "gguf_q5_k_m": _gguf_mix("Q5_K_M"),
+    "gguf_q4_k_m": _gguf_mix("Q4_K_M"),
+    "gguf_q3_k_m": _gguf_mix("Q3_K_M"),
+    "gguf_q2_k_mix": _gguf_mix("Q2_K"),
     "finn_w8a8": _finn(8),
     "finn_w4a4": _finn(4),
     "finn_w2a2": _finn(2),
 }
+
+#: The presets built for a model (``get_preset(name, model_config)``).
+MODEL_PRESETS = ("gguf_q6_k_mix", "gguf_q5_k_m", "gguf_q4_k_m", "gguf_q3_k_m", "gguf_q2_k_mix")
 
 DESCRIPTIONS: dict[str, str] = {
     "w8a8": "int8 per-tensor weights, int8 per-tensor inputs, int32 bias (default)",
@@ -157,16 +195,36 @@ DESCRIPTIONS: dict[str, str] = {
     "gguf_q4_1": "GGUF Q4_1: Linear layers only, uint4 asymmetric weights per group of 32, float16 scales and offsets",
     "gguf_q8_0": "GGUF Q8_0: Linear layers only, int8 symmetric weights (codes -127..127) per group of 32, "
                  "float16 scales",
+    "gguf_q6_k": "GGUF Q6_K: Linear layers only, int6 symmetric weights per group of 16, per 256 input channels "
+                 "int8 multiples of one float16 scale",
+    "gguf_q5_k": "GGUF Q5_K: Linear layers only, int5 symmetric weights per group of 32, per 256 input channels "
+                 "6-bit multiples of one float16 scale",
+    "gguf_q4_k": "GGUF Q4_K: Linear layers only, int4 symmetric weights per group of 32, per 256 input channels "
+                 "6-bit multiples of one float16 scale",
+    "gguf_q3_k": "GGUF Q3_K: Linear layers only, int3 symmetric weights per group of 16, per 256 input channels "
+                 "6-bit multiples of one float16 scale",
+    "gguf_q2_k": "GGUF Q2_K: Linear layers only, int2 symmetric weights per group of 16, per 256 input channels "
+                 "4-bit multiples of one float16 scale",
+    "gguf_q6_k_mix": "llama.cpp's Q6_K file: gguf_q6_k everywhere (the head Q6_K too); needs the model",
+    "gguf_q5_k_m": "llama.cpp's Q5_K_M mix: Q5_K, Q6_K for attn_v / ffn_down in some layers and the head; needs the "
+                   "model",
+    "gguf_q4_k_m": "llama.cpp's Q4_K_M mix: Q4_K, Q6_K for attn_v / ffn_down in some layers and the head; needs the "
+                   "model",
+    "gguf_q3_k_m": "llama.cpp's Q3_K_M mix: Q3_K, Q4_K/Q5_K for attn_v, ffn_down, attn_output, Q6_K head; needs the "
+                   "model",
+    "gguf_q2_k_mix": "llama.cpp's Q2_K mix: Q2_K, Q3_K/Q4_K for attn_v, ffn_down, attn_output, Q6_K head; needs the "
+                     "model",
     "finn_w8a8": "Backend.graph for FINN: every tensor int8 (unsigned after ReLU), int8 per-channel weights",
     "finn_w4a4": "Backend.graph for FINN: every tensor 4-bit (unsigned after ReLU), int4 per-channel weights",
     "finn_w2a2": "Backend.graph for FINN: every tensor 2-bit (unsigned after ReLU), int2 per-channel weights",
 }
 
 
-def get_preset(name: str) -> Config:
-    """A fresh Config for preset ``name``; :class:`ConfigError` listing the presets if unknown."""
+def get_preset(name: str, model_config: object = None) -> Config:
+    """A fresh Config for preset ``name``; :class:`ConfigError` listing the presets if unknown. The GGUF mixes
+    (``gguf_q4_k_m`` ...) need the model's config (``model_config``: its layer count); the others ignore it."""
     try:
         build = PRESETS[name]
     except KeyError:
         raise ConfigError("", f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}") from None
-    return build()
+    return build(model_config) if name in MODEL_PRESETS else build()

@@ -66,7 +66,9 @@ class QuantizationSpec:
     - ``symmetric``: zero point in the middle of the integer range (True) or fitted to min/max (False).
     - ``scale_type``: ``float`` or ``pof2`` (power-of-two) scales; ``per_group`` with ``pof2`` is the OCP MX
       shared-exponent rule; ``float16`` (integer weights): every scale is a float16 number, as GGUF stores it
-      (asymmetric: with ``11 - bit_width`` significant bits, so that ``scale * zero_point`` is one too).
+      (asymmetric: with ``11 - bit_width`` significant bits, so that ``scale * zero_point`` is one too);
+      ``gguf_k`` (int6 / int3 symmetric weights per group of 16): per 256 input channels, integer multiples of
+      one float16 number, as GGUF's K-quants Q6_K / Q3_K store them.
     - ``quant_type``: ``int_quant`` or ``float_quant`` (then give exponent and mantissa widths).
     - ``param_type``: ``stats`` or ``mse``.
     - ``bit_width``: total bits of the quantized value (sign included for float formats).

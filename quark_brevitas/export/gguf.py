@@ -11,9 +11,10 @@ GGUF block types hold one float16 scale (Q4_1: and one float16 offset) per 32 co
 
 The presets ``gguf_q4_0``, ``gguf_q4_1`` and ``gguf_q8_0`` (``scale_type=float16``) make those scales float16
 numbers, so the file is exact: the ``gguf`` package dequantizes every block to the quantized model's weight bit
-for bit, and the exporter checks that before it writes. The K-quant ``Q6_K`` holds int6 symmetric weights per
-group of 16 whose scales are, per 256 input channels, int8 multiples of one float16 number: power-of-two scales
-(``scale_type=pof2``) are (:mod:`quark_brevitas.export.gguf_kquants`, which also says why Q4_K is not written).
+for bit, and the exporter checks that before it writes. The K-quants ``Q6_K`` / ``Q3_K`` hold int6 / int3
+symmetric weights per group of 16 whose scales are, per 256 input channels, integer multiples of one float16
+number: ``scale_type=gguf_k`` (presets ``gguf_q6_k`` / ``gguf_q3_k``) makes them so, and gives rows of no whole
+256 the grid of the 32-channel type llama.cpp falls back to (:mod:`quark_brevitas.export.gguf_kquants`).
 
 Families: Llama, Mistral, Qwen2 and GPT-2 (whose Conv1D weights, stored ``[in, out]``, are written ``[out, in]`` as
 llama.cpp's converter writes them). A head tied to the embedding is written as its own tensor (``output``), with
@@ -37,9 +38,11 @@ import torch
 from torch import nn
 
 from quark_brevitas.brevitas_adapter import iter_quantizers
+from quark_brevitas.brevitas_adapter.kquant import is_kquant_layer
+from quark_brevitas.config.kquants import KQUANT_BY_BITS, KQUANT_SUPER_BLOCK, KQUANT_TYPES
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
-from quark_brevitas.export.gguf_kquants import Q6_K_GROUP, Q6_K_SUPER_BLOCK, pack_q6_k
+from quark_brevitas.export.gguf_kquants import KQUANT_FALLBACK, KQUANT_PACKERS, kquant_fallback
 from quark_brevitas.export.hf import refuse_online_rotations
 from quark_brevitas.export.intweights import IntegerWeight, integer_weights
 from quark_brevitas.export.readback import verify_gguf_file
@@ -47,8 +50,8 @@ from quark_brevitas.extras import require
 from quark_brevitas.outputs import output_dir as atomic_output_dir
 
 __all__ = ["GGUF_FAMILIES", "GGUF_FILE_NAME", "GGUF_WEIGHT_TYPES", "GGUFFamily", "GGUFPlan", "GGUFTensor",
-           "check_gguf_blocks", "collect_checked", "collect_gguf_tensors", "export_gguf", "plan_gguf",
-           "check_tokenizer_fits", "refuse_activation_quantizers", "tokenizer_dir_of", "write_gguf"]
+           "check_gguf_blocks", "check_tokenizer_fits", "collect_checked", "collect_gguf_tensors", "export_gguf",
+           "float16_weights", "plan_gguf", "refuse_activation_quantizers", "tokenizer_dir_of", "write_gguf"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +62,14 @@ BLOCK = 32
 
 #: (format, symmetric) of an integer weight -> GGUF type name.
 GGUF_WEIGHT_TYPES: dict[tuple[str, bool], str] = {("int8", True): "Q8_0", ("int4", True): "Q4_0",
-                                                   ("uint4", False): "Q4_1", ("int6", True): "Q6_K"}
+                                                   ("uint4", False): "Q4_1", ("int6", True): "Q6_K",
+                                                   ("int3", True): "Q3_K"}
 #: GGUF type -> (input channels per scale, input channels a row must be a whole number of).
 _LAYOUTS = {"Q8_0": (BLOCK, BLOCK), "Q4_0": (BLOCK, BLOCK), "Q4_1": (BLOCK, BLOCK),
-            "Q6_K": (Q6_K_GROUP, Q6_K_SUPER_BLOCK)}
+            **{name: (t.group_size, KQUANT_SUPER_BLOCK) for name, t in KQUANT_TYPES.items()}}
 _FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 (int4 symmetric, groups of 32) or Q4_1 (uint4 asymmetric, "
-         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1; Q6_K (int6 symmetric, "
-         "groups of 16, rows of whole 256s, power-of-two scales: scale_type=pof2)")
+         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1; K-quants Q2_K .. Q6_K "
+         "(int2 .. int6 symmetric, groups of 16 or 32, scale_type=gguf_k: presets gguf_q2_k .. gguf_q6_k)")
 
 
 @dataclass(frozen=True)
@@ -93,17 +97,20 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
 
 
 # ===================================================================== weights
-def _gguf_type(name: str, entry: IntegerWeight) -> str:
-    """The GGUF type of a quantized layer's weight, or the ExportError saying what fits."""
+def gguf_type(name: str, entry: IntegerWeight, kquant: bool = False) -> str:
+    """The GGUF type of a quantized layer's weight (``kquant``: its scales are ``scale_type=gguf_k`` ones), or the
+    ExportError saying what fits."""
     symmetric = entry.zero_point.numel() == 1 and not entry.zero_point.any()
     qtype = GGUF_WEIGHT_TYPES.get((entry.format, symmetric))
+    if kquant and symmetric and entry.format in {f"int{bits}" for bits in KQUANT_BY_BITS}:
+        qtype = KQUANT_BY_BITS[entry.bit_width].name
     layout = (f"per group of {entry.group_size}" if entry.group_size else
               "per channel" if entry.axis is not None else "per tensor")
     group, row = _LAYOUTS.get(qtype, (0, 0))
     if qtype is None or entry.group_size != group or entry.axis != 1 or entry.int_weight.dim() != 2:
         raise ExportError(f"layer '{name}' has {entry.format} {'symmetric' if symmetric else 'asymmetric'} weights "
                           f"{layout}, which no GGUF type holds; GGUF types that fit: {_FITS}")
-    if entry.int_weight.shape[1] % row:
+    if entry.int_weight.shape[1] % row and qtype not in KQUANT_FALLBACK:
         raise ExportError(f"layer '{name}' has {entry.int_weight.shape[1]} input channels, not a multiple of "
                           f"{row} (the GGUF block); {qtype} needs whole blocks")
     return qtype
@@ -118,11 +125,11 @@ def _float16_exact(name: str, what: str, values: torch.Tensor) -> np.ndarray:
     return half.numpy()
 
 
-def _pack(name: str, entry: IntegerWeight, qtype: str) -> np.ndarray:
+def pack_gguf_tensor(name: str, entry: IntegerWeight, qtype: str) -> np.ndarray:
     """The GGUF blocks of one weight as ``uint8 [rows, bytes per row]`` (llama.cpp's layout: float16 scale
     (Q4_1: then offset), then the 32 codes; 4-bit codes two per byte, element ``j`` low and ``j + 16`` high)."""
-    if qtype == "Q6_K":
-        return pack_q6_k(name, entry)
+    if qtype in KQUANT_PACKERS:
+        return KQUANT_PACKERS[qtype](name, entry)
     rows, cols = entry.int_weight.shape
     scale = entry.scale.detach().float().reshape(-1, 1)
     d = _float16_exact(name, "scales", scale).view(np.uint8)
@@ -315,7 +322,7 @@ class GGUFTensor:
 
     name: str  # GGUF name
     data: np.ndarray
-    qtype: str  # "F32" or a GGUF block type
+    qtype: str  # "F32", "F16" or a GGUF block type
     expected: np.ndarray | None = None  # quantized: the weight the blocks must dequantize to (GGUF's row order)
     digest: str | None = None  # SHA-256 of ``data`` when it was proven (set when ``data`` moves out of memory)
 
@@ -370,8 +377,11 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
         rows_heads = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else None
         if layer in weights and leaf == "weight":
             entry = weights[layer]
-            qtype = _gguf_type(prefix + layer, entry)
-            data, expected = _pack(prefix + layer, entry, qtype), entry.dequantize().detach().float().numpy()
+            qtype = gguf_type(prefix + layer, entry, is_kquant_layer(model.get_submodule(layer)))
+            if qtype in KQUANT_FALLBACK and entry.int_weight.shape[1] % KQUANT_SUPER_BLOCK:
+                entry, qtype = kquant_fallback(prefix + layer, entry, qtype)
+            expected = entry.dequantize().detach().float().numpy()
+            data = expected if qtype == "F32" else pack_gguf_tensor(prefix + layer, entry, qtype)
         else:
             qtype, data, expected = "F32", param.detach().float().cpu().numpy(), None
             if leaf == "weight" and _float_conv1d(model.get_submodule(layer)):
@@ -397,8 +407,16 @@ def check_gguf_blocks(gguf: Any, tensors: list[GGUFTensor]) -> None:
 
 
 # ===================================================================== entry point
+def float16_weights(tensors: list[GGUFTensor]) -> list[GGUFTensor]:
+    """``tensors`` with every float (not quantized) matrix as F16, vectors (norms, biases) kept F32: the F16
+    file llama.cpp's converter writes (``--outtype f16``)."""
+    return [GGUFTensor(t.name, t.data.astype(np.float16), "F16") if t.qtype == "F32" and t.expected is None
+            and t.data.ndim == 2 else t for t in tensors]
+
+
 def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], model_type: str | None = None,
-                tokenizer_path: str | os.PathLike[str] | None = None, *, overwrite: bool = False) -> Path:
+                tokenizer_path: str | os.PathLike[str] | None = None, *, overwrite: bool = False,
+                float_type: str = "F32") -> Path:
     """Write ``output_dir/model.gguf`` for llama.cpp (and transformers' ``gguf_file=`` loader); returns its path.
 
     Args:
@@ -414,7 +432,11 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
         tokenizer_path: A folder with the model's ``tokenizer.json`` (byte-level BPE); ``None``: the model's own
             folder if it has one, else the file has no tokenizer (a warning says so).
         overwrite: Write into a folder holding files quark_brevitas did not write (only ours are replaced).
+        float_type: ``"F32"`` or ``"F16"``: the type of the weight matrices that are not quantized (a float model
+            as an F16 file, as llama.cpp's converter writes it; vectors stay F32 either way).
     """
+    if float_type not in ("F32", "F16"):
+        raise ExportArgumentError(f"float_type must be 'F32' or 'F16', got {float_type!r}")
     if not isinstance(quant_model, nn.Module):
         raise ExportArgumentError(f"quant_model must be a torch.nn.Module, got {type(quant_model).__name__}")
     config = getattr(quant_model, "config", None)
@@ -423,6 +445,8 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
     refuse_activation_quantizers(quant_model)
     with torch.no_grad():
         tensors = collect_checked(lambda: collect_gguf_tensors(quant_model, plan.family, plan.name_map, config))
+    if float_type == "F16":
+        tensors = float16_weights(tensors)
     check_gguf_blocks(plan.gguf, tensors)
     path = write_gguf(plan, config, tensors, output_dir, overwrite=overwrite)
     logger.info("Wrote %s (%d tensors, %d quantized)", path, len(tensors), sum(t.expected is not None for t in tensors))
@@ -478,7 +502,7 @@ def write_gguf(plan: GGUFPlan, config: Any, tensors: list[GGUFTensor], output_di
             _add_tokenizer(writer, gguf, plan.tokenizer_dir, plan.family.tokenizer_pre,
                            _config_value(config, "vocab_size", default=None))
         for tensor in tensors:
-            raw = None if tensor.qtype == "F32" else gguf.GGMLQuantizationType[tensor.qtype]
+            raw = None if tensor.qtype in ("F32", "F16") else gguf.GGMLQuantizationType[tensor.qtype]
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -5,8 +5,9 @@ after the calibration (hours on a real model). The refusal must come first, and 
 a second, hand-written list of what GGUF holds would drift from the one the writer applies. So each distinct
 (weight spec, input width) of the plan is tried on a two-row stand-in layer, quantized with that spec (no data,
 no algorithm: the layout of the codes does not depend on them) and packed by the same functions the writer uses
-(:func:`quark_brevitas.export.gguf._gguf_type` and ``_pack``); the model's family (:func:`plan_gguf`) and the
-tokenizer's fit to the embedding (:func:`check_tokenizer_fits`) are the writer's checks too.
+(:func:`quark_brevitas.export.gguf.gguf_type` and :func:`~quark_brevitas.export.gguf.pack_gguf_tensor`); the
+model's family (:func:`plan_gguf`) and the tokenizer's fit to the embedding (:func:`check_tokenizer_fits`) are the
+writer's checks too.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def _try_layer(name: str, layer_config: Any, width: int) -> None:
     """Quantize a ``[2, width]`` Linear with ``layer_config``'s weight spec and pack it as the writer would (two
     rows, so that one scale per row is told apart from one per tensor)."""
     from quark_brevitas.api import ModelQuantizer
+    from quark_brevitas.brevitas_adapter.kquant import is_kquant_layer
     from quark_brevitas.config import Config, QLayerConfig
-    from quark_brevitas.export.gguf import _gguf_type, _pack
+    from quark_brevitas.export.gguf import gguf_type, pack_gguf_tensor
     from quark_brevitas.export.intweights import integer_weights
 
     config = Config(QLayerConfig(weight=layer_config.weight), pre_quant_opt_config=[], algo_config=[])
@@ -50,7 +52,7 @@ def _try_layer(name: str, layer_config: Any, width: int) -> None:
     with _quiet():  # the stand-in is not the user's model: its "Quantized 1 layers" would only confuse
         quantized = ModelQuantizer(config).quantize_model(stand_in)
     entry = next(iter(integer_weights(quantized).values()))
-    _pack(name, entry, _gguf_type(name, entry))
+    pack_gguf_tensor(name, entry, gguf_type(name, entry, is_kquant_layer(quantized)))
 
 
 @contextlib.contextmanager
