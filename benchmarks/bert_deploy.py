@@ -102,12 +102,20 @@ def _config(weight: QTensorConfig, inputs: QTensorConfig | None, *, pre: Sequenc
     )
 
 
-def _with_dynamic_ffn_output(config: Config) -> Config:
-    """``config`` with the inputs of each layer's FFN output Linear (after GELU: one-sided, with outliers) quantized
-    at run time per tensor (onnxruntime's fused DynamicQuantizeLinear) instead of with a calibrated scale."""
-    layer = QLayerConfig(weight=W8, input_tensors=A8_UINT8_DYNAMIC)
-    config.layer_quant_config.update({"*layer.[0-9].output.dense": layer, "*layer.[0-9][0-9].output.dense": layer})
-    return config
+def _static_but_ffn_output() -> Config:
+    """bert_w8a8 (static uint8 inputs, int32 bias, ActivationEqualization) except the FFN output Linear of each layer,
+    whose input (after GELU: one-sided, with outliers) is quantized at run time per tensor (onnxruntime's fused
+    DynamicQuantizeLinear; its bias stays float, as an int32 bias needs a fixed input scale)."""
+    static = QLayerConfig(weight=W8, input_tensors=A8_UINT8, bias=BIAS32)
+    return Config(
+        QLayerConfig(),
+        layer_type_quant_config={nn.Linear: QLayerConfig(weight=W8, input_tensors=A8_UINT8_DYNAMIC),
+                                 nn.Embedding: QLayerConfig(weight=EMBEDDING_WEIGHT)},
+        layer_quant_config={"*attention.self.query": static, "*attention.self.key": static,
+                            "*attention.self.value": static, "*attention.output.dense": static,
+                            "*intermediate.dense": static},
+        pre_quant_opt_config=[algos.Preprocess(), algos.ActivationEqualization()],
+    )
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,9 @@ RECIPES: list[Recipe] = [
     Recipe("W8 per-channel, A8 int8 dynamic per-token", lambda: _config(W8, A8_DYNAMIC_TOKEN)),
     Recipe("bert_w8a8_dynamic: W8 per-channel, A8 uint8 dynamic per-token", lambda: get_preset("bert_w8a8_dynamic")),
     Recipe("bert_w8a8 with the FFN output layers' inputs uint8 dynamic per-tensor",
-           lambda: _with_dynamic_ffn_output(get_preset("bert_w8a8"))),
+           _static_but_ffn_output),
+    Recipe("W8 per-channel, A8 uint8 dynamic per-tensor + ActivationEqualization",
+           lambda: _config(W8, A8_UINT8_DYNAMIC, pre=[algos.ActivationEqualization()])),
     Recipe("W4 per-channel MSE + GPTQ (weights only)", lambda: _config(W4_MSE, None, post=[algos.GPTQ()])),
     Recipe("W4 per-channel MSE + GPTQ, A8 uint8", lambda: _config(W4_MSE, A8_UINT8, post=[algos.GPTQ()])),
     Recipe("W4 per-group g128 + GPTQ (weights only)", lambda: _config(W4_G128, None, post=[algos.GPTQ()])),
