@@ -476,8 +476,11 @@ def run_anchor(python: str, **args: Any) -> dict[str, Any]:
 
 
 def _median(values: list[float]) -> float | None:
-    values = sorted(v for v in values if v == v)
-    return values[len(values) // 2] if values else None
+    values = sorted(v for v in values if v == v)  # NaN (a failed run) left out
+    if not values:
+        return None
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
 def section_roofline(anchor_python: str | None, recipes: list[str], depths: list[int], repeats: int,
