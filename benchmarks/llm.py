@@ -458,6 +458,69 @@ def task_speed(args: dict[str, Any]) -> dict[str, Any]:
 
 TASKS = {"llm": task_llm, "depth": task_depth, "memory": task_memory, "minilm": task_minilm, "speed": task_speed}
 
+#: Our speed_config recipe and Quark's (benchmarks/quark_anchor.py) and the roofline's name for each algorithm.
+SIDE_BY_SIDE = {"gptqconfig": ("gptq", "GPTQConfig W4 g128"), "awq": ("awq", "AWQConfig W4 g128"),
+                "qronos": ("qronos", "QronosConfig int3 g128"), "smoothquant": ("smoothquant", "SmoothQuant W8A8")}
+
+
+def run_anchor(python: str, **args: Any) -> dict[str, Any]:
+    """One Quark 0.13 measurement in its own virtualenv and process (benchmarks/quark_anchor.py)."""
+    script = str(Path(__file__).resolve().parent / "quark_anchor.py")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # Quark's venv, not our checkout
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    completed = subprocess.run([python, script, json.dumps(args)], capture_output=True, text=True, env=env,
+                               check=False)
+    if completed.returncode != 0:
+        return {"error": completed.stderr.strip().splitlines()[-1] if completed.stderr.strip() else "failed"}
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if v == v)  # NaN (a failed run) left out
+    if not values:
+        return None
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+def section_roofline(anchor_python: str | None, recipes: list[str], depths: list[int], repeats: int,
+                     rows_count: int = 64) -> str:
+    """Ours and Quark's CPU time, alternately in the same run (``repeats`` each, medians), beside the floor."""
+    import roofline
+
+    rate = roofline.GemmRate()
+    block = roofline.Block(WIDTH, 768, rows_count * SEQ, SEQ)
+    table = []
+    for recipe in recipes:
+        algorithm, label = SIDE_BY_SIDE[recipe]
+        for blocks in depths:
+            ours_s: list[float] = []
+            quark_s: list[float] = []
+            for _ in range(repeats):  # interleaved: the machine's load hits both alike
+                ours = run_child("speed", recipe=recipe, blocks=blocks, rows=rows_count)
+                ours_s.append(ours.get("cpu_seconds", float("nan")))
+                if anchor_python:
+                    quark = run_anchor(anchor_python, task="speed", recipe=algorithm, blocks=blocks, rows=rows_count,
+                                       bits=3 if recipe == "qronos" else 4)
+                    quark_s.append(quark.get("cpu_seconds", float("nan")))
+                    if "error" in quark:
+                        print(f"Quark {recipe} {blocks}: {quark['error']}", file=sys.stderr)
+                if "error" in ours:
+                    print(f"ours {recipe} {blocks}: {ours['error']}", file=sys.stderr)
+            floor = roofline.floor_seconds(algorithm, block, blocks, rate)
+            mine, theirs = _median(ours_s), _median(quark_s)
+            table.append([label, str(blocks), f"{roofline.flops(algorithm, block, blocks) / 1e9:.0f}",
+                          f"{floor:.2f}", _fmt(mine, ".2f"), _fmt(theirs, ".2f"),
+                          f"{mine / theirs:.2f}x" if mine and theirs else "-",
+                          f"{mine / floor:.2f}x" if mine else "-", f"{theirs / floor:.2f}x" if theirs else "-",
+                          " ".join(f"{v:.2f}" for v in ours_s), " ".join(f"{v:.2f}" for v in quark_s)])
+    rates = sorted(rate.rates.values())
+    header = [f"1 thread, random Llama {WIDTH} wide (768), vocab 8192, {rows_count} x {SEQ} tokens, batch 1",
+              "blocks", "floor GFLOP", "floor s", "ours CPU s (median)", "Quark 0.13 CPU s (median)", "ours / Quark",
+              "ours / floor", "Quark / floor", "ours, each run", "Quark, each run"]
+    return (f"measured float32 GEMM rate, 1 thread, at the shapes involved: {rates[0] / 1e9:.0f}-"
+            f"{rates[-1] / 1e9:.0f} GFLOP/s\n" + _table(header, table))
+
 
 # ===================================================================== driver
 def run_child(task: str, **args: Any) -> dict[str, Any]:
@@ -617,8 +680,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run (numbers not comparable)")
     parser.add_argument("--steps", type=int, default=200, help="training steps of the Llama (default 200)")
-    parser.add_argument("--only", choices=("speed", "llama", "depth", "memory", "minilm"), action="append",
+    parser.add_argument("--only", choices=("roofline", "speed", "llama", "depth", "memory", "minilm"),
+                        action="append",
                         help="run only these sections (repeatable)")
+    parser.add_argument("--anchor-python", default="/work/anchor-venv/bin/python",
+                        help="interpreter of a virtualenv with amd-quark==0.13 for the side-by-side roofline section "
+                             "('' to skip Quark)")
+    parser.add_argument("--recipes", default="gptqconfig", help="roofline section: comma-separated of "
+                        f"{','.join(SIDE_BY_SIDE)} (default gptqconfig)")
+    parser.add_argument("--depths", default="2,4,8", help="roofline section: block counts (default 2,4,8)")
+    parser.add_argument("--repeats", type=int, default=3, help="roofline section: runs of each tool (default 3)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -628,8 +699,12 @@ def main(argv: list[str] | None = None) -> int:
         request = json.loads(args.child)
         print(json.dumps(TASKS[request.pop("task")](request)))
         return 0
-    sections = args.only or ["speed", "llama", "depth", "memory", "minilm"]
+    sections = args.only or ["roofline", "speed", "llama", "depth", "memory", "minilm"]
     out = []
+    if "roofline" in sections:
+        anchor = args.anchor_python if args.anchor_python and Path(args.anchor_python).exists() else None
+        out.append(section_roofline(anchor, args.recipes.split(","), [int(d) for d in args.depths.split(",")],
+                                    args.repeats))
     if "speed" in sections:
         out.append(section_speed(args.quick))
     if "llama" in sections:

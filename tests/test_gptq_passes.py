@@ -242,3 +242,20 @@ def test_offloading_activations_turns_the_memo_off(offload: str | None, monkeypa
                     exclude=["lm_head"])
     ModelQuantizer(config).quantize_model(tiny_llama(2), token_batches(2), offload=offload)
     assert budgets == [0 if offload else LAYER_OUTPUT_BUDGET] * 2  # one GPTQ run per block
+
+
+def test_group_starts_are_each_groups_first_column_in_processing_order() -> None:
+    """GPTQConfig's dynamic groups start where the permuted column order first reaches each group (worked out once
+    per layer instead of per column); columns of groups already started (Qronos's first column) are left out."""
+    from quark_brevitas.algorithms.gptq import ColumnRounding
+
+    perm = torch.tensor([5, 0, 7, 2, 1, 6, 3, 4])  # groups of 2: 5->2, 0->0, 7->3, 2->1, ...
+
+    def state(dynamic: bool, started: set[int]) -> ColumnRounding:
+        return ColumnRounding(work=torch.zeros(1, 8), grid=None, perm=perm, inverse_perm=torch.argsort(perm),
+                              scale_source=torch.zeros(1, 8), grid_for=None, group_size=2, dynamic=dynamic,
+                              quantized=torch.zeros(1, 8), losses=torch.zeros(1), groups_started=set(started))
+
+    assert state(True, set()).group_starts() == {0, 1, 2, 3}
+    assert state(True, {2}).group_starts() == {1, 2, 3}  # group 2 (column 0's) already started
+    assert state(False, set()).group_starts() == set()

@@ -134,6 +134,18 @@ class ColumnRounding:
                     torch.zeros(work.shape[0], dtype=work.dtype, device=work.device))
         return state, hessian[perm][:, perm]
 
+    def group_starts(self) -> set[int]:
+        """Dynamic groups: the columns (processing order) at which a group is first reached, worked out once from
+        the permutation rather than looked up per column (a tensor index and a set lookup for each of them)."""
+        if not self.dynamic:
+            return set()
+        starts, seen = set(), set(self.groups_started)
+        for column, channel in enumerate(self.perm.tolist()):
+            if channel // self.group_size not in seen:
+                seen.add(channel // self.group_size)
+                starts.add(column)
+        return starts
+
     def _start_group(self, column: int, block: torch.Tensor, offset: int, stop: int) -> None:
         """Dynamic groups: the grid of ``column``'s group from the weight as updated so far."""
         group = int(self.perm[column]) // self.group_size
@@ -154,6 +166,7 @@ class ColumnRounding:
         columns not yet rounded with ``factor`` (:func:`inverse_hessian_factor`): rank-1 updates inside blocks of
         ``block_size`` columns, one matrix product between blocks (AutoGPTQ's lazy batch)."""
         columns = self.work.shape[1]
+        starts = self.group_starts()
         for start in range(first_column, columns, block_size):
             stop = min(start + block_size, columns)
             block = self.work[:, start:stop].clone()
@@ -166,7 +179,7 @@ class ColumnRounding:
             scale, zero_point = self.grid.scale[:, start:stop], self.grid.zero_point[:, start:stop]
             for offset in range(stop - start):
                 column = start + offset
-                if self.dynamic:
+                if column in starts:
                     self._start_group(column, block, offset, stop)
                 values = block[:, offset]
                 rounded = self.grid.quantize_values(values, scale[:, offset], zero_point[:, offset])
