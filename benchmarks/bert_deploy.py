@@ -138,7 +138,7 @@ RECIPES: list[Recipe] = [
     Recipe("W4 per-channel MSE + GPTQ, A8 uint8", lambda: _config(W4_MSE, A8_UINT8, post=[algos.GPTQ()])),
     Recipe("W4 per-group g128 + GPTQ (weights only)", lambda: _config(W4_G128, None, post=[algos.GPTQ()])),
     Recipe("bert_w4_g32: W4 per-group g32 + GPTQ (weights only)", lambda: get_preset("bert_w4_g32")),
-    # issue 32: alternatives the onnxruntime profile suggested (docs/benchmarks.md: both lose accuracy)
+    # issue 32: alternatives the onnxruntime profile suggested (docs/benchmarks/side-by-side.md: both lose accuracy)
     Recipe("bert_w8a8 with the FFN output layers' inputs uint8 dynamic per-tensor",
            _static_but_ffn_output),
     Recipe("W8 per-channel, A8 uint8 dynamic per-tensor + ActivationEqualization",
