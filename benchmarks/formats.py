@@ -1,7 +1,7 @@
 """Accuracy of every number format at each bit width, on the digits CNN and a small transformer, and
 the size of the exported ONNX file, printed as a table.
 
-Run: ``python benchmarks/formats.py`` (about a minute on 2 cores). Both models are trained on the
+Run: ``python -m benchmarks.formats`` (about a minute on 2 cores). Both models are trained on the
 scikit-learn digits (the transformer reads each 8x8 image as 8 tokens of 8 pixels). Weight formats are
 applied to every Linear/Conv weight with the activations left in float (weight-only), then exported with
 :func:`quark_brevitas.export.export_onnx_qcdq` (verified in onnxruntime; per-group, MX, fp6 and fp4 weights
@@ -19,13 +19,13 @@ import time
 import warnings
 
 import torch
-from models import EncoderLayer
-from tables import format_table
 from torch import nn
 from torch.utils.data import DataLoader
 
+from benchmarks.models import EncoderLayer
+from benchmarks.tables import format_table
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
-from quark_brevitas.cli.digits import _fit, evaluate, example_input, load_digits_data, train_digits_cnn
+from quark_brevitas.cli.digits import evaluate, example_input, fit, load_digits_data, train_digits_cnn
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export import export_onnx_qcdq
 from quark_brevitas.types import Dtype, QSchemeType, RoundType
@@ -105,7 +105,7 @@ def train_transformer(data) -> nn.Module:
     torch.manual_seed(0)
     model = DigitsTransformer()
     loader = DataLoader(data.train.dataset, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
-    _fit(model, loader, epochs=25, lr=2e-3, desc="train digits transformer")
+    fit(model, loader, epochs=25, lr=2e-3, desc="train digits transformer")
     return model
 
 

@@ -1,6 +1,6 @@
 """GGUF K-quants (issue 31): our Q2_K .. Q6_K files of the trained Llama beside llama.cpp's own quantizer.
 
-Run: ``python benchmarks/gguf_kquants.py`` (a few minutes; ``--quick`` for fewer evaluation windows). It needs
+Run: ``python -m benchmarks.gguf_kquants`` (a few minutes; ``--quick`` for fewer evaluation windows). It needs
 the trained Llama of ``benchmarks/llm.py`` (trained and cached on first use) and, for the llama.cpp columns,
 llama-cpp-python (the optional extra ``[llamacpp]``); without it those columns say why they are empty.
 
@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import llamacpp  # noqa: E402
-import llm  # noqa: E402
-from llm_deploy_hf import hf_perplexity  # noqa: E402
-from tables import format_table  # noqa: E402
+from benchmarks import (
+    llamacpp,  # noqa: E402
+    llm,  # noqa: E402
+)
+from benchmarks.llm_deploy_hf import hf_perplexity  # noqa: E402
+from benchmarks.tables import format_table  # noqa: E402
 
 #: preset -> (GGUF type, llama.cpp's ftype for its quantizer, ggml type id).
 #: mix preset -> (llama.cpp's name, its ftype); llama.cpp's own per-tensor rules (its head: Q6_K).

@@ -1,6 +1,6 @@
 """The LLM algorithms on a GPU: time and peak memory on a Llama built from a config (one table).
 
-Run: ``python benchmarks/gpu.py`` on a machine with CUDA (``--device cpu --hidden 128 --blocks 2`` for a smoke run
+Run: ``python -m benchmarks.gpu`` on a machine with CUDA (``--device cpu --hidden 128 --blocks 2`` for a smoke run
 anywhere). The model is a Llama-architecture decoder with random weights (default 2048 wide, intermediate 5632,
 16 heads, 8 blocks, vocabulary 32000: about 0.55 B parameters) built directly on the device in ``--dtype``
 (bfloat16 by default): device and dtype follow the model, as in a user's script. Calibration: ``--rows`` random
@@ -16,18 +16,13 @@ from __future__ import annotations
 import argparse
 import gc
 import resource
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tables import format_table  # noqa: E402
-
+from benchmarks.tables import format_table  # noqa: E402
 from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.config import (  # noqa: E402
     AWQConfig,

@@ -2,7 +2,7 @@
 FINN readiness findings, FINN's conversion difference, and onnxruntime speed and integer kernels against
 onnxruntime's own ``quantize_static`` of the same float model, in the same run.
 
-Run: ``FINN_SRC=../shared/finn python benchmarks/graph.py [--bits 4] [--qat-epochs 3]`` (a few minutes; without
+Run: ``FINN_SRC=../shared/finn python -m benchmarks.graph [--bits 4] [--qat-epochs 3]`` (a few minutes; without
 ``FINN_SRC`` the FINN column says why it is empty). The encoder-decoder is not a classifier: it is trained to
 reconstruct its input (its accuracy columns show the reconstruction's mean squared error, lower is better).
 Timings: the two onnxruntime files run alternately, one thread, median of ``--reps`` runs of a 64-image batch.
@@ -15,26 +15,23 @@ import collections
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from tables import format_table
 from torch import nn
 
+from benchmarks.tables import format_table
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from graph_zoo import GRAPH_ZOO  # noqa: E402
-
 from quark_brevitas.api import ModelQuantizer  # noqa: E402
 from quark_brevitas.cli.digits import evaluate, fine_tune, load_digits_data  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.export import ExportMismatchError, export_onnx_qcdq, export_qonnx, finn_readiness  # noqa: E402
 from quark_brevitas.qat import prepare_qat  # noqa: E402
+from tests.graph_zoo import GRAPH_ZOO  # noqa: E402
 
 INTEGER_KERNELS = ("QLinearConv", "QLinearAdd", "QLinearConcat", "QLinearGlobalAveragePool", "QLinearAveragePool",
                    "QLinearMatMul", "MatMulInteger", "ConvInteger", "QGemm")

@@ -79,8 +79,7 @@ def speed_rows(float_model: torch.nn.Module, quant: torch.nn.Module, work: Path,
                new_tokens: int, threads: list[int], repeats: int) -> dict[str, tuple[Path, dict[int, float]]]:
     """``{row: (file, {threads: median tokens/s})}`` of the float model (F32) and ``quant`` (GGUF Q4_0) in
     llama.cpp, repetitions interleaved."""
-    import llm
-
+    from benchmarks import llm
     from quark_brevitas.export import export_gguf
 
     folder = llm.trained_llama(200)  # its tokenizer: the speed model has the same vocabulary

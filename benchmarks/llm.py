@@ -1,6 +1,6 @@
 """LLM benchmark: block-by-block calibration on a small Llama and on the real all-MiniLM-L6-v2, beside the anchors.
 
-Run: ``python benchmarks/llm.py`` (the first run builds and caches the corpus, the tokenizer and the trained
+Run: ``python -m benchmarks.llm`` (the first run builds and caches the corpus, the tokenizer and the trained
 model under ``benchmarks/.cache/llm``, which takes about ten minutes on 2 cores; later runs reuse them).
 ``--quick`` shortens everything for a smoke run (the numbers are then not comparable with the anchors).
 
@@ -49,10 +49,9 @@ from typing import Any
 
 import torch
 
-#: This checkout's package, not an installed one (the children inherit it through PYTHONPATH).
+#: This checkout's package (``python -m benchmarks.llm`` runs from the repository root); the child processes the
+#: benchmark starts inherit it through PYTHONPATH.
 _ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 CACHE = Path(__file__).resolve().parent / ".cache" / "llm"
@@ -486,7 +485,7 @@ def _median(values: list[float]) -> float | None:
 def section_roofline(anchor_python: str | None, recipes: list[str], depths: list[int], repeats: int,
                      rows_count: int = 64) -> str:
     """Ours and Quark's CPU time, alternately in the same run (``repeats`` each, medians), beside the floor."""
-    import roofline
+    from benchmarks import roofline
 
     rate = roofline.GemmRate()
     block = roofline.Block(WIDTH, 768, rows_count * SEQ, SEQ)
@@ -547,8 +546,7 @@ def _time(result: dict[str, Any]) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from tables import format_table
+    from benchmarks.tables import format_table
 
     return format_table(header, rows)
 

@@ -1,6 +1,6 @@
 """Quark's LLM algorithms (GPTQConfig, AWQConfig, SmoothQuantConfig): time against depth, and accuracy on a real BERT.
 
-Run: ``python benchmarks/llm_algorithms.py`` (about 5-10 minutes on 2 busy cores; ``--depths 2 4 8`` and
+Run: ``python -m benchmarks.llm_algorithms`` (about 5-10 minutes on 2 busy cores; ``--depths 2 4 8`` and
 ``--brevitas-gptq`` for the slow comparison). One torch thread, as in ``/work/shared/ANCHORS.md``.
 
 1. **Time against depth**: a Llama-architecture model like the anchors' (256 wide, intermediate 688, 4 heads,
@@ -24,8 +24,8 @@ import time
 
 import torch
 import transformers
-from tables import format_table
 
+from benchmarks.tables import format_table
 from quark_brevitas import ModelQuantizer, algos
 from quark_brevitas.config import AWQConfig, Config, GPTQConfig, QuantizationConfig, QuantizationSpec, SmoothQuantConfig
 from quark_brevitas.hf.lm import mean_pooled, sentence_batches

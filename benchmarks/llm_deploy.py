@@ -1,6 +1,6 @@
 """Deploying a quantized Llama: one table, a row per format (issue 18, item 6).
 
-Run: ``python benchmarks/llm_deploy.py`` (a few minutes; ``--quick`` for a smoke run). It needs the trained Llama
+Run: ``python -m benchmarks.llm_deploy`` (a few minutes; ``--quick`` for a smoke run). It needs the trained Llama
 of ``benchmarks/llm.py`` (``benchmarks/.cache/llm/llama-4x256-200steps``; trained by that script's cache on first
 use, about ten minutes on 2 cores).
 
@@ -52,12 +52,12 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import llamacpp  # noqa: E402
-import llm  # noqa: E402  (the trained Llama, its tokens and its recipes)
-from llm_deploy_hf import section_formats  # noqa: E402
-from tables import format_table  # noqa: E402
+from benchmarks import (
+    llamacpp,  # noqa: E402
+    llm,  # noqa: E402  (the trained Llama, its tokens and its recipes)
+)
+from benchmarks.llm_deploy_hf import section_formats  # noqa: E402
+from benchmarks.tables import format_table  # noqa: E402
 
 SPEED_WIDTH, SPEED_INTERMEDIATE, SPEED_BLOCKS, SPEED_HEADS = 1024, 2816, 8, 16
 BLOCK = 128

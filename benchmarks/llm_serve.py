@@ -1,7 +1,7 @@
 """Serving-side quantization (issue 30): the KV cache of the trained Llama in FP8 E4M3 and int8 against a float
 cache, and what the cache costs per token.
 
-Run: ``python benchmarks/llm_serve.py`` (a few CPU minutes at one thread). The model is the 4 x 256 Llama that
+Run: ``python -m benchmarks.llm_serve`` (a few CPU minutes at one thread). The model is the 4 x 256 Llama that
 ``benchmarks/llm.py`` trains on the standard library's docstrings (its cache, ``benchmarks/.cache/llm``, is reused;
 trained there if missing). Perplexity on 64 held-out sequences of 128 tokens; calibration on 32 other sequences of
 128 tokens.
@@ -40,10 +40,7 @@ from typing import Any
 import torch
 
 _HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(_HERE))
-sys.path.insert(0, str(_HERE.parent))
-
-import llm  # noqa: E402  (benchmarks/llm.py: corpus, tokenizer, trained model)
+from benchmarks import llm  # noqa: E402  (benchmarks/llm.py: corpus, tokenizer, trained model)
 
 CALIB, EVAL = 32, 64
 

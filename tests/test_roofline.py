@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import roofline  # noqa: E402
+from benchmarks import roofline
 
 BLOCK = roofline.Block(width=256, intermediate=768, tokens=8192, sequence=128)
 PARAMETERS = 4 * 256 * 256 + 3 * 256 * 768  # q, k, v, o; gate, up, down

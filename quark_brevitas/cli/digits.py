@@ -207,7 +207,7 @@ def train_digits_cnn(
         shuffle=True,
         generator=torch.Generator().manual_seed(seed),
     )
-    _fit(model, loader, epochs, num_threads=num_threads)
+    fit(model, loader, epochs, num_threads=num_threads)
     return model
 
 
@@ -222,11 +222,11 @@ def fine_tune(model: nn.Module, data: DigitsData, epochs: int = 5, lr: float = 1
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     loader = DataLoader(data.train.dataset, batch_size=data.train.batch_size or 64, shuffle=True,
                         generator=torch.Generator().manual_seed(seed))
-    _fit(model, loader, epochs, lr=lr, desc="fine-tune", num_threads=num_threads)
+    fit(model, loader, epochs, lr=lr, desc="fine-tune", num_threads=num_threads)
     return model
 
 
-def _fit(model: nn.Module, loader: DataLoader, epochs: int, lr: float = 3e-3, desc: str = "train digits CNN",
+def fit(model: nn.Module, loader: DataLoader, epochs: int, lr: float = 3e-3, desc: str = "train digits CNN",
          num_threads: int | None = 1) -> None:
     """Adam + cosine-decayed learning rate; leaves ``model`` in eval mode.
 
