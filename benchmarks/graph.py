@@ -1,4 +1,5 @@
-"""Backend.graph on the graph zoo (tests/graph_zoo.py), trained on scikit-learn's digits: accuracy float / PTQ / QAT,
+"""Backend.graph on the graph zoo (tests/helpers/graph_zoo.py), trained on scikit-learn's digits: accuracy float /
+PTQ / QAT,
 FINN readiness findings, FINN's conversion difference, and onnxruntime speed and integer kernels against
 onnxruntime's own ``quantize_static`` of the same float model, in the same run.
 
@@ -31,7 +32,7 @@ from quark_brevitas.cli.digits import evaluate, fine_tune, load_digits_data  # n
 from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.export import ExportMismatchError, export_onnx_qcdq, export_qonnx, finn_readiness  # noqa: E402
 from quark_brevitas.qat import prepare_qat  # noqa: E402
-from tests.graph_zoo import GRAPH_ZOO  # noqa: E402
+from tests.helpers.graph_zoo import GRAPH_ZOO  # noqa: E402
 
 INTEGER_KERNELS = ("QLinearConv", "QLinearAdd", "QLinearConcat", "QLinearGlobalAveragePool", "QLinearAveragePool",
                    "QLinearMatMul", "MatMulInteger", "ConvInteger", "QGemm")

@@ -39,7 +39,7 @@ RECIPES = [("no rotation", []), ("R1", [RotationConfig()]),
 
 
 def _decoder(kind: str, residual_outliers: bool) -> torch.nn.Module:
-    from tests.llm_models import VOCAB, with_outliers
+    from tests.helpers.llm_models import VOCAB, with_outliers
 
     torch.manual_seed(0)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -55,7 +55,7 @@ def _decoder(kind: str, residual_outliers: bool) -> torch.nn.Module:
 
 
 def decoders() -> None:
-    from tests.llm_models import relative_error, token_batches
+    from tests.helpers.llm_models import relative_error, token_batches
 
     calib, test = token_batches(4, seed=1), token_batches(8, seed=2)
     rows = []

@@ -1,5 +1,5 @@
 """Per-group, MX, minifloat, rounding, zero-point, percentile and dynamic formats against the
-independent reference (tests/reference.py), through the public pipeline, plus the digits CNN.
+independent reference (tests/helpers/reference.py), through the public pipeline, plus the digits CNN.
 
 Each test quantizes a real float layer with ``ModelQuantizer(config).quantize_model`` and compares
 Brevitas's result with the definition. Where Brevitas's rule differs from the definition the test is
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import brevitas.nn as qnn
 import pytest
-import reference as ref
 import torch
 from brevitas.quant import mx_quant_ocp as bq_mx
 from brevitas.quant_tensor import GroupwiseFloatQuantTensor, GroupwiseIntQuantTensor
+from helpers import reference as ref
 from torch import nn
 
 from quark_brevitas.api import ModelQuantizer

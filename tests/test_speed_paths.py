@@ -16,7 +16,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llm_models import tiny_llama, token_batches  # noqa: E402
+from helpers.llm_models import tiny_llama, token_batches  # noqa: E402
 
 from quark_brevitas.algorithms import awq  # noqa: E402
 from quark_brevitas.api import ModelQuantizer  # noqa: E402
@@ -87,7 +87,7 @@ def test_awq_gram_search_chooses_what_running_the_layers_chooses(monkeypatch: py
 
 
 def _gptq_weights(spec: QuantizationSpec, act_order: bool) -> dict[str, torch.Tensor]:
-    from llm_models import tiny_bert
+    from helpers.llm_models import tiny_bert
 
     from quark_brevitas import algos
 

@@ -4,7 +4,7 @@ W8A8, W4 per-channel + GPTQ and FP8 -- each quantized, run, exported to ONNX QCD
 Checks, per model and config: the quantized model's output against the float model's (relative RMS error
 below a bound per config, and the half-precision models' error close to the float32 model's), its dtype,
 the exported file against PyTorch (the exporter's verification, in onnxruntime) and the checkpoint round
-trip (bit-identical outputs). The models are in ``tests/zoo_models.py``.
+trip (bit-identical outputs). The models are in ``tests/helpers/zoo_models.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import onnx
 import pytest
 import torch
-from zoo_models import ZOO, ZooModel
+from helpers.zoo_models import ZOO, ZooModel
 
 from quark_brevitas import ModelExporter, ModelQuantizer, load_quantized, save_quantized
 from quark_brevitas.config import QLayerConfig, QTensorConfig

@@ -15,7 +15,7 @@ layer's input as the quantized model computes it and ``X_f`` as the float model 
    the factor of the inverse as in Brevitas).
 
 When ``X_f = X_q`` (so ``G = H``) step 1 gives ``t_0 = w_0`` and step 2 is GPTQ's own update for column 0: Qronos is
-then GPTQ with the dampening ``d`` (checked in ``tests/test_qronos.py``).
+then GPTQ with the dampening ``d`` (checked in ``tests/algorithms/test_qronos.py``).
 
 In the block engine a block's cached inputs are those the already-quantized earlier blocks produced; ``X_f`` is
 the layer's input when the block runs in float (all its layers with their original weights, no quantization) on

@@ -6,7 +6,8 @@ Hessians, equalization ranges, BatchNorm statistics) are combined across the pro
 (:func:`all_reduce_statistics`), so every process ends with the model one process would have produced.
 Everything that talks to ``torch.distributed`` or to Brevitas's per-layer statistics objects lives here:
 the data, the pipeline and the streaming writer call :func:`current_shard`, :func:`barrier`,
-:func:`require_equal_shares` and :meth:`Shard.all_reduce`; canaries in ``tests/test_adapter_distributed.py``.
+:func:`require_equal_shares` and :meth:`Shard.all_reduce`; canaries in
+``tests/brevitas_adapter/test_adapter_distributed.py``.
 """
 
 from __future__ import annotations

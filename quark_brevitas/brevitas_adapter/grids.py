@@ -5,7 +5,7 @@ Brevitas initialises scales (and zero points) from statistics lazily, keeps "alr
 per-module flags (``init_done``, ``counter``) and computes integer weights inside ``IntQuant``. The
 algorithms that choose weights themselves (GPTQ, AWQ's scaling and clipping), QAT's learnable scales and
 re-calibration after an algorithm changed a layer's inputs need to read or reset that state; every such
-touch is here, with its canary in ``tests/test_adapter_grids.py``.
+touch is here, with its canary in ``tests/brevitas_adapter/test_adapter_grids.py``.
 """
 
 from __future__ import annotations

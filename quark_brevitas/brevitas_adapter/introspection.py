@@ -4,7 +4,7 @@ Brevitas hides each quantizer behind a proxy module whose class says what it qua
 activation, dynamic or not, integer or float) and keeps the quantized values in quant tensors with
 private fields. The rest of the package asks these questions through the functions here (one walk,
 :func:`iter_quantizers`, and small predicates), so a Brevitas release that renames a proxy class or a
-field breaks one function and its canary (``tests/test_adapter_introspection.py``), not every caller.
+field breaks one function and its canary (``tests/brevitas_adapter/test_adapter_introspection.py``), not every caller.
 
 The Brevitas classes and quantizers the rest of the package uses by name are re-exported here too:
 :data:`QuantLayer`, :class:`EqualizedModule`, :class:`StopFwdException` and ``generative_quantizers``

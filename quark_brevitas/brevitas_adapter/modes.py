@@ -4,7 +4,7 @@ Brevitas switches a model between float, calibrating, correcting, loading and ex
 flags and context managers whose exact arguments matter (GPTQ without a float copy of every weight,
 dynamic activation quantizers kept quantizing during calibration, export mode left after a failed
 export). Each is wrapped here once, with a docstring saying why it is called that way and a canary in
-``tests/test_adapter_modes.py``.
+``tests/brevitas_adapter/test_adapter_modes.py``.
 """
 
 from __future__ import annotations

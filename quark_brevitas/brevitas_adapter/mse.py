@@ -4,7 +4,7 @@ Brevitas's MSE scale search scores 20 candidate scales on the whole activation o
 MSE calibration 5-15x slower than percentile statistics; :func:`sampled_activation_mse` replaces the
 search of each per-tensor activation quantizer, per instance and only while its context lasts. It relies
 on the ``MSE`` stats module's ``mse_search`` / ``mse_loss_fn`` and its mode switches (canary:
-``tests/test_adapter_mse.py``).
+``tests/brevitas_adapter/test_adapter_mse.py``).
 """
 
 from __future__ import annotations

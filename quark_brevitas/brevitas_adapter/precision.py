@@ -3,7 +3,7 @@
 Brevitas creates activation scales in float32 but weight scales in the weight's dtype and multiplies half
 tensors with float32 scales, so a float16/bfloat16 model fails on its first quantized forward pass. The
 patch here (float32 injectors, a pair of hooks per quantizer proxy) is the one place the package reaches
-into Brevitas's dtype handling; the canaries in ``tests/test_adapter_precision.py`` say when it becomes
+into Brevitas's dtype handling; the canaries in ``tests/brevitas_adapter/test_adapter_precision.py`` say when it becomes
 obsolete.
 """
 

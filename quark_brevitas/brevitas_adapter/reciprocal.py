@@ -17,7 +17,7 @@ with ``0 < amax < 1e-10`` would otherwise get another scale). An all-zero group 
 MLAS). A group whose ``127 / amax`` overflows float32 (``amax`` below about 3.7e-37) gets codes 0 as MLAS's AVX-512
 path computes them (its int32 conversion of infinity keeps a zero low byte; the AVX2 path saturates to -128 instead,
 values of about 1e-37 either way).
-Canary: ``tests/test_adapter_reciprocal.py``.
+Canary: ``tests/brevitas_adapter/test_adapter_reciprocal.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Activation equalization puts a layer behind a per-channel scale module (``Equali
 checkpoint must rebuild before loading its scales; Brevitas's layer replacement makes new ``Parameter``
 objects (breaking ties such as ``lm_head.weight is embed.weight``) and re-initialises a quantizer
 whenever a weight is registered. The functions here build and rewire that structure; their canaries are
-in ``tests/test_adapter_structure.py``.
+in ``tests/brevitas_adapter/test_adapter_structure.py``.
 """
 
 from __future__ import annotations

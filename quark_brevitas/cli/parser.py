@@ -4,7 +4,7 @@ Why a module of its own: ``quark-brevitas --help`` (and every subcommand's ``--h
 the parser imports only plain-data modules (the option helpers, the format table
 :mod:`quark_brevitas.export.registry`, the topics of :mod:`quark_brevitas.cli.listing`; not even the config
 package); each subcommand names its
-function as ``"module:function"``, imported when that command runs (``tests/test_cli_help.py`` checks that
+function as ``"module:function"``, imported when that command runs (``tests/cli/test_cli_help.py`` checks that
 ``--help`` imports no torch).
 """
 

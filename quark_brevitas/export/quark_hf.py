@@ -6,7 +6,7 @@ installed) rebuilds every quantized Linear as Quark's ``QParamsLinear`` from ``c
 ``quantization_config`` and loads the tensors below into it; vLLM's Quark loader reads the same config and
 tensors (its W8A8 int8 and fp8 schemes). Nothing here imports Quark: the layout is written from Quark's
 definitions (its ``QConfig.to_dict`` layout, its pack methods and its shape inference on import), and
-``tests/test_export_quark_format.py`` checks it byte by byte, with an optional load through amd-quark itself.
+``tests/export/hf/test_export_quark_format.py`` checks it byte by byte, with an optional load through amd-quark itself.
 
 Per quantized Linear layer ``L`` (``out`` x ``in``), from the layer's exact codes
 (:class:`~quark_brevitas.export.hf_folder.LayerCodes`; nothing is re-quantized):

@@ -37,7 +37,7 @@ Activations: static per-tensor int8 / fp8 inputs are written with their calibrat
 ones as ``dynamic: true`` (per tensor or per token); the consumer computes dynamic scales itself, with its own
 formula. compressed-tensors' reference (what transformers runs on CPU) divides a symmetric int8 range by 127.5,
 ours and vLLM's int8 kernels by 127 (narrow range), so dynamic int8 logits agree within a quantization step,
-not bit for bit; static ones agree to float rounding (see ``tests/test_compressed_tensors.py``).
+not bit for bit; static ones agree to float rounding (see ``tests/export/hf/test_compressed_tensors.py``).
 
 :func:`quark_brevitas.hf.export_streamed.export_safetensors_streamed` writes the same folder from a
 block-by-block checkpoint (:func:`~quark_brevitas.hf.streaming.quantize_pretrained`) one block at a time: the

@@ -1,0 +1,57 @@
+"""What ``quark-brevitas quantize --model DIR --export FORMAT`` says on stderr (issue 27 item 6): log lines name
+the final paths (not the temporary folder a format is built in), no FX-tracing warning for a Hugging Face model
+under a preset's default Preprocess, Python warnings only through ``logging``, no library chatter at INFO."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+for _name in ("transformers", "tokenizers", "gguf"):
+    pytest.importorskip(_name)
+
+import transformers  # noqa: E402
+
+from quark_brevitas.cli import main  # noqa: E402
+from tests.cli.test_llm_cli import _text  # noqa: E402
+from tests.export.gguf.test_gguf import _bpe_tokenizer  # noqa: E402
+
+FAST = ["--seq-len", "16", "--batch-size", "2", "--calib-sequences", "4", "--eval-sequences", "2"]
+TIMESTAMPED = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR)\b")
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("logs") / "llama"
+    tokenizer = _bpe_tokenizer(folder)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
+    (folder.parent / "calib.txt").write_text(_text(40, seed=1))
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "gguf"])
+def test_quantize_export_logs_final_paths_and_no_tracing_warning(llama_folder: Path, tmp_path: Path, fmt: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "ckpt"
+    status = main(["quantize", "--model", str(llama_folder), "--calib-text", str(llama_folder.parent / "calib.txt"),
+                   "--output", str(out), "--preset", "gguf_q8_0", "--export", fmt, *FAST])
+    err = capsys.readouterr().err
+    assert status == 0, err
+    wrote = [line for line in err.splitlines() if " Wrote " in line]
+    assert any(str(out / fmt) in line for line in wrote), wrote
+    assert ".tmp" not in err and ".partial" not in "\n".join(wrote), wrote
+    assert "Preprocess:" not in err  # the default Preprocess on a Hugging Face model: no tracing warning
+    assert "Little Endian" not in err  # gguf's INFO chatter
+    # Every line is a log record (or the continuation of a multi-line one): no warning printed around logging.
+    stray = [line for line in err.splitlines() if re.match(r"^\S+\.py:\d+: \w*Warning", line)]
+    assert not stray, stray
+    assert TIMESTAMPED.match(err.splitlines()[0]), err.splitlines()[0]

@@ -1,0 +1,1 @@
+"""Shared test helpers: small models, reference numerics, fresh-process consumers."""
