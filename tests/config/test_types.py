@@ -17,12 +17,15 @@ REFERENCE_000 = {
     "QuantizationMode": ["eager_mode", "fx_graph_mode"],
     "TQTThresholdInitMeth": ["_3SD", "_LL_J"],
 }
+#: Members quark_brevitas adds after the reference's (documented in the schema): ``gguf_k`` is the GGUF K-quant scale
+#: grid (group scales as small integer multiples of one float16 number per 256 channels).
+ADDED_000 = {"ScaleType": ["gguf_k"]}
 
 
 @pytest.mark.parametrize("enum_name", sorted(REFERENCE_000))
 def test_enum_members_match_reference(enum_name: str) -> None:
     enum_cls = getattr(types, enum_name)
-    assert [m.name for m in enum_cls] == REFERENCE_000[enum_name]
+    assert [m.name for m in enum_cls] == REFERENCE_000[enum_name] + ADDED_000.get(enum_name, [])
     assert all(isinstance(m.value, str) for m in enum_cls)
     assert len({m.value for m in enum_cls}) == len(enum_cls)
 
@@ -35,4 +38,4 @@ def test_brevitas_extension_enums_are_one_object_under_both_modules() -> None:
     assert config.Backend is types.Backend
     assert [m.name for m in types.QuantType] == ["int_quant", "float_quant"]
     assert [m.name for m in types.ParamType] == ["stats", "mse"]
-    assert [m.name for m in types.Backend] == ["layerwise"]
+    assert [m.name for m in types.Backend] == ["layerwise", "graph"]  # reference 003's, then Quark's fx_graph_mode
