@@ -56,8 +56,8 @@ def test_page_code_blocks_run(page: Path, tmp_path: Path) -> None:
             config = Config.from_json(text) if block.lang == "json" else Config.from_yaml(text)
             verify_config(config)
     python = [b for b in blocks if b.lang == "python"]
-    if python:
-        givens = [name for b in python for name in b.given]
+    givens = [name for b in blocks for name in b.given]  # a setup a shell block asks for runs first too
+    if python or givens:
         unknown = sorted(set(givens) - set(GIVENS))
         assert not unknown, f"{page}: unknown setup {unknown}; known: {sorted(GIVENS)}"
         parts = [GIVENS[name] for name in dict.fromkeys(givens)]

@@ -45,7 +45,28 @@ llama = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediat
                                      num_attention_heads=4, num_key_value_heads=2)).eval()
 model = llama
 calib_loader = [{"input_ids": torch.randint(0, 256, (2, 32))} for _ in range(4)]
-calib_dataloader = calib_loader
+calib_dataloader = calib_batches = calib_loader
+tokens = calib_loader[0]["input_ids"][:1]
+""",
+    # a Hugging Face folder as from_pretrained reads it: a tiny Llama and a byte-level BPE tokenizer trained here
+    "llama-folder": """
+import torch
+import tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+torch.manual_seed(0)
+text = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun all day"] * 20
+bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+bpe.decoder = tokenizers.decoders.ByteLevel()
+bpe.train_from_iterator(text, tokenizers.trainers.BpeTrainer(vocab_size=128, special_tokens=["<s>", "</s>"]))
+tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+model_folder = "my-llama"
+LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_folder)
+tokenizer.save_pretrained(model_folder)
+model = LlamaForCausalLM.from_pretrained(model_folder).eval()
+calib_dataloader = calibration_batches = [{"input_ids": torch.randint(0, 128, (2, 32))} for _ in range(4)]
+open("calib.txt", "w").write(" ".join(text * 5))
 """,
     "bert": """
 import torch
