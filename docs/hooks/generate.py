@@ -6,6 +6,8 @@ A page holds a marker comment, ``<!-- generated: NAME -->``, that this hook repl
   ``quark_brevitas.config.schema.config_json_schema()`` (the same walker that writes the shipped JSON Schema);
 - ``cli``: the help of the command line and of every subcommand, from the argparse parser ``main`` runs.
 
+It also renders the Sphinx roles of the docstrings (``:class:`~x.Y```) as code names on the API pages.
+
 An unknown marker is an error (``mkdocs build --strict`` would otherwise publish the comment).
 """
 
@@ -78,6 +80,20 @@ def cli_markdown() -> str:
 
 
 GENERATORS = {"config-schema": config_schema_markdown, "cli": cli_markdown}
+
+#: A Sphinx cross-reference role as it reaches the page from a docstring (the docstrings are written for
+#: ``help()`` and Sphinx readers: ``:class:`~quark_brevitas.config.Config```): rendered as the plain code name.
+SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj):<code>(~?)([\w.]+)</code>")
+
+
+def _role(match: re.Match[str]) -> str:
+    name = match.group(2)
+    return f"<code>{name.rsplit('.', 1)[-1] if match.group(1) else name}</code>"
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
+    """The API pages' Sphinx roles as code names (mkdocstrings keeps them as text)."""
+    return SPHINX_ROLE.sub(_role, html)
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
