@@ -262,9 +262,9 @@ def test_quark_folder_carries_output_scales_and_kv_config(tmp_path: Path) -> Non
 def test_amd_quarks_importer_computes_our_logits_with_the_quantized_cache(tmp_path: Path) -> None:
     """amd-quark 0.13 (in a process without quark_brevitas) loads the Quark folder of the template's config and
     quantizes the k_proj/v_proj outputs with our scales: our logits exactly."""
-    from tests.export.hf.test_export_quark_format import _quark_interpreter
+    from helpers.consumer import quark_interpreter
 
-    found = _quark_interpreter()
+    found = quark_interpreter()
     if found is None:
         pytest.skip("amd-quark is not importable (set QUARK_PYTHON to an interpreter with amd-quark==0.13)")
     config = LLMTemplate.get("llama").get_config(scheme="fp8", kv_cache_scheme="fp8")
