@@ -17,13 +17,10 @@ for _name in ("transformers", "tokenizers", "accelerate", "gguf"):
 
 import gguf  # noqa: E402
 import transformers  # noqa: E402
+from helpers.llm_folders import FAST, tiny_llama_folder  # noqa: E402
 
 from quark_brevitas.cli import main  # noqa: E402
 from quark_brevitas.hf.streaming import load_pretrained_quantized  # noqa: E402
-from tests.cli.test_llm_cli import _text  # noqa: E402
-from tests.export.gguf.test_gguf import _bpe_tokenizer  # noqa: E402
-
-FAST = ["--seq-len", "16", "--batch-size", "2", "--calib-sequences", "4", "--eval-sequences", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +28,8 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny Llama folder (hidden 32: one GGUF block per row) with a byte-level BPE tokenizer, calibration
     text, and the checkpoint ``quantize --model --preset gguf_q4_0 --export gguf`` wrote from it."""
     root = tmp_path_factory.mktemp("deploy")
-    folder = root / "llama"
-    tokenizer = _bpe_tokenizer(folder)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
-                                      eos_token_id=tokenizer.eos_token_id)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
+    folder = tiny_llama_folder(root)
     calib = root / "calib.txt"
-    calib.write_text(_text(40, seed=1))
     checkpoint = root / "ckpt"
     status = main(["-q", "quantize", "--model", str(folder), "--calib-text", str(calib), "--output", str(checkpoint),
                    "--preset", "gguf_q4_0", "--export", "gguf", *FAST])

@@ -8,33 +8,21 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 for _name in ("transformers", "tokenizers", "gguf"):
     pytest.importorskip(_name)
 
-import transformers  # noqa: E402
+
+from helpers.llm_folders import FAST, tiny_llama_folder  # noqa: E402
 
 from quark_brevitas.cli import main  # noqa: E402
-from tests.cli.test_llm_cli import _text  # noqa: E402
-from tests.export.gguf.test_gguf import _bpe_tokenizer  # noqa: E402
 
-FAST = ["--seq-len", "16", "--batch-size", "2", "--calib-sequences", "4", "--eval-sequences", "2"]
 TIMESTAMPED = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR)\b")
 
 
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("logs") / "llama"
-    tokenizer = _bpe_tokenizer(folder)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
-                                      eos_token_id=tokenizer.eos_token_id)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
-    (folder.parent / "calib.txt").write_text(_text(40, seed=1))
-    return folder
+    return tiny_llama_folder(tmp_path_factory.mktemp("logs"))
 
 
 @pytest.mark.slow

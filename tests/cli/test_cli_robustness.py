@@ -63,8 +63,8 @@ def llama_parts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name in ("transformers", "tokenizers", "accelerate"):  # the hf extra; the tests above run without it
         pytest.importorskip(name)
     import transformers
-
-    from tests.cli.test_llm_cli import _text, _tokenizer
+    from helpers.llm_folders import text as _text
+    from helpers.llm_folders import word_tokenizer as _tokenizer
 
     torch.manual_seed(0)
     tokenizer = _tokenizer("causal")

@@ -14,33 +14,12 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("accelerate")
 
+from helpers.llm_folders import text as _text  # noqa: E402
+from helpers.llm_folders import word_tokenizer as _tokenizer  # noqa: E402
+
 from quark_brevitas.checkpoint import load_quantized  # noqa: E402
 from quark_brevitas.cli import main  # noqa: E402
 from quark_brevitas.hf.lm import PerplexityMeter, split_held_out, text_batches  # noqa: E402
-
-SENTENCE = ("the quick brown fox jumps over a lazy dog while seven small cats sleep near the warm red house and "
-            "every bird sings softly in morning light")
-WORDS = tuple(dict.fromkeys(SENTENCE.split(" ")))
-
-
-def _text(lines: int, seed: int) -> str:
-    generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(lines):
-        picks = torch.randint(0, len(WORDS), (12,), generator=generator).tolist()
-        rows.append(" ".join(WORDS[i] for i in picks))
-    return "\n".join(rows) + "\n"
-
-
-def _tokenizer(kind: str) -> transformers.PreTrainedTokenizerFast:
-    vocab = {word: i for i, word in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", *WORDS])}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    if kind == "encoder":
-        tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]",
-                                                cls_token="[CLS]", sep_token="[SEP]")
 
 
 @pytest.fixture(scope="module")

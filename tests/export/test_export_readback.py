@@ -261,10 +261,11 @@ def test_a_truncated_file_is_not_readable_and_says_so(tmp_path: Path) -> None:
 def test_quantize_qwen2_with_export_gguf_writes_the_in_memory_file(tmp_path: Path) -> None:
     """``quark-brevitas quantize --model QWEN2 --preset gguf_q8_0 --export gguf`` died with ``OSError: ... requested
     and ... written``; now it writes the file ``export_gguf`` writes for the loaded checkpoint, byte for byte."""
+    from helpers.llm_folders import FAST
+    from helpers.llm_folders import bpe_tokenizer as _bpe_tokenizer
+    from helpers.llm_folders import text as _text
+
     from quark_brevitas.cli import main
-    from tests.cli.test_cli_deploy import FAST
-    from tests.cli.test_llm_cli import _text
-    from tests.export.gguf.test_gguf import _bpe_tokenizer
 
     folder = tmp_path / "qwen2"
     tokenizer = _bpe_tokenizer(folder)

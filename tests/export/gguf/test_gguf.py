@@ -18,6 +18,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+from helpers.llm_folders import bpe_tokenizer as _bpe_tokenizer  # noqa: E402
 from helpers.llm_models import VOCAB, tiny_gpt2, tiny_llama, tiny_opt, token_batches  # noqa: E402
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
@@ -163,19 +164,6 @@ def test_float16_scales_are_for_integer_weights_only() -> None:
     spec = QTensorConfig(scale_type=F16)
     with pytest.raises(ConfigError, match="scale_type.*float16"):
         ModelQuantizer(Config(QLayerConfig(weight=QTensorConfig(), input_tensors=spec)))
-
-
-def _bpe_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerFast:
-    tokenizers = pytest.importorskip("tokenizers")
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    # The text's own characters as the alphabet (byte level's 256 would not leave room for merges in 128 tokens).
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"])
-    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(folder)
-    return fast
 
 
 @pytest.mark.slow

@@ -242,7 +242,7 @@ def test_llama_cpp_runs_our_k_quant_file_like_the_quantized_model(preset: str, t
     model's (not bit for bit: its K-quant products quantize the activations to 8 bits too) far closer than the
     float model's do."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the extra [llamacpp])")
-    from tests.export.gguf.test_gguf import _bpe_tokenizer
+    from helpers.llm_folders import bpe_tokenizer as _bpe_tokenizer
 
     _bpe_tokenizer(tmp_path / "tok")
     quant = _quantize(_model("llama"), preset)
