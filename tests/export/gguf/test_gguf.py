@@ -18,7 +18,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from helpers.llm_models import VOCAB, tiny_gpt2, tiny_llama, tiny_opt, token_batches  # noqa: E402
+from helpers.llm_models import VOCAB, bpe_tokenizer, tiny_gpt2, tiny_llama, tiny_opt, token_batches  # noqa: E402
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
@@ -166,16 +166,7 @@ def test_float16_scales_are_for_integer_weights_only() -> None:
 
 
 def _bpe_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerFast:
-    tokenizers = pytest.importorskip("tokenizers")
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    # The text's own characters as the alphabet (byte level's 256 would not leave room for merges in 128 tokens).
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"])
-    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(folder)
-    return fast
+    return bpe_tokenizer(folder)
 
 
 @pytest.mark.slow
