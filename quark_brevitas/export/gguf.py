@@ -339,14 +339,16 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
     """Write ``output_dir/model.gguf`` for llama.cpp (and transformers' ``gguf_file=`` loader); returns its path.
 
     Args:
-        quant_model: A weight-only quantized Hugging Face decoder (Llama, Mistral, Qwen2, GPT-2) whose quantized
+        quant_model: A weight-only quantized Hugging Face decoder (Llama incl. 3.x, Mistral, Qwen2, Qwen3, Gemma 2,
+            Gemma 3 text, Phi-3, GPT-2) whose quantized
             Linear weights are int8/int4 symmetric or uint4 asymmetric per group of 32 with float16 scales
             (presets ``gguf_q8_0``, ``gguf_q4_0``, ``gguf_q4_1``; GPTQ/AWQ may choose the codes). GPT-2's
             projections are Conv1D layers, which the presets do not quantize: give ``"Conv1D"`` the preset's layer
             config in ``layer_type_quant_config`` too (a GPT-2 whose Conv1D layers all stay float is refused).
         output_dir: The folder to write; written whole or not at all (a folder holding files quark_brevitas did
             not write is refused).
-        model_type: The family (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"gpt2"``); ``None``: the model config's
+        model_type: The family (a key of :data:`GGUF_FAMILIES`: ``"llama"``, ``"qwen3"``, ``"gemma2"``, ...);
+            ``None``: the model config's
             ``model_type``.
         tokenizer_path: A folder with the model's ``tokenizer.json`` (byte-level BPE); ``None``: the model's own
             folder if it has one, else the file has no tokenizer (a warning says so).
