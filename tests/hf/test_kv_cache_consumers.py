@@ -38,9 +38,11 @@ from helpers.llm_models import logits, tiny_llama, token_batches  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
+from quark_brevitas.config import QTensorConfig  # noqa: E402
 from quark_brevitas.config.template import LLMTemplate  # noqa: E402
-from quark_brevitas.export import export_safetensors  # noqa: E402
+from quark_brevitas.export import ExportError, export_safetensors  # noqa: E402
 from quark_brevitas.hf.kv_cache import fake_quantize, kv_quantization_disabled, kv_scales  # noqa: E402
+from quark_brevitas.types import QSchemeType  # noqa: E402
 
 SITE_PACKAGES = str(Path(transformers.__file__).resolve().parents[1])
 ALTERNATE = os.environ.get("QB_CONSUMER_TRANSFORMERS")
@@ -83,10 +85,16 @@ _CT_TAUGHT_CACHE = """
 """ + _CT_LOAD
 
 
-def _post_rope_quantized(kv: str) -> torch.nn.Module:
+def _post_rope_quantized(kv: str, per_head: bool = False) -> torch.nn.Module:
+    """The template's FP8 model with a post-RoPE cache; ``per_head``: one scale per key/value head (Quark's
+    per-channel spec on the head axis, llm-compressor's ``attn_head`` strategy)."""
     config = LLMTemplate.get("llama").get_config(scheme="fp8", kv_cache_scheme=kv)
     config.kv_cache_post_rope = True
-    return ModelQuantizer(config).quantize_model(tiny_llama(), token_batches(2))
+    if per_head:
+        for entry in config.kv_cache_quant_config.values():
+            entry.output_tensors = QTensorConfig(dtype=entry.output_tensors.dtype, is_dynamic=False,
+                                                 qscheme=QSchemeType.per_channel, ch_axis=1)
+    return ModelQuantizer(config).quantize_model(tiny_llama(kv_heads=2), token_batches(2))
 
 
 def _tokens() -> torch.Tensor:
@@ -99,15 +107,19 @@ def _tokens() -> torch.Tensor:
     pytest.param(ALTERNATE, id="alternate", marks=pytest.mark.skipif(
         not ALTERNATE, reason="QB_CONSUMER_TRANSFORMERS names no directory with another transformers release")),
 ])
-@pytest.mark.parametrize("kv", ["fp8", "int8"])
-def test_transformers_applies_the_compressed_tensors_cache_scales(tmp_path: Path, kv: str,
+@pytest.mark.parametrize("kv, per_head", [("fp8", False), ("int8", False), ("fp8", True), ("int8", True)])
+def test_transformers_applies_the_compressed_tensors_cache_scales(tmp_path: Path, kv: str, per_head: bool,
                                                                   transformers_path: str | None) -> None:
-    quant = _post_rope_quantized(kv)
+    quant = _post_rope_quantized(kv, per_head)
     folder = export_safetensors(quant, tmp_path / "ct")
     tensors = load_file(folder / "model.safetensors")
+    scheme = json.loads((folder / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
+    assert scheme["strategy"] == ("attn_head" if per_head else "tensor")
+    shape = (2, 1, 1) if per_head else (1,)  # tiny_llama(kv_heads=2)
     for scales in kv_scales(quant):  # the names vLLM and compressed-tensors read
-        assert torch.equal(tensors[f"{scales.attention}.k_scale"], scales.key.reshape(1))
-        assert torch.equal(tensors[f"{scales.attention}.v_scale"], scales.value.reshape(1))
+        assert torch.equal(tensors[f"{scales.attention}.k_scale"], scales.key.reshape(shape))
+        assert torch.equal(tensors[f"{scales.attention}.v_scale"], scales.value.reshape(shape))
+        assert not per_head or scales.key.unique().numel() == 2  # one scale per head, not a copied scalar
     tokens = _tokens()
     path = os.pathsep.join(p for p in (transformers_path, SITE_PACKAGES) if p)
     theirs = run_consumer(_CT_LOAD, [folder], tokens, tmp_path, python=sys.executable, pythonpath=path)
@@ -174,3 +186,9 @@ def test_amd_quark_reads_post_rope_scales_and_applies_them_before_rope(tmp_path:
         moved = logits(quant, tokens)
     assert torch.allclose(theirs, moved, atol=1e-5)
     assert not torch.allclose(theirs, logits(quant, tokens), atol=1e-3)
+
+
+def test_quark_format_refuses_per_head_cache_scales(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match="per-head.*compressed-tensors"):
+        export_safetensors(_post_rope_quantized("fp8", per_head=True), tmp_path / "quark", format="quark")
+    assert not (tmp_path / "quark").exists()
