@@ -12,19 +12,20 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidd
                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def build_family(family: str, head_dim: int = 16) -> torch.nn.Module:
+def build_family(family: str, head_dim: int = 16, query_pre_attn_scalar: int | None = None) -> torch.nn.Module:
     """The tiny model of ``family`` (a name of :data:`FAMILIES`), in eval mode; ``head_dim`` where the config
-    takes one apart from ``hidden_size / heads`` (Qwen3, Gemma; Gemma scales queries by ``head_dim ** -0.5``, as
-    its released sizes do and llama.cpp assumes)."""
+    takes one apart from ``hidden_size / heads`` (Qwen3, Gemma). Gemma scales queries by
+    ``query_pre_attn_scalar ** -0.5``: ``head_dim`` by default, as its released sizes do and llama.cpp assumes
+    (transformers' GGUF loader reads none and takes the config default, 256)."""
     torch.manual_seed(0)
     if family == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_COMMON, head_dim=head_dim))
     elif family == "gemma2":
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-            **_COMMON, head_dim=head_dim, query_pre_attn_scalar=head_dim))
+            **_COMMON, head_dim=head_dim, query_pre_attn_scalar=query_pre_attn_scalar or head_dim))
     elif family == "gemma3_text":
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
-            **_COMMON, head_dim=head_dim, query_pre_attn_scalar=head_dim))
+            **_COMMON, head_dim=head_dim, query_pre_attn_scalar=query_pre_attn_scalar or head_dim))
     elif family == "phi3":
         model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**_COMMON))
     elif family == "llama":  # Llama 3.x: llama3 rope scaling, tied embeddings

@@ -24,11 +24,12 @@ from quark_brevitas.export.gguf_families import rope_freqs  # noqa: E402
 ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "llama": "llama"}
 
 
-def _quantize(family: str, exclude_head: bool = True, head_dim: int = 16) -> torch.nn.Module:
+def _quantize(family: str, exclude_head: bool = True, head_dim: int = 16, query_scalar: int | None = None
+              ) -> torch.nn.Module:
     config = get_preset("gguf_q4_0")
     if exclude_head:
         config.exclude = ["lm_head"]
-    return ModelQuantizer(config).quantize_model(build_family(family, head_dim))
+    return ModelQuantizer(config).quantize_model(build_family(family, head_dim, query_scalar))
 
 
 def _fields(path: Path) -> dict[str, object]:
@@ -88,8 +89,10 @@ def test_llama3_rope_factors_follow_the_wavelengths() -> None:
 def test_transformers_loads_the_family_with_the_quantized_models_logits(family: str, tmp_path: Path) -> None:
     """transformers' GGUF loader rebuilds the family (Gemma's norms shifted back) with our logits. (It drops Llama
     3.x's rope_freqs, so that family's consumer is llama.cpp: below. Its qwen3 mapping reads no key_length, so
-    the head size is Qwen3Config's default, 128, here; Phi-3 takes its pad id from the file's tokenizer.)"""
-    quant = _quantize(family, head_dim=128 if family == "qwen3" else 16)
+    the head size is Qwen3Config's default, 128, here, and none of Gemma's query_pre_attn_scalar, so it is the
+    default, 256, here; Phi-3 takes its pad id from the file's tokenizer.)"""
+    quant = _quantize(family, head_dim=128 if family == "qwen3" else 16,
+                      query_scalar=256 if family.startswith("gemma") else None)
     bpe_tokenizer(tmp_path / "tok", pad=True)
     export_gguf(quant, tmp_path / "out", tokenizer_path=tmp_path / "tok")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf").eval()
