@@ -4,6 +4,9 @@ llama.cpp (where llama-cpp-python is installed) load them with the quantized mod
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +22,7 @@ from helpers.llm_models import bpe_tokenizer, token_batches  # noqa: E402
 from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.export import ExportError, export_gguf  # noqa: E402
-from quark_brevitas.export.gguf_families import rope_freqs  # noqa: E402
+from quark_brevitas.export.gguf_families import rope_freqs, rope_theta  # noqa: E402
 
 ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "llama": "llama"}
 
@@ -120,7 +123,7 @@ def test_llama_cpp_computes_the_quantized_family(family: str, tmp_path: Path) ->
     quant = _quantize(family)
     bpe_tokenizer(tmp_path / "tok", pad=True)
     path = export_gguf(quant, tmp_path / "out", tokenizer_path=tmp_path / "tok")
-    tokens = token_batches(1, seed=3)[0][0][:24]
+    tokens = token_batches(1, batch=1, length=64, seed=3)[0][0]
     runner = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, n_threads=1, verbose=False)
     runner.eval(tokens.tolist())
     theirs = torch.tensor(np.asarray(runner.scores[:len(tokens)]), dtype=torch.float32)
@@ -128,3 +131,21 @@ def test_llama_cpp_computes_the_quantized_family(family: str, tmp_path: Path) ->
         ours = quant(tokens[None]).logits[0]
     error = float((theirs - ours).norm() / ours.norm())
     assert error < 0.05, (family, error)
+    if family == "llama":  # llama.cpp follows the scaled RoPE, not the plain one (a file without rope_freqs does)
+        with torch.no_grad(), _unscaled_rope(quant):
+            unscaled = quant(tokens[None]).logits[0]
+        assert error < 0.8 * float((theirs - unscaled).norm() / unscaled.norm())
+
+
+@contextlib.contextmanager
+def _unscaled_rope(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` (a Llama) with plain RoPE in place of its llama3-scaled one."""
+    scaled = model.model.rotary_emb
+    config = copy.deepcopy(model.config)
+    config.rope_scaling = None
+    config.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta(model.config, "llama", 10000.0)}
+    model.model.rotary_emb = type(scaled)(config)
+    try:
+        yield
+    finally:
+        model.model.rotary_emb = scaled
