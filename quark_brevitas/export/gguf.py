@@ -41,6 +41,7 @@ from quark_brevitas.brevitas_adapter.kquant import is_kquant_layer
 from quark_brevitas.config.kquants import KQUANT_BY_BITS, KQUANT_SUPER_BLOCK, KQUANT_TYPES
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.export.gguf_families import add_family_metadata, rope_freqs, rope_theta
 from quark_brevitas.export.gguf_kquants import KQUANT_FALLBACK, KQUANT_PACKERS, kquant_fallback
 from quark_brevitas.export.gguf_tokenizer import add_tokenizer, check_tokenizer_fits, tokenizer_dir_of
 from quark_brevitas.export.hf import refuse_online_rotations
@@ -76,13 +77,15 @@ _FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 (int4 symmetric, groups of 3
 class GGUFFamily:
     """How one Hugging Face model type is written: the llama.cpp architecture, whether Q/K rows are permuted
     (llama.cpp's rotary layout for Llama-style attention, which transformers' loader undoes), which metadata its
-    hyperparameters take (``"llama"``: rotary, RMSNorm; ``"gpt2"``: learned positions, LayerNorm) and the
-    tokenizer's pre-tokenizer name."""
+    hyperparameters take (``"llama"``: rotary, RMSNorm; ``"gpt2"``: learned positions, LayerNorm), the
+    tokenizer's pre-tokenizer name, and what llama.cpp adds to the norms' weights (Gemma's ``(1 + weight)``
+    RMSNorm: 1, see :mod:`quark_brevitas.export.gguf_families`)."""
 
     arch: str
     permute_qk: bool
     metadata: str = "llama"
     tokenizer_pre: str = "default"
+    norm_offset: float = 0.0
 
 
 #: model_type -> how it is written (the families transformers' GGUF loader reads back).
@@ -90,6 +93,11 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
     "llama": GGUFFamily("llama", True),
     "mistral": GGUFFamily("llama", True),  # llama.cpp writes Mistral as llama; transformers reads the name
     "qwen2": GGUFFamily("qwen2", False),
+    # issue 30's families, NEOX-style rotary in llama.cpp (no Q/K permutation), metadata in gguf_families
+    "qwen3": GGUFFamily("qwen3", False),
+    "phi3": GGUFFamily("phi3", False),
+    "gemma2": GGUFFamily("gemma2", False, norm_offset=1.0),
+    "gemma3_text": GGUFFamily("gemma3", False, norm_offset=1.0),
     # GPT-2's projections are Conv1D (weight [in, out]); GGUF holds them as [out, in], as llama.cpp's converter
     # writes them and transformers' loader transposes back (our QuantConv1D already holds that layout).
     "gpt2": GGUFFamily("gpt2", False, metadata="gpt2", tokenizer_pre="gpt-2"),
@@ -190,9 +198,11 @@ def _add_architecture(writer: Any, config: Any, family_name: str, family: GGUFFa
     writer.add_head_count(heads)
     writer.add_head_count_kv(int(_config_value(config, "num_key_value_heads", default=heads)))
     writer.add_rope_dimension_count(int(head_dim))
-    writer.add_rope_freq_base(float(_config_value(config, "rope_theta", default=10000.0)))
+    writer.add_rope_freq_base(rope_theta(config, family_name, float(_config_value(config, "rope_theta",
+                                                                                  default=10000.0))))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(config.vocab_size))
+    add_family_metadata(writer, config, family_name)
 
 
 #: What transformers' GGUF loader assumes of a GPT-2 file instead of reading it: GPT2Config's defaults.
@@ -264,7 +274,7 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
         _refuse_float_conv1d(model, prefix, weights)
     heads, kv_heads = int(config.num_attention_heads), int(_config_value(config, "num_key_value_heads",
                                                                          default=config.num_attention_heads))
-    tensors = []
+    tensors, written = [], set()
     for local_name, param in model.named_parameters(remove_duplicate=False):
         if skip is not None and local_name.startswith(f"{skip}."):
             continue
@@ -274,6 +284,8 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
             continue  # quantizer internals (scales, zero points) of a quantized layer
         hf_name = prefix + local_name
         name = _gguf_name(name_map, hf_name)
+        if name is None and id(param) in written and layer not in weights:
+            continue  # a float head tied to the embedding, in an architecture that reads token_embd (Gemma 2)
         if name is None:
             what = "quantized layer" if layer in weights else "tensor"
             raise ExportError(f"{what} '{hf_name}' has no GGUF tensor in llama.cpp's '{family.arch}' architecture; "
@@ -290,6 +302,9 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
             qtype, data, expected = "F32", param.detach().float().cpu().numpy(), None
             if leaf == "weight" and _float_conv1d(model.get_submodule(layer)):
                 data = data.T  # [in, out] -> [out, in], as for a quantized Conv1D
+            if family.norm_offset and name.endswith("norm.weight"):
+                data = data + np.float32(family.norm_offset)  # llama.cpp stores Gemma's (1 + weight)
+        written.add(id(param))
         if family.permute_qk and rows_heads is not None:
             data = _permute_rows(data, rows_heads)
             expected = None if expected is None else _permute_rows(expected, rows_heads)
@@ -324,14 +339,16 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
     """Write ``output_dir/model.gguf`` for llama.cpp (and transformers' ``gguf_file=`` loader); returns its path.
 
     Args:
-        quant_model: A weight-only quantized Hugging Face decoder (Llama, Mistral, Qwen2, GPT-2) whose quantized
+        quant_model: A weight-only quantized Hugging Face decoder (Llama incl. 3.x, Mistral, Qwen2, Qwen3, Gemma 2,
+            Gemma 3 text, Phi-3, GPT-2) whose quantized
             Linear weights are int8/int4 symmetric or uint4 asymmetric per group of 32 with float16 scales
             (presets ``gguf_q8_0``, ``gguf_q4_0``, ``gguf_q4_1``; GPTQ/AWQ may choose the codes). GPT-2's
             projections are Conv1D layers, which the presets do not quantize: give ``"Conv1D"`` the preset's layer
             config in ``layer_type_quant_config`` too (a GPT-2 whose Conv1D layers all stay float is refused).
         output_dir: The folder to write; written whole or not at all (a folder holding files quark_brevitas did
             not write is refused).
-        model_type: The family (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"gpt2"``); ``None``: the model config's
+        model_type: The family (a key of :data:`GGUF_FAMILIES`: ``"llama"``, ``"qwen3"``, ``"gemma2"``, ...);
+            ``None``: the model config's
             ``model_type``.
         tokenizer_path: A folder with the model's ``tokenizer.json`` (byte-level BPE); ``None``: the model's own
             folder if it has one, else the file has no tokenizer (a warning says so).
@@ -399,6 +416,9 @@ def write_gguf(plan: GGUFPlan, config: Any, tensors: list[GGUFTensor], output_di
     checked against the tensors (:func:`~quark_brevitas.export.readback.verify_gguf_file`) before it is moved into
     place."""
     gguf = plan.gguf
+    factors = rope_freqs(config, plan.family_name)
+    if factors is not None:  # Llama 3.x's rope scaling, as llama.cpp's converter writes it
+        tensors = [*tensors, GGUFTensor(f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS]}.weight", factors, "F32")]
     with atomic_output_dir(output_dir, overwrite=overwrite, sources=sources) as work:
         writer = gguf.GGUFWriter(str(work / GGUF_FILE_NAME), plan.family.arch)
         _add_architecture(writer, config, plan.family_name, plan.family)

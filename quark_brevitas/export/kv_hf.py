@@ -11,7 +11,10 @@ the names their consumers read (the scales come from :func:`quark_brevitas.hf.kv
   the projections' ``layer_quant_config`` entries carry the cache spec as ``output_tensors`` (what Quark's template
   writes), with ``kv_cache_post_rope`` and the ``export`` section's ``kv_cache_group`` / ``min_kv_scale``.
 
-Per-head scales are refused by both (one scale per tensor is what these layouts hold).
+Per-head scales (``kv_cache_post_rope=True`` with a per-channel ``ch_axis=1`` cache spec): compressed-tensors holds
+them as llm-compressor's ``attn_head`` strategy (``k_scale`` / ``v_scale`` shaped ``[kv_heads, 1, 1]``, applied to
+``[batch, kv_heads, sequence, head_dim]``); Quark's ``output_scale`` of a projection output has no per-head layout,
+so the Quark format refuses them.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ __all__ = ["add_kv_cache"]
 _CONFIG_ATTRIBUTE = "quark_brevitas_config"  # pipeline.CONFIG_ATTRIBUTE (the export layer does not import it)
 
 
-def _format(fmt: str) -> TensorFormat:
-    return TensorFormat("float" if fmt == "fp8_e4m3" else "int", 8, True, "tensor")
+def _format(fmt: str, per_head: bool = False) -> TensorFormat:
+    return TensorFormat("float" if fmt == "fp8_e4m3" else "int", 8, True, "attn_head" if per_head else "tensor")
 
 
 def _qualified(name: str, prefix: str) -> str:
@@ -49,13 +52,15 @@ def add_kv_cache(model: nn.Module, format_name: str, tensors: dict[str, torch.Te
     config = getattr(model, _CONFIG_ATTRIBUTE, None)
     post_rope = bool(getattr(config, "kv_cache_post_rope", False))
     formats = {entry.fmt for entry in scales}
-    for entry in scales:
-        if entry.key.dim() or entry.value.dim():
-            raise ExportError(f"{entry.attention or 'attention'}: per-head KV-cache scales cannot be written in "
-                              f"{format_name} (one scale per tensor); quantize the cache per tensor")
-    if len(formats) > 1:
-        raise ExportError(f"{format_name} holds one KV-cache format; the model mixes {sorted(formats)}")
-    fmt = _format(formats.pop())
+    per_head = {bool(entry.key.dim() or entry.value.dim()) for entry in scales}
+    if len(formats) > 1 or len(per_head) > 1:
+        raise ExportError(f"{format_name} holds one KV-cache format; the model mixes {sorted(formats)} "
+                          f"{'per head and per tensor' if len(per_head) > 1 else ''}".rstrip())
+    if per_head == {True} and format_name != "compressed-tensors":
+        raise ExportError(f"{scales[0].attention or 'attention'}: per-head KV-cache scales cannot be written in "
+                          f"{format_name} (one output_scale per projection); quantize the cache per tensor, or "
+                          "export format='compressed-tensors' (its attn_head strategy)")
+    fmt = _format(formats.pop(), per_head.pop())
     if format_name == "compressed-tensors":
         _compressed_tensors(scales, fmt, post_rope, tensors, quantization_config, prefix)
     else:
@@ -72,8 +77,9 @@ def _compressed_tensors(scales: list[KVScales], fmt: TensorFormat, post_rope: bo
     quantization_config["kv_cache_scheme"] = {**fmt.args(), "observer": "minmax"}
     for entry in scales:
         attention = _qualified(entry.attention, prefix)
-        tensors[f"{attention}.k_scale"] = entry.key.float().reshape(1).contiguous()
-        tensors[f"{attention}.v_scale"] = entry.value.float().reshape(1).contiguous()
+        shape = (-1, 1, 1) if fmt.strategy == "attn_head" else (1,)
+        tensors[f"{attention}.k_scale"] = entry.key.float().reshape(shape).contiguous()
+        tensors[f"{attention}.v_scale"] = entry.value.float().reshape(shape).contiguous()
 
 
 def _quark(scales: list[KVScales], fmt: TensorFormat, post_rope: bool, config: Any, tensors: dict[str, torch.Tensor],

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.llm_models import VOCAB
+from helpers.llm_models import bpe_tokenizer
 
 SENTENCE = ("the quick brown fox jumps over a lazy dog while seven small cats sleep near the warm red house and "
             "every bird sings softly in morning light")
@@ -45,22 +45,6 @@ def word_tokenizer(kind: str):
             single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]",
                                                 cls_token="[CLS]", sep_token="[SEP]")
-
-
-def bpe_tokenizer(folder: Path):
-    """A byte-level BPE tokenizer (GPT-2/Llama style, what GGUF's ``gpt2`` tokenizer model holds) saved in
-    ``folder`` and returned."""
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    # The text's own characters as the alphabet (byte level's 256 would not leave room for merges in 128 tokens).
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"])
-    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(folder)
-    return fast
 
 
 def tiny_llama_folder(root: Path) -> Path:

@@ -7,6 +7,9 @@ every norm so that activations have the outlier channels SmoothQuant and AWQ exi
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 import transformers
 from torch import nn
@@ -93,3 +96,23 @@ def relative_error(model: nn.Module, reference: nn.Module, batches: list[torch.T
     errors = [(logits(model, b) - logits(reference, b)).norm() ** 2 for b in batches]
     norms = [logits(reference, b).norm() ** 2 for b in batches]
     return float((sum(errors) / sum(norms)) ** 0.5)
+
+
+def bpe_tokenizer(folder: Path, *, pad: bool = False) -> Any:
+    """A byte-level BPE tokenizer of fewer than ``VOCAB`` tokens saved in ``folder`` (GGUF files carry one; llama.cpp
+    needs it), with ``<s>`` / ``</s>`` and, where ``pad``, a ``<pad>`` token (id 0: families whose config's default
+    pad id lies beyond a tiny vocabulary take it from the file)."""
+    import pytest
+
+    tokenizers = pytest.importorskip("tokenizers")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    # The text's own characters as the alphabet (byte level's 256 would not leave room for merges in 128 tokens).
+    special = ["<pad>", "<s>", "</s>"] if pad else ["<s>", "</s>"]
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=special)
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                                **({"pad_token": "<pad>"} if pad else {}))
+    fast.save_pretrained(folder)
+    return fast

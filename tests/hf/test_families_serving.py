@@ -12,6 +12,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from helpers.families import FAMILIES, build_family  # noqa: E402
 from helpers.llm_models import INT4_G32, logits, token_batches, weight_only_config  # noqa: E402
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
@@ -19,35 +20,12 @@ from quark_brevitas.algorithms import describe_algorithms  # noqa: E402
 from quark_brevitas.config import Config, QLayerConfig, QTensorConfig  # noqa: E402
 from quark_brevitas.config.algorithms import AWQConfig, GPTQConfig, SmoothQuantConfig  # noqa: E402
 from quark_brevitas.config.rotation import RotationConfig  # noqa: E402
+from quark_brevitas.config.rounding import AutoRoundConfig, QronosConfig  # noqa: E402
 from quark_brevitas.config.template import LLMTemplate  # noqa: E402
 from quark_brevitas.errors import ConfigError  # noqa: E402
 from quark_brevitas.export import export_safetensors  # noqa: E402
 from quark_brevitas.types import QSchemeType  # noqa: E402
 
-VOCAB = 128
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-
-def _build(family: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if family == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_COMMON, head_dim=16))
-    elif family == "gemma2":
-        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**_COMMON, head_dim=16))
-    elif family == "gemma3_text":
-        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**_COMMON, head_dim=16))
-    elif family == "phi3":
-        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**_COMMON))
-    else:  # Llama 3.x: llama3 rope scaling, tied embeddings
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            **_COMMON, tie_word_embeddings=True, rope_scaling={
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32}))
-    return model.eval()
-
-
-FAMILIES = ["qwen3", "gemma2", "gemma3_text", "phi3", "llama"]
 W8A8 = QLayerConfig(weight=QTensorConfig(), input_tensors=QTensorConfig(is_dynamic=False))
 
 #: What is refused for each family, and the reason's words (everything else runs).
@@ -66,6 +44,8 @@ GROUPS = {
 
 def _algorithms() -> dict[str, Config]:
     return {"awq": weight_only_config(INT4_G32, AWQConfig()), "gptq": weight_only_config(INT4_G32, GPTQConfig()),
+            "qronos": weight_only_config(INT4_G32, QronosConfig()),
+            "autoround": weight_only_config(INT4_G32, AutoRoundConfig(iters=4, batch_size=2)),
             "smoothquant": Config(W8A8, pre_quant_opt_config=[], algo_config=[SmoothQuantConfig(alpha=0.5)],
                                   exclude=["lm_head"]),
             "rotation": Config(QLayerConfig(weight=INT4_G32), pre_quant_opt_config=[],
@@ -74,7 +54,7 @@ def _algorithms() -> dict[str, Config]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_scaling_groups_fold_only_where_exact(family: str) -> None:
-    described = "\n".join(describe_algorithms(weight_only_config(INT4_G32, AWQConfig()), _build(family)))
+    described = "\n".join(describe_algorithms(weight_only_config(INT4_G32, AWQConfig()), build_family(family)))
     used = [line.strip() for line in described.splitlines() if "->" in line and "not used" not in line]
     assert [any(group in line for line in used) for group in GROUPS[family]] == [True] * len(GROUPS[family])
     assert len(used) == len(GROUPS[family]), used
@@ -88,7 +68,7 @@ def test_gemma_smoothquant_keeps_the_model_it_scales() -> None:
     """The regression the (1 + weight) check fixes: folding a scale into Gemma's norms changed the model (the
     norm's output was not divided, the next layers' weights were multiplied). SmoothQuant on int8 per-channel
     weights must stay as close to the float model as plain int8 weights are."""
-    model = _build("gemma2")
+    model = build_family("gemma2")
     weights = QLayerConfig(weight=QTensorConfig(qscheme=QSchemeType.per_channel))
     plain = ModelQuantizer(Config(weights, pre_quant_opt_config=[], exclude=["lm_head"])).quantize_model(model)
     smoothed = ModelQuantizer(Config(weights, pre_quant_opt_config=[], algo_config=[SmoothQuantConfig(alpha=0.5)],
@@ -105,7 +85,7 @@ def test_gemma_smoothquant_keeps_the_model_it_scales() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_algorithm_runs_or_is_refused_with_the_reason(family: str) -> None:
-    model, batches = _build(family), token_batches(2)
+    model, batches = build_family(family), token_batches(2)
     tokens = token_batches(1, batch=1, length=16, seed=9)[0]
     reference = logits(model, tokens)
     for name, config in _algorithms().items():
@@ -123,7 +103,7 @@ def test_every_algorithm_runs_or_is_refused_with_the_reason(family: str) -> None
 def test_template_quantize_generate_export_reload(family: str, tmp_path: Path) -> None:
     """LLMTemplate.get(model_type) with AWQ, block by block; generation; compressed-tensors folder reloaded by
     transformers with our logits; the KV cache where the family has key/value projections."""
-    model = _build(family)
+    model = build_family(family)
     template = LLMTemplate.get(model.config.model_type)
     kv = "fp8" if template.kv_layers_name else None
     config = template.get_config(scheme="int4_wo_32", algorithm="awq", kv_cache_scheme=kv)

@@ -4,7 +4,6 @@ references computed here from the float model, the cache transformers keeps, and
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -222,23 +221,6 @@ _CONSUMER = """
         with torch.no_grad():
             result[folder] = model(tokens).logits.float()
 """
-
-
-@pytest.mark.slow
-def test_transformers_loads_the_compressed_tensors_folder(tmp_path: Path) -> None:
-    """A fresh process without quark_brevitas loads the folder. compressed-tensors 0.20 attaches its KV hooks only
-    to attention modules whose forward takes ``past_key_values``, which transformers 5.24 renamed ``cache``, so
-    the consumer here runs a float cache: its logits are ours with the cache's quantizers off (the weights and
-    inputs exact), and the k_scale / v_scale it leaves unused are the ones vLLM reads."""
-    config = LLMTemplate.get("llama").get_config(scheme="fp8", kv_cache_scheme="fp8")
-    config.kv_cache_post_rope = True
-    quant = ModelQuantizer(config).quantize_model(tiny_llama(), token_batches(2))
-    folder = export_safetensors(quant, tmp_path / "ct")
-    tokens = _tokens()
-    theirs = run_consumer(_CONSUMER, [folder], tokens, tmp_path, python=sys.executable,
-                          pythonpath=str(Path(transformers.__file__).resolve().parents[1]))[str(folder)]
-    with kv_quantization_disabled(quant):
-        assert torch.allclose(theirs, logits(quant, tokens), atol=1e-5)
 
 
 def test_quark_folder_carries_output_scales_and_kv_config(tmp_path: Path) -> None:

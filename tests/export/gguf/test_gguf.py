@@ -18,8 +18,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from helpers.llm_folders import bpe_tokenizer as _bpe_tokenizer  # noqa: E402
-from helpers.llm_models import VOCAB, tiny_gpt2, tiny_llama, tiny_opt, token_batches  # noqa: E402
+from helpers.llm_models import VOCAB, bpe_tokenizer, tiny_gpt2, tiny_llama, tiny_opt, token_batches  # noqa: E402
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
@@ -164,6 +163,10 @@ def test_float16_scales_are_for_integer_weights_only() -> None:
     spec = QTensorConfig(scale_type=F16)
     with pytest.raises(ConfigError, match="scale_type.*float16"):
         ModelQuantizer(Config(QLayerConfig(weight=QTensorConfig(), input_tensors=spec)))
+
+
+def _bpe_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerFast:
+    return bpe_tokenizer(folder)
 
 
 @pytest.mark.slow
