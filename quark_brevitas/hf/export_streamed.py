@@ -66,7 +66,7 @@ def _streamed_units(checkpoint: Path, format_name: str) -> Iterator[tuple[str, n
     """``(prefix, module, skip, hf_config)`` for each block of a streamed checkpoint (loaded one at a time and
     dropped after), then the rest of the model without its block stack. A block behind online rotations, which
     ``format_name`` cannot hold, is an ExportError (as for the loaded model)."""
-    from quark_brevitas.hf.streaming import quantized_skeleton
+    from quark_brevitas.checkpoint.streamed_blocks import quantized_skeleton
 
     model, stack, blocks, _ = quantized_skeleton(checkpoint, None, keep=False)
     modules = model.get_submodule(stack)
@@ -181,7 +181,7 @@ def export_gguf_streamed(checkpoint: str | os.PathLike[str], output_dir: str | o
     difference 0), spilled to a temporary file next to ``output_dir`` and dropped. ``tokenizer_path``: default
     the checkpoint's ``float_model/`` when it holds a ``tokenizer.json``. Returns the ``.gguf`` path; the tensors
     equal those :func:`export_gguf` writes for the loaded model."""
-    from quark_brevitas.hf.streaming import FLOAT_MODEL_DIR
+    from quark_brevitas.checkpoint.manifest import FLOAT_MODEL_DIR
 
     checkpoint = Path(checkpoint)
     if tokenizer_path is None and (checkpoint / FLOAT_MODEL_DIR / "tokenizer.json").is_file():
