@@ -54,9 +54,11 @@ from quark_brevitas.export.safetensors_hf import (
     untie,
     write_tokenizer,
 )
+from quark_brevitas.export.writers import gguf_tokenizer, hf_tokenizer
 from quark_brevitas.outputs import output_dir as _output_folder
 
-__all__ = ["export_gguf_streamed", "export_safetensors_streamed"]
+__all__ = ["export_gguf_streamed", "export_safetensors_streamed", "write_compressed_tensors_streamed",
+           "write_gguf_streamed", "write_quark_streamed"]
 
 logger = logging.getLogger(__name__)
 _INDEX_FILE = "model.safetensors.index.json"
@@ -214,3 +216,24 @@ def export_gguf_streamed(checkpoint: str | os.PathLike[str], output_dir: str | o
         del tensors, blocks  # release the memory maps before the folder goes
     logger.info("Wrote %s from the streamed checkpoint %s", path, checkpoint)
     return path
+
+
+# ===================================================================== the format registry's block-by-block writers
+def write_gguf_streamed(checkpoint: Any, output: Any, *, overwrite: bool = False, tokenizer_dir: Any = None,
+                        **options: Any) -> Path:
+    """The ``gguf`` row's writer from a checkpoint written block by block (the contract of
+    :mod:`quark_brevitas.export.registry`)."""
+    options.setdefault("tokenizer_path", gguf_tokenizer(tokenizer_dir))
+    return export_gguf_streamed(checkpoint, output, overwrite=overwrite, **options)
+
+
+def write_compressed_tensors_streamed(checkpoint: Any, output: Any, *, overwrite: bool = False,
+                                      tokenizer_dir: Any = None, **options: Any) -> Path:
+    options.setdefault("tokenizer", hf_tokenizer(tokenizer_dir))
+    return export_safetensors_streamed(checkpoint, output, "compressed-tensors", overwrite=overwrite, **options)
+
+
+def write_quark_streamed(checkpoint: Any, output: Any, *, overwrite: bool = False, tokenizer_dir: Any = None,
+                         **options: Any) -> Path:
+    options.setdefault("tokenizer", hf_tokenizer(tokenizer_dir))
+    return export_safetensors_streamed(checkpoint, output, "quark", overwrite=overwrite, **options)
