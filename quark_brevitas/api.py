@@ -135,7 +135,9 @@ class ModelExporter:
         """Write ``model`` to ``export_path`` in ``format``, any row of the container's format table
         (:mod:`quark_brevitas.export.registry`: ``qcdq``/``onnx``, ``qonnx``, ``gguf``, ``compressed-tensors``,
         ``quark``, and whatever :func:`~quark_brevitas.export.registry.register_format` added), and return what
-        its writer returns (a verified report for ONNX formats, the path written for the others).
+        its writer returns (a verified report for ONNX formats, the path written for the others). ``model`` may
+        also be the path of a checkpoint written block by block (``quantize_pretrained``): the format's
+        block-by-block writer then writes the same file without the whole model in memory.
 
         ``args``: the example input of a traced format (ONNX); ``options``: the format's own keyword arguments
         (``tokenizer_dir=``, ``overwrite=``, ``opset=``, ...). ``export_onnx_model`` / ``export_qonnx_model``
@@ -147,4 +149,4 @@ class ModelExporter:
         row = get_format(format, self.container.formats())
         if args is not None:
             options["example"] = args
-        return row.write(model, self.export_path, **options)
+        return row.export(model, self.export_path, **options)

@@ -29,8 +29,8 @@ shims ``algos`` and ``types`` (public for users; internal code imports :mod:`qua
 
 ``export`` sits below ``pipeline`` because the dependency-injection ``container`` (which the pipeline holds) makes
 the exporters; ``blocks`` imports no algorithm, checkpoint or pipeline module. The imports that still run
-upward (``config.schema`` -> ``backend``; ``algorithms`` -> ``hf.structure`` / ``hf.rotation``) are listed, with
-the reason, in :data:`UPWARD_EXCEPTIONS`; a listed exception that is no longer needed fails
+upward (``config.schema`` -> ``backend`` and the known debt of 0.2.0) are listed, with the reason, in
+:data:`UPWARD_EXCEPTIONS`; a listed exception that is no longer needed fails
 the test too, so the list only shrinks.
 """
 
@@ -239,11 +239,6 @@ UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
     (f"{PACKAGE}.config.schema", f"{PACKAGE}.backend"):
         "the JSON schema for editors lists the layer types of the library's layer map; the import is inside "
         "config_json_schema(), so loading a config never imports the backend (and torch)",
-    (f"{PACKAGE}.algorithms", f"{PACKAGE}.hf.structure"):
-        "the transformer structure inference (decoder layers, scaling groups) the LLM algorithms work on lives in "
-        "hf/ but imports only blocks.stack and config (checked below): it belongs between blocks and algorithms",
-    (f"{PACKAGE}.algorithms", f"{PACKAGE}.hf.rotation"):
-        "where a transformer takes Hadamard rotations, inferred like hf.structure (imports only it and config)",
     # Known debt of 0.2.0 (issue 28 stays open for them): no import cycle follows (test above), but these
     # modules do not yet sit where the layer order puts them.
     (f"{PACKAGE}.api", f"{PACKAGE}.quark_compat.freezing"):
@@ -252,10 +247,6 @@ UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
         "the GGUF early check quantizes a two-row stand-in layer per spec with the pipeline the run will use",
     (f"{PACKAGE}.export.kv_hf", f"{PACKAGE}.hf.kv_cache"):
         "the KV-cache scales a Hugging Face folder records are read from the model's KV quantizers (hf/)",
-    (f"{PACKAGE}.export.writers", f"{PACKAGE}.hf.export_streamed"):
-        "the format registry's rows name the block-by-block writers, which still live in hf/ (one-pipeline step)",
-    (f"{PACKAGE}.export.writers", f"{PACKAGE}.hf.lm"):
-        "the registry's Hugging Face rows take the tokenizer helpers of hf.lm",
     (f"{PACKAGE}.pipeline", f"{PACKAGE}.hf.kv_cache"):
         "the data phase attaches and calibrates the KV-cache quantizers of Hugging Face attention modules",
     (f"{PACKAGE}.pipeline", f"{PACKAGE}.hf.moe"):
@@ -315,18 +306,6 @@ def test_rooms_import_downwards_only() -> None:
     assert not violations, "imports that run upward (see LAYERS):\n" + "\n".join(violations)
     stale = set(UPWARD_EXCEPTIONS) - used
     assert not stale, f"exceptions no longer needed, remove them from UPWARD_EXCEPTIONS: {sorted(stale)}"
-
-
-def test_excepted_hf_structure_modules_sit_below_the_algorithms() -> None:
-    """The exception for the algorithms' import of ``hf.structure`` / ``hf.rotation`` holds only while those
-    modules reach nothing at or above the algorithms' layer (so it cannot hide a tangle)."""
-    graph = import_graph()
-    rank = {room: index for index, line in enumerate(LAYERS) for room in line}
-    allowed = {f"{PACKAGE}.hf.structure", f"{PACKAGE}.hf.rotation"}
-    for module in sorted(allowed):
-        reached = {target for target in _reachable(graph, module) - allowed
-                   if rank[room_of(target)] >= rank["algorithms"]}
-        assert not reached, f"{module} reaches {sorted(reached)}"
 
 
 def test_upward_imports_are_found() -> None:

@@ -165,7 +165,6 @@ def test_an_interrupted_streamed_run_keeps_its_blocks_and_the_same_command_resum
     pytest.importorskip("accelerate")
     import torch
 
-    import quark_brevitas.hf.streaming as streaming
 
     words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
     vocab = {word: i for i, word in enumerate(["[PAD]", "[UNK]", *words])}
@@ -186,19 +185,21 @@ def test_an_interrupted_streamed_run_keeps_its_blocks_and_the_same_command_resum
     out = tmp_path / "out"
     args = ["quantize", "--model", str(model_dir), "--calib-text", str(calib), "--output", str(out), "--seq-len", "16",
             "--batch-size", "2", "--calib-sequences", "4", "--eval-sequences", "2"]
-    original = streaming._Writer.block_done
+    from quark_brevitas.checkpoint.writer import BlockCheckpoint
+
+    original = BlockCheckpoint.finish
 
     def interrupted(self, index, block):
         original(self, index, block)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(streaming._Writer, "block_done", interrupted)
+    monkeypatch.setattr(BlockCheckpoint, "finish", interrupted)
     assert main(args) == 130
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("interrupted")]
     assert err == [f"interrupted: the finished work is kept in {str(out) + '.partial'!r}; rerun the same command "
                    "to resume (--no-resume starts over)"]
     assert not out.exists() and (tmp_path / "out.partial").is_dir() and not outputs.lock_path(out).exists()
-    monkeypatch.setattr(streaming._Writer, "block_done", original)
+    monkeypatch.setattr(BlockCheckpoint, "finish", original)
     assert main(args) == 0
     assert "resum" in capsys.readouterr().err.lower()
     assert (out / "float_model" / "tokenizer.json").is_file() and not (tmp_path / "out.partial").exists()

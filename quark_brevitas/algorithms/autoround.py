@@ -36,11 +36,11 @@ from torch.func import functional_call
 from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.scaling import linear_weight, set_linear_weight
+from quark_brevitas.algorithms.structure import is_linear
 from quark_brevitas.brevitas_adapter import WeightGrid, int_weight_format, quantization_disabled, weight_grid
 from quark_brevitas.calibration.data import CalibrationData, map_tensors
 from quark_brevitas.config.rounding import AutoRoundConfig
 from quark_brevitas.errors import ModelError
-from quark_brevitas.hf.structure import is_linear
 
 logger = logging.getLogger(__name__)
 

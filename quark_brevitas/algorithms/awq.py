@@ -41,6 +41,7 @@ from quark_brevitas.algorithms.scaling import (
     linear_weight,
     set_linear_weight,
 )
+from quark_brevitas.algorithms.structure import ScalingGroup, check_scaling_groups, is_linear
 from quark_brevitas.blocks.capture import CallRecorder, main_output
 from quark_brevitas.brevitas_adapter import (
     has_static_activation_quantizers,
@@ -52,7 +53,6 @@ from quark_brevitas.brevitas_adapter import (
 from quark_brevitas.calibration import calibrate
 from quark_brevitas.calibration.data import BlockInputs, CalibrationData
 from quark_brevitas.config.algorithms import AWQConfig
-from quark_brevitas.hf.structure import ScalingGroup, check_scaling_groups, is_linear
 
 logger = logging.getLogger(__name__)
 

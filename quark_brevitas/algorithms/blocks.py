@@ -2,7 +2,7 @@
 
 Quark's LLM algorithms (SmoothQuant, AWQ, GPTQ) reason about one decoder layer at a time: which layers read the
 same input, which norm precedes them, how the layer's output changes. :class:`BlockwiseHandler` states that
-once: :meth:`~BlockwiseHandler.blocks` names the blocks of a model (:mod:`quark_brevitas.hf.structure`, whose
+once: :meth:`~BlockwiseHandler.blocks` names the blocks of a model (:mod:`quark_brevitas.algorithms.structure`, whose
 stack comes from the one stack finder :func:`quark_brevitas.blocks.stack.find_block_stack`), and
 :meth:`~BlockwiseHandler.apply_block` runs the algorithm on one block given a :class:`CalibrationData` whose
 batches are that block's inputs. Names in the algorithm's config are relative to the block, so a block knows
@@ -28,12 +28,18 @@ from typing import Any, ClassVar
 from torch import nn
 
 from quark_brevitas.algorithms.base import AlgorithmHandler
+from quark_brevitas.algorithms.structure import (
+    ScalingGroup,
+    Structure,
+    infer_scaling_layers,
+    is_linear,
+    model_structure,
+)
 from quark_brevitas.blocks.capture import blocks_are_chained
 from quark_brevitas.blocks.engine import BlockwiseEngine
 from quark_brevitas.brevitas_adapter import int_weight_format
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ConfigError
-from quark_brevitas.hf.structure import ScalingGroup, Structure, infer_scaling_layers, is_linear, model_structure
 
 __all__ = ["BlockwiseHandler"]
 

@@ -36,6 +36,7 @@ from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.magr import magnitude_reduced
 from quark_brevitas.algorithms.scaling import layer_inputs, linear_weight, set_linear_weight
+from quark_brevitas.algorithms.structure import is_linear
 from quark_brevitas.blocks.capture import UntilStopped
 from quark_brevitas.brevitas_adapter import (
     StopFwdException,
@@ -47,7 +48,6 @@ from quark_brevitas.brevitas_adapter import (
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.config.algorithms import GPTQConfig
 from quark_brevitas.errors import ModelError
-from quark_brevitas.hf.structure import is_linear
 
 logger = logging.getLogger(__name__)
 

@@ -49,12 +49,12 @@ from quark_brevitas.algorithms.gptq import (
     warn_few_samples,
 )
 from quark_brevitas.algorithms.scaling import layer_inputs, linear_weight, set_linear_weight
+from quark_brevitas.algorithms.structure import is_linear
 from quark_brevitas.blocks.capture import UntilStopped
 from quark_brevitas.brevitas_adapter import StopFwdException, int_weight_format, quantization_disabled, weight_grid
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.config.rounding import QronosConfig
 from quark_brevitas.errors import ModelError
-from quark_brevitas.hf.structure import is_linear
 
 logger = logging.getLogger(__name__)
 

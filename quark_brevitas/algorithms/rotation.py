@@ -36,11 +36,11 @@ import torch
 from torch import nn
 
 from quark_brevitas.algorithms.base import AlgorithmHandler, BlockStep, register
+from quark_brevitas.algorithms.rotation_sites import RotationSites, rotation_sites
 from quark_brevitas.brevitas_adapter import OnlineHadamard, RotatedInput, hadamard_supported, rotation_matrix
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.config.rotation import RotationConfig
 from quark_brevitas.errors import ConfigError
-from quark_brevitas.hf.rotation import RotationSites, rotation_sites
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 SmoothQuant and AWQ both divide the output channels of a ``prev_op`` (a norm or a Linear-like layer) by
 per-channel scales and multiply the matching input channels of the layers it feeds by the same scales, which
-leaves the float model's function unchanged where the structure allows it (:mod:`quark_brevitas.hf.structure`
+leaves the float model's function unchanged where the structure allows it (:mod:`quark_brevitas.algorithms.structure`
 proposes only such groups). Folding into existing weights, rather than inserting a multiplication, keeps the
 quantized model and its ONNX export free of extra nodes.
 
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark_brevitas.algorithms.structure import input_channels, is_linear
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ModelError
-from quark_brevitas.hf.structure import input_channels, is_linear
 
 __all__ = ["ChannelStats", "fold_scales", "layer_inputs", "linear_weight", "set_linear_weight"]
 

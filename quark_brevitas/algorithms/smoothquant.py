@@ -1,6 +1,6 @@
 """SmoothQuant (Quark's ``SmoothQuantConfig``), folded into the preceding norm or linear layer, without FX tracing.
 
-Per scaling group (a ``prev_op`` and the layers it feeds, :mod:`quark_brevitas.hf.structure`), per input channel
+Per scaling group (a ``prev_op`` and the layers it feeds, :mod:`quark_brevitas.algorithms.structure`), per input channel
 j: ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)``, at least ``scale_clamp_min``, with ``X`` the layers' input
 over the calibration data and ``W`` their weights (all layers of the group together). ``prev_op``'s outputs are
 divided by ``s`` and the layers' input channels multiplied by it (:func:`~.scaling.fold_scales`):
@@ -24,11 +24,11 @@ from torch import nn
 from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.scaling import ChannelStats, fold_scales, linear_weight
+from quark_brevitas.algorithms.structure import ScalingGroup, check_scaling_groups
 from quark_brevitas.blocks.capture import first_batch_output
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.config.algorithms import SmoothQuantConfig
 from quark_brevitas.errors import ConfigError
-from quark_brevitas.hf.structure import ScalingGroup, check_scaling_groups
 
 logger = logging.getLogger(__name__)
 

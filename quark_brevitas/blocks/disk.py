@@ -1,16 +1,19 @@
-"""Block sources on disk, for models larger than memory: float blocks read from a Hugging Face safetensors
-folder just before they run (:class:`FolderBlocks`), the file names of a streamed checkpoint's blocks
-(:func:`block_file`) and placeholder values for a skeleton's parameters (:func:`random_fill`). The quantized
-blocks of a streamed checkpoint, which need the checkpoint reader and the pipeline's structure phase, are a block
-source one room up (:class:`quark_brevitas.checkpoint.streamed_blocks.CheckpointBlocks`).
-:mod:`quark_brevitas.hf.streaming` drives them through the block engine.
+"""Block sources on disk, for models larger than memory: a Hugging Face folder's model without its weights
+(:func:`load_skeleton`, everything on the ``meta`` device), its layers outside the blocks read in
+(:func:`materialise_outside`), float blocks read from its safetensors files just before they run
+(:class:`FolderBlocks`), the file names of a block-by-block checkpoint's blocks (:func:`block_file`) and
+placeholder values for a skeleton's parameters (:func:`random_fill`). The quantized blocks of a block-by-block
+checkpoint, which need the checkpoint reader and the pipeline's structure phase, are a block source one room up
+(:class:`quark_brevitas.checkpoint.streamed_blocks.CheckpointBlocks`). The orchestrator
+(:func:`quark_brevitas.orchestration.block_runs.run_blocks`) drives them through the block engine like any other
+source.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +23,10 @@ from torch import nn
 from quark_brevitas.blocks.protocol import BlockStep
 from quark_brevitas.blocks.sources import BlockPlaceholder, BlockSource
 from quark_brevitas.errors import CheckpointError
+from quark_brevitas.extras import require
 
-__all__ = ["SAFETENSORS_DTYPES", "FolderBlocks", "FolderWeights", "block_file", "materialise", "meta_parameters",
-           "random_fill", "safetensors_header"]
+__all__ = ["SAFETENSORS_DTYPES", "FolderBlocks", "FolderWeights", "block_file", "load_skeleton", "materialise",
+           "materialise_outside", "meta_parameters", "random_fill", "safetensors_header", "tie_embeddings"]
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -127,16 +131,50 @@ def meta_parameters(module: nn.Module, skip: str | None = None) -> list[str]:
 
 
 
+def load_skeleton(folder: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
+    """The model of a Hugging Face folder without its weights (parameters on ``meta``) and its config.
+
+    The class is the config's first ``architectures`` entry (``AutoModel`` if it names none).
+    """
+    transformers = require("transformers", "a Hugging Face model folder")
+    init_empty_weights = require("accelerate", "a Hugging Face model folder").init_empty_weights
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    architectures = getattr(hf_config, "architectures", None) or []
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    with init_empty_weights():
+        model = transformers.AutoModel.from_config(hf_config) if model_class is None else model_class(hf_config)
+    return model.eval(), hf_config
+
+
+def tie_embeddings(model: nn.Module, hf_config: Any) -> None:
+    """Tie the output embedding to the input embedding if the config says so (the folder stores one)."""
+    if getattr(hf_config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def materialise_outside(model: nn.Module, stack: str, weights: FolderWeights, hf_config: Any) -> None:
+    """Read a skeleton's tensors outside its block stack from the folder (the blocks load one at a time)."""
+    materialise(model, "", weights, skip=stack)
+    tie_embeddings(model, hf_config)
+    missing = meta_parameters(model, skip=stack)
+    if missing:
+        raise CheckpointError(f"{weights.folder} lacks tensor {missing[0]!r} of {type(model).__name__}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
 class FolderBlocks(BlockSource):
     """Blocks read from a float model folder just before they run, then given to ``prepare`` (the data-free steps'
-    part in each block, :func:`~quark_brevitas.orchestration.block_runs.prepare_streamed`: a rotation); once
-    finished, handed to ``on_finish`` (the streaming writer, if any) and dropped."""
+    part in each block, :func:`~quark_brevitas.orchestration.block_runs.prepare_streamed`: a rotation); dropped
+    once finished (the run's sink has written them, if it writes)."""
 
     releases = True
 
-    def __init__(self, weights: FolderWeights, stack: str,
-                 on_finish: Callable[[int, nn.Module], None] | None = None, prepare: BlockStep | None = None) -> None:
-        self.weights, self.stack, self.on_finish, self.prepare = weights, stack, on_finish, prepare
+    def __init__(self, weights: FolderWeights, stack: str, prepare: BlockStep | None = None) -> None:
+        self.weights, self.stack, self.prepare = weights, stack, prepare
 
     def load(self, index: int, current: nn.Module) -> nn.Module:
         name = f"{self.stack}.{index}"
@@ -147,8 +185,6 @@ class FolderBlocks(BlockSource):
         return current if self.prepare is None else self.prepare(current, name)
 
     def finish(self, index: int, block: nn.Module) -> nn.Module:
-        if self.on_finish is not None:
-            self.on_finish(index, block)
         return BlockPlaceholder()
 
 

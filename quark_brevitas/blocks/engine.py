@@ -38,7 +38,7 @@ from torch import nn
 
 from quark_brevitas.blocks.capture import BlockCapture, Clock, CountingRunner, Replay, main_output
 from quark_brevitas.blocks.protocol import UnitQuantizer
-from quark_brevitas.blocks.sources import BlockSource, SoloLayer
+from quark_brevitas.blocks.sources import BlockSink, BlockSource, SoloLayer
 from quark_brevitas.blocks.stack import outside_layers
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory, detached
 from quark_brevitas.brevitas_adapter import layer_output_budget
@@ -62,8 +62,9 @@ class BlockwiseEngine:
       pipeline, or one algorithm); ``None`` only for :meth:`evaluate`;
     - ``data``: the user's calibration data, or ``None`` when no stage needs data (blocks are then only
       converted, one at a time);
-    - ``source``: where blocks come from (:class:`~quark_brevitas.blocks.sources.BlockSource`); ``stores``: where
-      activations go;
+    - ``source``: where blocks come from (:class:`~quark_brevitas.blocks.sources.BlockSource`); ``sink``: where
+      each finished block goes (:class:`~quark_brevitas.blocks.sources.BlockSink`; default: it stays in the model);
+      ``stores``: where activations go;
     - ``on_block``: called as ``on_block(index, count)`` after each block is finished;
     - ``inputs_context``: ``inputs_context(model)`` is entered around every pass that computes a block's inputs
       (the quantization state under which the earlier blocks run; default: as they are);
@@ -74,7 +75,8 @@ class BlockwiseEngine:
 
     def __init__(self, quantizer: UnitQuantizer | None, model: nn.Module, stack_name: str,
                  data: CalibrationData | None, source: BlockSource | None = None, *,
-                 stores: StoreFactory | None = None, on_block: Callable[[int, int], None] | None = None,
+                 sink: BlockSink | None = None, stores: StoreFactory | None = None,
+                 on_block: Callable[[int, int], None] | None = None,
                  inputs_context: Callable[[nn.Module], contextlib.AbstractContextManager[Any]] | None = None,
                  chained: bool = True) -> None:
         self.quantizer = quantizer
@@ -85,6 +87,7 @@ class BlockwiseEngine:
             raise ModelError(f"{stack_name!r} is a {type(self.stack).__name__}, not an nn.ModuleList of blocks")
         self.data = data
         self.source = source if source is not None else BlockSource()
+        self.sink = sink if sink is not None else BlockSink()
         self.stores = stores if stores is not None else StoreFactory()
         self.on_block = on_block
         self.inputs_context = inputs_context if inputs_context is not None else _as_they_are
@@ -147,7 +150,7 @@ class BlockwiseEngine:
             name = f"{self.stack_name}.{index}"
             block = self.source.load(index, self.stack[index])
             self.stack[index] = self._quantizer().quantize_unit(block, name, None)
-            self.stack[index] = self.source.finish(index, self.stack[index])
+            self.stack[index] = self._finish(index, self.stack[index])
             self._release()
             if self.on_block is not None:
                 self.on_block(index, count)
@@ -170,16 +173,20 @@ class BlockwiseEngine:
             data = BlockInputs(store.__getitem__, len(store), self.data, name)
             self.stack[index] = self._quantizer().quantize_unit(block, name, data)
             store.close()
-            self.stack[index] = self.source.finish(index, self.stack[index])
+            self.stack[index] = self._finish(index, self.stack[index])
             self._release()
             if self.on_block is not None:
                 self.on_block(index, count)
         return self.model
 
+    def _finish(self, index: int, block: nn.Module) -> nn.Module:
+        """A finished block goes to the sink (kept, or written and dropped), then back to its source."""
+        return self.source.finish(index, self.sink.finish(index, block))
+
     def _release(self) -> None:
         """A dropped block sits in reference cycles (Brevitas's quantizers): collect them now, so that memory
         stays at one block (a full collection takes a fraction of a second, so only when blocks are dropped)."""
-        if self.source.releases:
+        if self.source.releases or self.sink.releases:
             gc.collect()
 
     # ------------------------------------------------------------------ capture passes
@@ -292,7 +299,7 @@ class BlockwiseEngine:
         with self.inputs_context(self.model):
             self._block_inputs(hidden, name).forward(block, f"{name}: outputs", on_output=keep)
         hidden.close()
-        self.stack[index] = self.source.finish(index, block)
+        self.stack[index] = self._finish(index, block)
         return outputs
 
     @contextlib.contextmanager

@@ -1,10 +1,14 @@
-"""Where the block engine takes each block from and what it does with the quantized one.
+"""Where the block engine takes each block from (a *source*) and where each finished block goes (a *sink*).
 
-:class:`BlockSource` works on the model's own blocks in place; :class:`CopiedBlocks` copies each block of the
-caller's model just before it is quantized (the caller's model is never modified, and no float copy of the
-whole model is made). Blocks that live elsewhere (a Hugging Face folder, a streamed checkpoint:
-:mod:`quark_brevitas.hf.streaming`) hold their place in the model with a :class:`BlockPlaceholder`; a layer
-outside the blocks is processed alone inside a :class:`SoloLayer`.
+A run of the block engine is one code path whatever its blocks' origin and destination; only these two objects
+differ. Sources: :class:`BlockSource` works on the model's own blocks in place; :class:`CopiedBlocks` copies each
+block of the caller's model just before it is quantized (the caller's model is never modified, and no float copy
+of the whole model is made); blocks read from a Hugging Face safetensors folder
+(:class:`~quark_brevitas.blocks.disk.FolderBlocks`) or rebuilt from a block-by-block checkpoint
+(:class:`~quark_brevitas.checkpoint.streamed_blocks.CheckpointBlocks`) hold their place in the model with a
+:class:`BlockPlaceholder` until they are needed. Sinks: :class:`BlockSink` keeps the finished block in the model
+(a run in memory); :class:`~quark_brevitas.checkpoint.writer.BlockCheckpoint` writes it into a checkpoint and
+drops it. A layer outside the blocks is processed alone inside a :class:`SoloLayer`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import nn
 
 from quark_brevitas.errors import ModelError
 
-__all__ = ["BlockPlaceholder", "BlockSource", "CopiedBlocks", "SoloLayer", "copy_without_blocks"]
+__all__ = ["BlockPlaceholder", "BlockSink", "BlockSource", "CopiedBlocks", "SoloLayer", "copy_without_blocks"]
 
 
 class BlockSource:
@@ -33,6 +37,21 @@ class BlockSource:
     def load(self, index: int, current: nn.Module) -> nn.Module:
         """The float block ``index``, ready to quantize (``current`` is what the model holds there now)."""
         return current
+
+    def finish(self, index: int, block: nn.Module) -> nn.Module:
+        """Called once block ``index`` is quantized and its outputs are cached; returns what the model keeps."""
+        return block
+
+
+class BlockSink:
+    """Where a finished block goes (after its outputs are cached, before the source's :meth:`BlockSource.finish`).
+
+    The default keeps it in the model: the run ends with the quantized model in memory. A sink that writes each
+    block out (a block-by-block checkpoint) returns a :class:`BlockPlaceholder` instead and sets
+    :attr:`releases`."""
+
+    #: Whether :meth:`finish` drops the block (the engine then frees its memory at once).
+    releases = False
 
     def finish(self, index: int, block: nn.Module) -> nn.Module:
         """Called once block ``index`` is quantized and its outputs are cached; returns what the model keeps."""

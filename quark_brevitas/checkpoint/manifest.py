@@ -1,7 +1,7 @@
 """What a checkpoint records besides its tensors: file names, the manifest's parts (versions, dtypes, module
 structure, FX code, the example input's description, the Hugging Face architecture) and the errors of reading one.
-Shared by :mod:`~quark_brevitas.checkpoint.save` and the block-by-block writer of :mod:`quark_brevitas.hf.streaming`,
-which write the same format."""
+Read by the one checkpoint writer (:mod:`quark_brevitas.checkpoint.writer`), whichever sink it serves (a model in
+memory, a block-by-block run), and by the loaders."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from quark_brevitas.config import Config
 from quark_brevitas.errors import CheckpointError
 from quark_brevitas.version import __version__
 
-__all__ = ["CHECKSUMS_KEY", "CONFIG_FILE", "EXAMPLE_FILE", "FORMAT", "FORMAT_VERSION", "MANIFEST_FILE", "WEIGHTS_FILE",
-           "WEIGHTS_INDEX_FILE", "CheckpointError", "CheckpointInfo", "ExampleInput", "dtype_name", "example_tensors",
-           "graph_code", "huggingface_architecture", "library_versions", "model_dtype_name", "module_structure",
-           "state_tensors"]
+__all__ = ["CHECKSUMS_KEY", "CONFIG_FILE", "EXAMPLE_FILE", "FLOAT_MODEL_DIR", "FORMAT", "FORMAT_VERSION",
+           "MANIFEST_FILE", "REST_FILE", "WEIGHTS_FILE", "WEIGHTS_INDEX_FILE", "CheckpointError", "CheckpointInfo",
+           "ExampleInput", "dtype_name", "example_tensors", "graph_code", "huggingface_architecture",
+           "library_versions", "model_dtype_name", "module_structure", "state_tensors"]
 
 FORMAT = "quark_brevitas.checkpoint"
 FORMAT_VERSION = 1
@@ -33,6 +33,10 @@ MANIFEST_FILE = "manifest.json"
 EXAMPLE_FILE = "example_input.safetensors"
 #: Manifest key: weight file name -> its SHA-256 when written (checkpoints before it have none and load unchecked).
 CHECKSUMS_KEY = "checksums"
+#: Subdirectory of a block-by-block checkpoint holding the float model's Hugging Face config (and the tokenizer).
+FLOAT_MODEL_DIR = "float_model"
+#: The file of a block-by-block checkpoint holding every tensor outside the block stack.
+REST_FILE = "model-rest.safetensors"
 
 #: A model's example input: a tensor, a tuple/list of positional tensors or a dict of keyword tensors.
 ExampleInput = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | dict[str, torch.Tensor]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -10,27 +9,16 @@ from pathlib import Path
 from torch import nn
 
 from quark_brevitas.checkpoint.manifest import (
-    CHECKSUMS_KEY,
-    CONFIG_FILE,
     EXAMPLE_FILE,
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     CheckpointError,
     ExampleInput,
-    dtype_name,
     example_tensors,
-    graph_code,
-    huggingface_architecture,
-    library_versions,
-    model_dtype_name,
-    module_structure,
-    state_tensors,
 )
+from quark_brevitas.checkpoint.writer import CheckpointWriter
 from quark_brevitas.config import Config, verify_config
-from quark_brevitas.outputs import check_output_dir, file_sha256, output_dir
+from quark_brevitas.outputs import check_output_dir, output_dir
 from quark_brevitas.pipeline import CONFIG_ATTRIBUTE
 
 __all__ = ["save_quantized"]
@@ -82,36 +70,15 @@ def save_quantized(
     if Path(directory).exists() and not Path(directory).is_dir():
         raise CheckpointError(f"checkpoint directory {str(directory)!r} exists and is not a directory")
     path = check_output_dir(directory, overwrite=overwrite)
-    tensors = state_tensors(model.state_dict())
     example = example_tensors(example_input) if example_input is not None else None
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "versions": library_versions(),
-        "model_class": type(model).__name__,
-        "training": model.training,
-        "dtype": model_dtype_name(model),
-        "modules": module_structure(model),
-        "graph_code": graph_code(model),
-        "tensors": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in tensors.items()},
-        "frozen_parameters": [n for n, p in model.named_parameters() if not p.requires_grad],
-        "example_input": example[0] if example is not None else None,
-        "huggingface": huggingface_architecture(model),
-    }
-    from safetensors.torch import save_file
-
     # The index of a sharded checkpoint would take precedence over model.safetensors, and a stale example
     # input would be misleading: both go when the folder is replaced.
     with output_dir(path, overwrite=overwrite, stale=(WEIGHTS_INDEX_FILE, EXAMPLE_FILE)) as work:
-        save_file(tensors, str(work / WEIGHTS_FILE), metadata={"format": FORMAT})
-        checksums = {WEIGHTS_FILE: file_sha256(work / WEIGHTS_FILE)}
-        if example is not None:
-            save_file(example[1], str(work / EXAMPLE_FILE), metadata={"format": FORMAT})
-            checksums[EXAMPLE_FILE] = file_sha256(work / EXAMPLE_FILE)
-        manifest[CHECKSUMS_KEY] = checksums
-        (work / CONFIG_FILE).write_text(config.to_json() + "\n")
-        (work / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+        writer = CheckpointWriter(work)  # the one writer: the model in memory is one part
+        weights = writer.write_part(WEIGHTS_FILE, model)
+        checksums = {EXAMPLE_FILE: writer.write_tensors(EXAMPLE_FILE, example[1])} if example is not None else {}
+        writer.finish(model, config, [weights], example=example[0] if example is not None else None,
+                      checksums=checksums)
         size = (work / WEIGHTS_FILE).stat().st_size
-    logger.info("Saved checkpoint %s (%d tensors, %.1f KiB)", path, len(tensors), size / 1024)
+    logger.info("Saved checkpoint %s (%d tensors, %.1f KiB)", path, len(weights["tensors"]), size / 1024)
     return path
-

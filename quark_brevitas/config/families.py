@@ -1,7 +1,7 @@
 """The transformer families the project knows, as plain data: one row per family.
 
 Three readers need the same facts about a family and must not disagree: the structure inference
-(:mod:`quark_brevitas.hf.structure`: which scaling groups a decoder layer has), the block-stack finder
+(:mod:`quark_brevitas.algorithms.structure`: which scaling groups a decoder layer has), the block-stack finder
 (:mod:`quark_brevitas.blocks.stack`: where the repeated blocks live) and the LLM templates
 (:mod:`quark_brevitas.config.template`: what to exclude, which layers hold the KV cache). They need torch to
 look at a model; this table does not, so it lives in the config package (importable without torch) and the
@@ -143,7 +143,7 @@ _PHI3_SCALING = (
     ScalingCandidate("mlp.gate_up_proj", ("mlp.down_proj",), None, "fused_up"),
 )
 #: Gemma 2 / 3: sandwich norms (the MLP reads pre_feedforward_layernorm); every norm multiplies by (1 + weight),
-#: which the structure inference refuses to fold into (quark_brevitas.hf.structure), so v -> o (without
+#: which the structure inference refuses to fold into (quark_brevitas.algorithms.structure), so v -> o (without
 #: grouped-query attention) and up -> down are the exact groups.
 _GEMMA_SCALING = (
     ScalingCandidate("input_layernorm", _QKV, "self_attn"),

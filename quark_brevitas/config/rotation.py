@@ -1,7 +1,8 @@
 """Quark 0.13's ``RotationConfig`` (Hadamard rotations, QuaRot / SpinQuant), as data.
 
 Beside :mod:`quark_brevitas.config.algorithms` (the other algorithm configs), whose base classes it extends; its
-handler is :mod:`quark_brevitas.algorithms.rotation` and its structure inference :mod:`quark_brevitas.hf.rotation`.
+handler is :mod:`quark_brevitas.algorithms.rotation` and its structure inference
+:mod:`quark_brevitas.algorithms.rotation_sites`.
 """
 
 from __future__ import annotations

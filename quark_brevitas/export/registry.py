@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -101,6 +102,13 @@ class ExportFormat:
         """Write ``model`` to ``output`` with this format's model writer; returns what the writer returns."""
         return _load(self.model_writer, f"format {self.name!r} model_writer")(model, output, **options)
 
+    def export(self, source: Any, output: Any, **options: Any) -> Any:
+        """The one entry of a format: ``source`` is a quantized model in memory (:meth:`write`) or the path of a
+        checkpoint written block by block (:meth:`write_streamed`); what is written is the same either way."""
+        if isinstance(source, str | os.PathLike):
+            return self.write_streamed(source, output, **options)
+        return self.write(source, output, **options)
+
     def write_streamed(self, checkpoint: Any, output: Any, **options: Any) -> Any:
         """Write the checkpoint written block by block at ``checkpoint`` to ``output``, block by block."""
         if self.streamed_writer is None:
@@ -116,6 +124,9 @@ class ExportFormat:
 
 
 _WRITERS = "quark_brevitas.export.writers"
+#: The block-by-block writers rebuild each block from the checkpoint (the checkpoint room, above this one): they are
+#: named here, imported only when a row writes (as every writer is), so the export room imports nothing above it.
+_STREAMED = "quark_brevitas.hf.export_streamed"
 
 #: Every format by name, in the order the command line lists them. :func:`register_format` adds rows.
 FORMATS: dict[str, ExportFormat] = {
@@ -139,19 +150,19 @@ FORMATS: dict[str, ExportFormat] = {
             summary="llama.cpp's GGUF (and transformers' gguf_file=), every block proven to dequantize exactly",
             holds="weight-only Q8_0, Q4_0, Q4_1 (int8/int4 per group of 32, fp16 scales) of Llama, Mistral, "
                   "Qwen2 and GPT-2 decoders",
-            model_writer=f"{_WRITERS}:write_gguf", streamed_writer=f"{_WRITERS}:write_gguf_streamed"),
+            model_writer=f"{_WRITERS}:write_gguf", streamed_writer=f"{_STREAMED}:write_gguf_streamed"),
         ExportFormat(
             name="compressed-tensors", layout="folder", hf_lm=True, extra="deploy",
             requires=("compressed_tensors",),
             summary="Hugging Face folder in the compressed-tensors format (transformers, vLLM)",
             holds="int4/int8 weights per channel/group, int8/fp8 e4m3 activations, of Linear layers",
             model_writer=f"{_WRITERS}:write_compressed_tensors",
-            streamed_writer=f"{_WRITERS}:write_compressed_tensors_streamed"),
+            streamed_writer=f"{_STREAMED}:write_compressed_tensors_streamed"),
         ExportFormat(
             name="quark", layout="folder", hf_lm=True, extra="hf", requires=("transformers",),
             summary="Hugging Face folder in AMD Quark 0.13's format (transformers with amd-quark, vLLM)",
             holds="int4/int8/fp8 weights per tensor/channel/group, int8/fp8 activations, of Linear layers",
-            model_writer=f"{_WRITERS}:write_quark", streamed_writer=f"{_WRITERS}:write_quark_streamed"),
+            model_writer=f"{_WRITERS}:write_quark", streamed_writer=f"{_STREAMED}:write_quark_streamed"),
     )
 }
 

@@ -4,7 +4,8 @@ Each function here only adapts arguments (the example input, the tokenizer folde
 that does the work (:func:`~quark_brevitas.export.qcdq.export_onnx_qcdq`, :func:`~quark_brevitas.export.gguf.
 export_gguf`, ...); nothing is written differently from calling those directly. Why a contract: the command line
 and :meth:`~quark_brevitas.api.ModelExporter.export` call every format the same way, so a new format needs no
-branch in either.
+branch in either. The writers from a checkpoint written block by block are in
+:mod:`quark_brevitas.hf.export_streamed` (they rebuild its blocks, which takes the checkpoint room above this one).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 
 from quark_brevitas.export.errors import ExportArgumentError
 
-__all__ = ["write_compressed_tensors", "write_compressed_tensors_streamed", "write_gguf", "write_gguf_streamed",
-           "write_qcdq", "write_qonnx", "write_quark", "write_quark_streamed"]
+__all__ = ["gguf_tokenizer", "hf_tokenizer", "write_compressed_tensors", "write_gguf", "write_qcdq", "write_qonnx",
+           "write_quark"]
 
 
 def _example(example: Any, fmt: str) -> Any:
@@ -50,7 +51,7 @@ def write_qonnx(model: Any, output: Any, *, example: Any = None, overwrite: bool
     return export_qonnx(model, _example(example, "qonnx"), output, **options)
 
 
-def _gguf_tokenizer(tokenizer_dir: Any) -> Path | None:
+def gguf_tokenizer(tokenizer_dir: Any) -> Path | None:
     """GGUF reads the byte-level BPE of a ``tokenizer.json``; a folder without one gives no tokenizer."""
     if tokenizer_dir is None or not (Path(tokenizer_dir) / "tokenizer.json").is_file():
         return None
@@ -68,22 +69,14 @@ def write_gguf(model: Any, output: Any, *, example: Any = None, overwrite: bool 
     from quark_brevitas.export.gguf import export_gguf
 
     _no_example(example, "gguf")
-    options.setdefault("tokenizer_path", _gguf_tokenizer(tokenizer_dir))
+    options.setdefault("tokenizer_path", gguf_tokenizer(tokenizer_dir))
     return export_gguf(model, output, overwrite=overwrite, **options)
 
 
-def write_gguf_streamed(checkpoint: Any, output: Any, *, overwrite: bool = False, tokenizer_dir: Any = None,
-                        **options: Any) -> Path:
-    from quark_brevitas.hf.export_streamed import export_gguf_streamed
-
-    options.setdefault("tokenizer_path", _gguf_tokenizer(tokenizer_dir))
-    return export_gguf_streamed(checkpoint, output, overwrite=overwrite, **options)
-
-
-def _tokenizer(tokenizer_dir: Any) -> Any:
+def hf_tokenizer(tokenizer_dir: Any) -> Any:
     if tokenizer_dir is None:
         return None
-    from quark_brevitas.hf.lm import load_tokenizer
+    from quark_brevitas.export.tokenizer_files import load_tokenizer
 
     return load_tokenizer(tokenizer_dir)
 
@@ -93,16 +86,8 @@ def _safetensors(fmt: str, model: Any, output: Any, example: Any, overwrite: boo
     from quark_brevitas.export.safetensors_hf import export_safetensors
 
     _no_example(example, fmt)
-    options.setdefault("tokenizer", _tokenizer(tokenizer_dir))
+    options.setdefault("tokenizer", hf_tokenizer(tokenizer_dir))
     return export_safetensors(model, output, fmt, overwrite=overwrite, **options)
-
-
-def _safetensors_streamed(fmt: str, checkpoint: Any, output: Any, overwrite: bool, tokenizer_dir: Any,
-                          options: dict[str, Any]) -> Path:
-    from quark_brevitas.hf.export_streamed import export_safetensors_streamed
-
-    options.setdefault("tokenizer", _tokenizer(tokenizer_dir))
-    return export_safetensors_streamed(checkpoint, output, fmt, overwrite=overwrite, **options)
 
 
 def write_compressed_tensors(model: Any, output: Any, *, example: Any = None, overwrite: bool = False,
@@ -110,16 +95,6 @@ def write_compressed_tensors(model: Any, output: Any, *, example: Any = None, ov
     return _safetensors("compressed-tensors", model, output, example, overwrite, tokenizer_dir, options)
 
 
-def write_compressed_tensors_streamed(checkpoint: Any, output: Any, *, overwrite: bool = False,
-                                      tokenizer_dir: Any = None, **options: Any) -> Path:
-    return _safetensors_streamed("compressed-tensors", checkpoint, output, overwrite, tokenizer_dir, options)
-
-
 def write_quark(model: Any, output: Any, *, example: Any = None, overwrite: bool = False, tokenizer_dir: Any = None,
                 **options: Any) -> Path:
     return _safetensors("quark", model, output, example, overwrite, tokenizer_dir, options)
-
-
-def write_quark_streamed(checkpoint: Any, output: Any, *, overwrite: bool = False, tokenizer_dir: Any = None,
-                         **options: Any) -> Path:
-    return _safetensors_streamed("quark", checkpoint, output, overwrite, tokenizer_dir, options)

@@ -1,3 +1,4 @@
-"""Hugging Face models: what the library needs to know about their structure (:mod:`.structure`), streaming a
-model folder block by block (:mod:`.streaming`), language-model helpers (:mod:`.lm`). Import the submodules;
-this package imports nothing so that ``transformers`` stays optional."""
+"""Hugging Face models: a model folder quantized and evaluated block by block (:mod:`.streaming`, a block source and
+sink handed to the one orchestrator), the format table's block-by-block writers (:mod:`.export_streamed`),
+language-model helpers (:mod:`.lm`), KV-cache and mixture-of-experts support. Import the submodules; this package
+imports nothing so that ``transformers`` stays optional."""

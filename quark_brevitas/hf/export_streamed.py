@@ -54,9 +54,11 @@ from quark_brevitas.export.safetensors_hf import (
     untie,
     write_tokenizer,
 )
+from quark_brevitas.export.writers import gguf_tokenizer, hf_tokenizer
 from quark_brevitas.outputs import output_dir as _output_folder
 
-__all__ = ["export_gguf_streamed", "export_safetensors_streamed"]
+__all__ = ["export_gguf_streamed", "export_safetensors_streamed", "write_compressed_tensors_streamed",
+           "write_gguf_streamed", "write_quark_streamed"]
 
 logger = logging.getLogger(__name__)
 _INDEX_FILE = "model.safetensors.index.json"
@@ -66,7 +68,7 @@ def _streamed_units(checkpoint: Path, format_name: str) -> Iterator[tuple[str, n
     """``(prefix, module, skip, hf_config)`` for each block of a streamed checkpoint (loaded one at a time and
     dropped after), then the rest of the model without its block stack. A block behind online rotations, which
     ``format_name`` cannot hold, is an ExportError (as for the loaded model)."""
-    from quark_brevitas.hf.streaming import quantized_skeleton
+    from quark_brevitas.checkpoint.streamed_blocks import quantized_skeleton
 
     model, stack, blocks, _ = quantized_skeleton(checkpoint, None, keep=False)
     modules = model.get_submodule(stack)
@@ -181,7 +183,7 @@ def export_gguf_streamed(checkpoint: str | os.PathLike[str], output_dir: str | o
     difference 0), spilled to a temporary file next to ``output_dir`` and dropped. ``tokenizer_path``: default
     the checkpoint's ``float_model/`` when it holds a ``tokenizer.json``. Returns the ``.gguf`` path; the tensors
     equal those :func:`export_gguf` writes for the loaded model."""
-    from quark_brevitas.hf.streaming import FLOAT_MODEL_DIR
+    from quark_brevitas.checkpoint.manifest import FLOAT_MODEL_DIR
 
     checkpoint = Path(checkpoint)
     if tokenizer_path is None and (checkpoint / FLOAT_MODEL_DIR / "tokenizer.json").is_file():
@@ -214,3 +216,24 @@ def export_gguf_streamed(checkpoint: str | os.PathLike[str], output_dir: str | o
         del tensors, blocks  # release the memory maps before the folder goes
     logger.info("Wrote %s from the streamed checkpoint %s", path, checkpoint)
     return path
+
+
+# ===================================================================== the format registry's block-by-block writers
+def write_gguf_streamed(checkpoint: Any, output: Any, *, overwrite: bool = False, tokenizer_dir: Any = None,
+                        **options: Any) -> Path:
+    """The ``gguf`` row's writer from a checkpoint written block by block (the contract of
+    :mod:`quark_brevitas.export.registry`)."""
+    options.setdefault("tokenizer_path", gguf_tokenizer(tokenizer_dir))
+    return export_gguf_streamed(checkpoint, output, overwrite=overwrite, **options)
+
+
+def write_compressed_tensors_streamed(checkpoint: Any, output: Any, *, overwrite: bool = False,
+                                      tokenizer_dir: Any = None, **options: Any) -> Path:
+    options.setdefault("tokenizer", hf_tokenizer(tokenizer_dir))
+    return export_safetensors_streamed(checkpoint, output, "compressed-tensors", overwrite=overwrite, **options)
+
+
+def write_quark_streamed(checkpoint: Any, output: Any, *, overwrite: bool = False, tokenizer_dir: Any = None,
+                         **options: Any) -> Path:
+    options.setdefault("tokenizer", hf_tokenizer(tokenizer_dir))
+    return export_safetensors_streamed(checkpoint, output, "quark", overwrite=overwrite, **options)

@@ -1,5 +1,11 @@
 """Running a recipe block by block: the orchestration above the block engine.
 
+:func:`run_blocks` is the one orchestrator of every block-by-block run: a model in memory
+(:meth:`~quark_brevitas.pipeline.Pipeline.quantize`, through :func:`quantize_blocks`) and a Hugging Face folder
+quantized into a checkpoint (:func:`~quark_brevitas.hf.streaming.quantize_pretrained`) differ only in their block
+*source* (the model's blocks, copies of them, a safetensors folder) and *sink* (the model in memory, a
+block-by-block checkpoint), see :mod:`quark_brevitas.blocks.sources`.
+
 :mod:`quark_brevitas.blocks` is the engine (capture, replay, activation stores, block sources, the stack finder)
 and knows nothing of configs or algorithms; :class:`~quark_brevitas.pipeline.Pipeline` keeps the stages. What
 ties a config to the engine lives here: which stack a run walks (:func:`choose_block_stack`, from the user's
@@ -26,15 +32,16 @@ from quark_brevitas.algorithms import BlockStep, handler_for
 from quark_brevitas.algorithms.ties import run_untied
 from quark_brevitas.blocks.engine import BlockwiseEngine
 from quark_brevitas.blocks.protocol import UnitQuantizer
-from quark_brevitas.blocks.sources import BlockSource, CopiedBlocks, copy_without_blocks
+from quark_brevitas.blocks.sources import BlockSink, BlockSource, CopiedBlocks, copy_without_blocks
 from quark_brevitas.blocks.stack import resolve_block_stack
-from quark_brevitas.blocks.store import StoreFactory
+from quark_brevitas.blocks.store import ActivationStore, StoreFactory
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["blockwise_obstacle", "choose_block_stack", "named_decoder_layers", "prepare_streamed", "quantize_blocks"]
+__all__ = ["blockwise_obstacle", "choose_block_stack", "named_decoder_layers", "prepare_streamed", "quantize_blocks",
+           "run_blocks"]
 
 
 def _algorithm_name(algo: Any) -> str:
@@ -114,9 +121,23 @@ def quantize_blocks(quantizer: UnitQuantizer, model: nn.Module, stack: str, data
     else:
         work, originals = copy_without_blocks(model, stack)
         source = CopiedBlocks(originals)
-    stores = StoreFactory.for_offload(offload)
+    return run_blocks(quantizer, work, stack, data, source, stores=StoreFactory.for_offload(offload))
+
+
+def run_blocks(quantizer: UnitQuantizer, model: nn.Module, stack: str, data: CalibrationData | None,
+               source: BlockSource, *, sink: BlockSink | None = None, stores: StoreFactory | None = None,
+               on_block: Callable[[int, int], None] | None = None, start: int = 0,
+               hidden: ActivationStore | None = None, on_captured: Callable[[str], None] | None = None) -> nn.Module:
+    """The one block-by-block run: each block of ``stack`` taken from ``source``, quantized by ``quantizer`` on its
+    cached inputs (from ``data``, kept by ``stores``), handed to ``sink`` (default: kept in the model), then the
+    layers outside the blocks; returns the model. ``start``/``hidden``: resume at block ``start`` with its cached
+    inputs; ``on_block(index, count)`` after each block; ``on_captured(digest)`` once the first block's inputs are
+    captured. The stores are cleaned up however the run ends."""
+    stores = stores if stores is not None else StoreFactory()
+    engine = BlockwiseEngine(quantizer, model, stack, data, source, sink=sink, stores=stores, on_block=on_block)
+    engine.on_captured = on_captured
     try:
-        return BlockwiseEngine(quantizer, work, stack, data, source, stores=stores).run()
+        return engine.run(start=start, hidden=hidden)
     finally:
         stores.cleanup()
 

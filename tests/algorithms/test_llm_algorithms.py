@@ -32,6 +32,7 @@ from helpers.llm_models import (  # noqa: E402
 from quark_brevitas import algos  # noqa: E402
 from quark_brevitas.algorithms import apply_algorithm, describe_algorithms, handler_for  # noqa: E402
 from quark_brevitas.algorithms.gptq import gptq_columns  # noqa: E402
+from quark_brevitas.algorithms.structure import model_structure  # noqa: E402
 from quark_brevitas.api import ModelQuantizer  # noqa: E402
 from quark_brevitas.blocks.capture import capture_block_inputs  # noqa: E402
 from quark_brevitas.brevitas_adapter import QuantLayer, weight_grid  # noqa: E402
@@ -49,7 +50,6 @@ from quark_brevitas.config import (  # noqa: E402
 )
 from quark_brevitas.config.specs import narrow_range_of  # noqa: E402
 from quark_brevitas.errors import ConfigError  # noqa: E402
-from quark_brevitas.hf.structure import model_structure  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
 UINT4_G32 = QuantizationSpec(dtype=Dtype.uint4, symmetric=False, qscheme=QSchemeType.per_group, group_size=32)

@@ -242,7 +242,7 @@ def test_blocks_true_without_a_stack() -> None:
 def test_one_stack_finder_for_the_pipeline_and_the_algorithms() -> None:
     """The algorithms' decoder layers and the pipeline's block stack come from one finder: a Hugging Face model
     with two stacks (encoder-decoder) is ambiguous for both (the algorithms used to pick the decoder alone)."""
-    from quark_brevitas.hf.structure import model_structure
+    from quark_brevitas.algorithms.structure import model_structure
 
     bart = transformers.BartModel(transformers.BartConfig(vocab_size=32, d_model=16, encoder_layers=2, decoder_layers=2,
                                                           encoder_attention_heads=2, decoder_attention_heads=2,

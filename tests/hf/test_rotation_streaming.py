@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from quark_brevitas.algorithms import apply_algorithm  # noqa: E402
+from quark_brevitas.algorithms.rotation_sites import rotation_sites  # noqa: E402
 from quark_brevitas.api import ModelQuantizer  # noqa: E402
 from quark_brevitas.brevitas_adapter import RotatedInput  # noqa: E402
 from quark_brevitas.checkpoint import load_quantized, read_weights  # noqa: E402
@@ -28,7 +29,6 @@ from quark_brevitas.config import (  # noqa: E402
     RotationConfig,
 )
 from quark_brevitas.errors import ConfigError  # noqa: E402
-from quark_brevitas.hf.rotation import rotation_sites  # noqa: E402
 from quark_brevitas.hf.streaming import (  # noqa: E402
     evaluate_pretrained,
     load_pretrained_quantized,

@@ -2,7 +2,7 @@
 
 The family table (:class:`~quark_brevitas.config.families.RotationRoles`) names the roles in a block (value and
 output projections, the down projection, the layers that write into the residual stream); the scaling groups of
-:mod:`quark_brevitas.hf.structure` give the norms and the layers that read their output. What is exact in one
+:mod:`quark_brevitas.algorithms.structure` give the norms and the layers that read their output. What is exact in one
 model is decided here, with a reason for each rotation that is not:
 
 - R1 (the residual stream) needs every norm on it to be an RMSNorm (``norm(x @ Q) == norm(x) @ Q`` once its weight
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark_brevitas.algorithms.structure import Structure, infer_scaling_layers, input_channels, model_structure
 from quark_brevitas.config.families import FAMILIES, RotationRoles
 from quark_brevitas.errors import ConfigError
-from quark_brevitas.hf.structure import Structure, infer_scaling_layers, input_channels, model_structure
 
 __all__ = ["NormReaders", "RotationSites", "rotation_sites"]
 
