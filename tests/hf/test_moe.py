@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -173,20 +174,29 @@ def test_moe_calibration_fields_are_checked(field: str, value: object) -> None:
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
-def test_moe_family_templates_quantize_block_by_block_and_generate(family: str) -> None:
+def test_moe_family_templates_quantize_generate_and_reload_from_compressed_tensors(family: str,
+                                                                                   tmp_path: Path) -> None:
     """The family rows: ``LLMTemplate.get(model_type)`` keeps the head (and Qwen2-MoE's shared-expert gate, a
-    router) in float; its int4 GPTQ config runs block by block on the unfused model, which then generates."""
+    router) in float; its int4 GPTQ config runs block by block on the unfused model, which then generates; its
+    compressed-tensors folder (Mixtral's experts under its checkpoints' ``w1``/``w3``/``w2`` names) loads in
+    transformers into the fused experts modules with our logits."""
     from quark_brevitas.config.template import LLMTemplate
+    from quark_brevitas.export import export_safetensors
 
     model = _build(family)
     unfuse_experts(model)
     template = LLMTemplate.get(family)
     expected = ["lm_head", "*shared_expert_gate"] if family == "qwen2_moe" else ["lm_head"]
     assert template.exclude_layers_name == expected
-    config = template.get_config(scheme="int4_wo_128", algorithm="gptq")
+    config = template.get_config(scheme="int4_wo_32", algorithm="gptq")
     quant = ModelQuantizer(config).quantize_model(model, token_batches(4), blocks=True)
     assert type(quant.model.layers[1].mlp.experts[3].up_proj).__name__ == "QuantLinear"
     prompt = token_batches(1, batch=1, length=8, seed=5)[0]
     with torch.no_grad():
         out = quant.generate(prompt, max_new_tokens=6, do_sample=False)
     assert out.shape == (1, 14)
+    folder = export_safetensors(quant, tmp_path / family)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(loaded.model.layers[0].mlp.experts).__name__.endswith("Experts")  # transformers' fused module
+    tokens = token_batches(1, batch=1, length=16, seed=9)[0]
+    torch.testing.assert_close(logits(loaded, tokens), logits(quant, tokens), rtol=0, atol=1e-5)
