@@ -46,6 +46,7 @@ from quark_brevitas.container import Container
 from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.hf.kv_cache import attach_kv_quantizers, finish_kv_calibration, kv_targets
 from quark_brevitas.hf.moe import log_expert_coverage
+from quark_brevitas.hf.moe_calibration import all_expert_calibration
 from quark_brevitas.orchestration.block_runs import (
     blockwise_obstacle,
     choose_block_stack,
@@ -242,15 +243,16 @@ class Pipeline:
         layers skip the layers outside). Returns the unit (possibly a new module)."""
         try:
             log_expert_coverage(unit, name, quiet=True)  # counts start with this unit's data phase
-            unit = self._run_algorithms("pre_quant_opt_config", unit, data, data_driven=True, log=logging.DEBUG,
-                                        unit=(name, block))
-            unit, rows = self._replace_unit_layers(unit, name)
-            kv = attach_kv_quantizers(unit, self.config, prefix=name) if self.config.kv_cache_quant_config else 0
-            if data is not None and self._calibrates(rows, kv):
-                unit = self.container.calibrator()(unit, data)
-                finish_kv_calibration(unit, self.config)
-            unit = self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
-            log_expert_coverage(unit, name)
+            with all_expert_calibration(unit, data, self.config, name):
+                unit = self._run_algorithms("pre_quant_opt_config", unit, data, data_driven=True,
+                                            log=logging.DEBUG, unit=(name, block))
+                unit, rows = self._replace_unit_layers(unit, name)
+                kv = attach_kv_quantizers(unit, self.config, prefix=name) if self.config.kv_cache_quant_config else 0
+                if data is not None and self._calibrates(rows, kv):
+                    unit = self.container.calibrator()(unit, data)
+                    finish_kv_calibration(unit, self.config)
+                unit = self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
+                log_expert_coverage(unit, name)
             return unit
         except CalibrationDataError as exc:
             if exc.module is not None and name:  # the unit's module names are relative to it: qualify them
@@ -304,16 +306,17 @@ class Pipeline:
                     work = self._quantize_blockwise(model, stack, data, inplace=inplace, offload=offload)
                 else:
                     work = model if inplace else copy.deepcopy(model)
-                    work = self._run_algorithms("pre_quant_opt_config", work, data)
-                    work = self.replace_layers(work)
-                    if self.config.kv_cache_quant_config:
-                        attach_kv_quantizers(work, self.config)
-                    if activations:
-                        logger.info("Applying calibration")
-                        work = self.container.calibrator()(work, data)
-                        finish_kv_calibration(work, self.config)
-                    work = self._run_algorithms("algo_config", work, data)
-                    log_expert_coverage(work)
+                    with all_expert_calibration(work, data if needs_data else None, self.config):
+                        work = self._run_algorithms("pre_quant_opt_config", work, data)
+                        work = self.replace_layers(work)
+                        if self.config.kv_cache_quant_config:
+                            attach_kv_quantizers(work, self.config)
+                        if activations:
+                            logger.info("Applying calibration")
+                            work = self.container.calibrator()(work, data)
+                            finish_kv_calibration(work, self.config)
+                        work = self._run_algorithms("algo_config", work, data)
+                        log_expert_coverage(work)
             except CalibrationDataError as exc:
                 if exc.batch_index is not None and not inplace and data.accepted_by(model, exc.batch_index):
                     raise ModelError(

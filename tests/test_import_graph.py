@@ -251,6 +251,8 @@ UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
         "the data phase attaches and calibrates the KV-cache quantizers of Hugging Face attention modules",
     (f"{PACKAGE}.pipeline", f"{PACKAGE}.hf.moe"):
         "the data phase logs how many tokens each mixture-of-experts expert saw",
+    (f"{PACKAGE}.pipeline", f"{PACKAGE}.hf.moe_calibration"):
+        "the data phase feeds every token to the experts routing leaves (nearly) unseen (all-expert calibration)",
 }
 
 

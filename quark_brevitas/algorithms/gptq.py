@@ -251,8 +251,16 @@ class HessianPass:
 
     def add(self, name: str, rows: torch.Tensor, raw: Any) -> None:
         if self.group is None:
-            if name not in self.counts:
+            recorded = next((r for n, r in self.first_calls if n == name), None)
+            if recorded is None:
                 self.first_calls.append((name, raw))
+                recorded = raw
+            # Sequential: the group is the layers first called with the first layer's input object, known at once;
+            # the other layers' Hessians (every expert's, in a mixture-of-experts block) are not computed only to
+            # be dropped after the batch, which held about one block's worth of Hessians at a time.
+            if self.sequential and recorded is not self.first_calls[0][1]:
+                self.this_batch[name] = self.this_batch.get(name, 0) + 1
+                return
         elif name not in self.group:
             return
         product = rows.t() @ rows

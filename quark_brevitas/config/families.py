@@ -152,6 +152,11 @@ _GEMMA_SCALING = (
     ScalingCandidate("mlp.up_proj", ("mlp.down_proj",)),
 )
 
+#: Mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE): only the attention groups. The MLP's norm also
+#: feeds the router (and Qwen2-MoE's shared expert and its gate), so a scale folded into it would have to divide
+#: every expert's and the router's inputs alike: not a group the inference offers.
+_MOE_SCALING = _LLAMA_SCALING[:2]
+
 _HEAD = ("lm_head",)
 _KV = ("*k_proj", "*v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
@@ -165,6 +170,12 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family("gemma2", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _GEMMA_SCALING),
     "gemma3_text": Family("gemma3_text", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _GEMMA_SCALING),
     "phi3": Family("phi3", "model.layers", _HEAD, (), ("*qkv_proj",), ("gate_up_proj",), _PHI3_SCALING),
+    # MoE: experts unfused into Linear layers (quark_brevitas.hf.moe); routers stay in float (Mixtral's and the
+    # Qwen MoEs' are not Linear layers; Qwen2-MoE's shared-expert gate is one, excluded like the head).
+    "mixtral": Family("mixtral", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _MOE_SCALING),
+    "qwen2_moe": Family("qwen2_moe", "model.layers", (*_HEAD, "*shared_expert_gate"), _KV, ("*q_proj",), _GATE_UP,
+                        _MOE_SCALING),
+    "qwen3_moe": Family("qwen3_moe", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _MOE_SCALING),
     "opt": Family("opt", "model.decoder.layers", _HEAD, _KV, ("*q_proj",), (), _OPT_SCALING),
     "gpt2": Family("gpt2", "transformer.h", _HEAD, ("*c_attn",), ("*c_attn",), (), _GPT2_SCALING),
     "bert": Family("bert", "encoder.layer", (), ("*attention.self.key", "*attention.self.value"),

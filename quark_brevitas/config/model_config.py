@@ -98,6 +98,11 @@ class Config:
       KV-cache quantization (:mod:`quark_brevitas.config.kv_cache`): the cache spec of the key/value
       projections' patterns (``output_tensors`` of each entry), the patterns whose scales are shared within an
       attention layer (their maximum), the smallest scale written, and whether keys are quantized after RoPE.
+    - ``moe_calibrate_all_experts`` / ``moe_min_expert_tokens``: all-expert calibration of mixture-of-experts
+      blocks (:mod:`quark_brevitas.hf.moe_calibration`; only experts unfused by
+      :func:`~quark_brevitas.hf.moe.unfuse_experts`): an expert that routing sends fewer than
+      ``moe_min_expert_tokens`` tokens of a block's calibration data takes its activation statistics and
+      Hessians from every token of the block instead (its routed output, what the next layers see, unchanged).
 
     For one module, a tensor spec left ``None`` at the layer-name level defers to the layer-type
     level, then to the global level; ``None`` there means not quantized. See :mod:`quark_brevitas.resolve`.
@@ -114,6 +119,8 @@ class Config:
     kv_cache_group: list[LayerName] = field(default_factory=list)
     min_kv_scale: float = 0.0
     kv_cache_post_rope: bool = False
+    moe_calibrate_all_experts: bool = True
+    moe_min_expert_tokens: int = 1
 
     def __post_init__(self) -> None:
         # Quark writes one algorithm without a list (``algo_config=GPTQConfig(...)``) and ``None`` for none.
@@ -337,6 +344,17 @@ def verify_config(config: Config) -> None:
             verify_partial_layer_config(layer, key_path(level, key))
     verify_algorithms(config.pre_quant_opt_config, config.algo_config, config)
     verify_kv_cache(config)
+    _verify_moe_fields(config)
+
+
+def _verify_moe_fields(config: Config) -> None:
+    if not isinstance(config.moe_calibrate_all_experts, bool):
+        raise ConfigError("moe_calibrate_all_experts", "must be True or False, got "
+                          f"{config.moe_calibrate_all_experts!r}")
+    tokens = config.moe_min_expert_tokens
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ConfigError("moe_min_expert_tokens", f"must be an integer >= 1 (routed tokens below which an expert is "
+                          f"calibrated on every token of its block), got {tokens!r}")
 
 
 def _with_narrow_grid(config: Config) -> Config:

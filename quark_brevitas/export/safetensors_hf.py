@@ -383,6 +383,31 @@ def collect_tensors(model: nn.Module, prefix: str, tensors: dict[str, torch.Tens
                 tensors[f"{full}.{key}" if full else key] = tensor.detach()
 
 
+#: Checkpoint names of unfused experts' layers (quark_brevitas.hf.moe) where a family's checkpoints spell them
+#: otherwise: transformers 5.x fuses per-expert tensors into its 3-D parameters on load only from the names its
+#: weight converters know (Mixtral's ``experts.N.w1`` / ``w3`` / ``w2``; Qwen2/3-MoE's are the unfused names).
+_EXPERT_NAMES = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}}
+_EXPERT_LAYER = re.compile(r"(\.experts\.\d+\.)(gate_proj|up_proj|down_proj)(?=\.|$)")
+
+
+def checkpoint_names(hf_config: Any, tensors: dict[str, torch.Tensor], entries: list[LayerCodes],
+                     float_linears: list[str]) -> dict[str, torch.Tensor]:
+    """Rename, in place for ``entries`` and ``float_linears``, what :func:`collect_tensors` gathered to the names
+    the family's checkpoints use (:data:`_EXPERT_NAMES`; nothing changes for most families, and a name already
+    renamed stays as it is); returns the tensors renamed."""
+    names = _EXPERT_NAMES.get(getattr(hf_config, "model_type", None))
+    if names is None:
+        return tensors
+
+    def rename(name: str) -> str:
+        return _EXPERT_LAYER.sub(lambda m: m.group(1) + names[m.group(2)], name)
+
+    for entry in entries:
+        entry.name = rename(entry.name)
+    float_linears[:] = [rename(name) for name in float_linears]
+    return {rename(key): value for key, value in tensors.items()}
+
+
 def check_export_args(format: str, output_dir_: Any, pack_asymmetric: bool = False) -> tuple[HFFormat, Path]:
     """The format asked for and the output folder, checked before any work."""
     fmt = hf_format(format)
@@ -423,6 +448,7 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
     entries: list[LayerCodes] = []
     float_linears: list[str] = []
     collect_tensors(quant_model, "", tensors, entries, float_linears, pack_asymmetric=pack_asymmetric, fmt=fmt)
+    tensors = checkpoint_names(hf_config, tensors, entries, float_linears)
     if not entries:
         raise ExportError(f"{type(quant_model).__name__} has no quantized Linear layer to write")
     quantization_config = fmt.quantization_config(entries, float_linears)

@@ -49,6 +49,7 @@ from quark_brevitas.export.readback import (
 from quark_brevitas.export.safetensors_hf import (
     LayerCodes,
     check_export_args,
+    checkpoint_names,
     collect_tensors,
     config_json,
     untie,
@@ -104,7 +105,7 @@ def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: 
             tensors: dict[str, torch.Tensor] = {}
             collect_tensors(module, prefix, tensors, entries, float_linears, skip=skip, pack_asymmetric=pack_asymmetric,
                             fmt=fmt)
-            tensors = untie(tensors)
+            tensors = untie(checkpoint_names(unit_config, tensors, entries, float_linears))
             name = f"model-{count:05d}.safetensors" if prefix else "model-rest.safetensors"
             shards[name] = records_of(tensors)  # recorded from memory, checked against the files at the end
             save_file(tensors, str(work / name), metadata={"format": "pt"})

@@ -12,8 +12,12 @@ config, the algorithms and ``plan``. The router (``gate``) is not touched (Mixtr
 Qwen2-MoE's ``shared_expert_gate`` in float with ``exclude``).
 
 Each :class:`UnfusedExperts` counts the tokens routed to each expert (``tokens``); :func:`expert_coverage` reads
-the counts and the pipeline logs them after calibrating a block, with a warning naming the experts no calibration
-token reached (their input quantizers would be uncalibrated; their weights are quantized from the weights alone).
+the counts and the pipeline logs them after calibrating a block. Routing leaves some experts unseen by the
+calibration data (or nearly so): their input quantizers would stay uncalibrated and GPTQ would have no Hessian.
+All-expert calibration (:mod:`quark_brevitas.hf.moe_calibration`, ``Config.moe_calibrate_all_experts``) marks
+such experts in ``fill``: during the data phase they run on every token of the batch, so the hooks collecting
+statistics and Hessians on their layers see every token, while the block's output still adds only their routed
+tokens' rows (the rows of the same computation), weighted as the router says. ``filled`` counts the tokens so fed.
 """
 
 from __future__ import annotations
@@ -61,16 +65,32 @@ class UnfusedExperts(nn.ModuleList):
         super().__init__(experts)
         self.num_experts = len(experts)
         self.register_buffer("tokens", torch.zeros(len(experts), dtype=torch.int64), persistent=False)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("filled", torch.zeros(len(experts), dtype=torch.int64), persistent=False)
+        #: Experts that run on every token (all-expert calibration; set only during a data phase).
+        self.fill: frozenset[int] = frozenset()
+        #: From the routing pass before a data phase: tokens routed to each expert, tokens in all, the threshold.
+        self.routed: list[int] | None = None
+        self.block_tokens = 0
+        self.fill_below = 0
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
+        self.seen += hidden_states.shape[0]
         for index, expert in enumerate(self):
             token, position = torch.where(top_k_index == index)
             self.tokens[index] += int(token.numel())
-            if token.numel() == 0:
+            if index in self.fill:
+                every = expert(hidden_states)  # statistics/Hessian hooks on its layers see every token
+                self.filled[index] += hidden_states.shape[0]
+                if token.numel() == 0:
+                    continue
+                routed = every[token] * top_k_weights[token, position, None]
+            elif token.numel() == 0:
                 continue
-            routed = expert(hidden_states[token]) * top_k_weights[token, position, None]
+            else:
+                routed = expert(hidden_states[token]) * top_k_weights[token, position, None]
             out.index_add_(0, token, routed.to(out.dtype))
         return out
 
@@ -118,14 +138,26 @@ def log_expert_coverage(model: nn.Module, prefix: str = "", reset: bool = True,
     log) and reset the counts. The pipeline logs a block's counts after its data phase: routings of every
     forward pass of that phase (calibration and the algorithms' passes)."""
     coverage = expert_coverage(model)
+    modules = {name: module for name, module in model.named_modules() if isinstance(module, UnfusedExperts)}
     for name, tokens in coverage.items() if not quiet else ():
+        module = modules[name]
         where = f"{prefix}.{name}" if prefix and name else prefix or name
-        logger.info("%s: token routings per expert during the data phase %s", where, tokens)
-        unseen = [index for index, count in enumerate(tokens) if count == 0]
+        if module.routed is None:  # no routing pass before this data phase: counts of all its passes
+            logger.info("%s: token routings per expert during the data phase %s", where, tokens)
+            unseen = [index for index, count in enumerate(tokens) if count == 0]
+        else:
+            fed = sorted(index for index in module.fill if int(module.filled[index]) > 0)
+            how = (f"; all-expert calibration fed experts {fed} all {module.block_tokens} tokens (fewer than "
+                   f"{module.fill_below} routed) for their statistics and Hessians" if fed else "")
+            logger.info("%s: %d calibration tokens, token routings per expert %s%s", where, module.block_tokens,
+                        module.routed, how)
+            unseen = [index for index, count in enumerate(module.routed) if count == 0 and index not in fed]
         if unseen:
-            logger.warning("%s: experts %s saw no calibration token (routing sent none there)", where, unseen)
+            logger.warning("%s: experts %s saw no calibration token (routing sent none there and all-expert "
+                           "calibration, Config.moe_calibrate_all_experts, was off)", where, unseen)
     if reset:
-        for module in model.modules():
-            if isinstance(module, UnfusedExperts):
-                module.tokens.zero_()
+        for module in modules.values():
+            module.tokens.zero_()
+            module.filled.zero_()
+            module.seen.zero_()
     return coverage

@@ -110,7 +110,7 @@ def test_unknown_algorithms_and_templates_name_what_exists() -> None:
                                           r"qronos, autoround"):
         LLMTemplate.get("llama").get_config(scheme="int4_wo_128", algorithm=["awq", "gptaq"])
     with pytest.raises(ConfigError, match=r"no LLMTemplate for 'falcon'; available: llama, mistral, qwen2, qwen3, "
-                                          r"gemma2, gemma3_text, phi3, opt, gpt2, bert"):
+                                          r"gemma2, gemma3_text, phi3, mixtral, qwen2_moe, qwen3_moe, opt, gpt2, bert"):
         LLMTemplate.get("falcon")
     with pytest.raises(ConfigError, match="kv_cache_scheme: 'fp16'; allowed: fp8, int8 or None"):
         LLMTemplate.get("llama").get_config(scheme="fp8", kv_cache_scheme="fp16")
@@ -118,7 +118,7 @@ def test_unknown_algorithms_and_templates_name_what_exists() -> None:
 
 def test_templates_read_the_family_table() -> None:
     assert LLMTemplate.list_available() == ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
-                                            "opt", "gpt2", "bert"]
+                                            "mixtral", "qwen2_moe", "qwen3_moe", "opt", "gpt2", "bert"]
     opt = LLMTemplate.get("opt")
     assert opt.family is FAMILIES["opt"] and opt.family.decoder_layers == "model.decoder.layers"
     assert opt.exclude_layers_name == ["lm_head"] and opt.kv_layers_name == ["*k_proj", "*v_proj"]
