@@ -3,9 +3,12 @@ PTQ / QAT,
 FINN readiness findings, FINN's conversion difference, and onnxruntime speed and integer kernels against
 onnxruntime's own ``quantize_static`` of the same float model, in the same run.
 
-Run: ``FINN_SRC=../shared/finn python -m benchmarks.graph [--bits 4] [--qat-epochs 3]`` (a few minutes; without
-``FINN_SRC`` the FINN column says why it is empty). The encoder-decoder is not a classifier: it is trained to
-reconstruct its input (its accuracy columns show the reconstruction's mean squared error, lower is better).
+Run: ``FINN_SRC=../shared/finn python -m benchmarks.graph [--bits 4] [--qat-epochs N --qat-lr LR]`` (a few
+minutes; without ``FINN_SRC`` the FINN column says why it is empty). The config is ``finn_config(bits, model)``
+(tests/helpers/graph_zoo.py: the ``finn_w{bits}a{bits}`` preset; at 2 bits the first layer's input and weights and
+the last layer's weights 8-bit) and the QAT recipe ``QAT_RECIPE[bits]`` unless given. The encoder-decoder is not
+a classifier: it is trained to reconstruct its input (its accuracy columns show the reconstruction's mean squared
+error, lower is better).
 Timings: the two onnxruntime files run alternately, one thread, median of ``--reps`` runs of a 64-image batch.
 """
 
@@ -32,7 +35,7 @@ from quark_brevitas.cli.digits import evaluate, fine_tune, load_digits_data  # n
 from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.export import ExportMismatchError, export_onnx_qcdq, export_qonnx, finn_readiness  # noqa: E402
 from quark_brevitas.qat import prepare_qat  # noqa: E402
-from tests.helpers.graph_zoo import GRAPH_ZOO  # noqa: E402
+from tests.helpers.graph_zoo import GRAPH_ZOO, QAT_RECIPE, finn_config  # noqa: E402
 
 INTEGER_KERNELS = ("QLinearConv", "QLinearAdd", "QLinearConcat", "QLinearGlobalAveragePool", "QLinearAveragePool",
                    "QLinearMatMul", "MatMulInteger", "ConvInteger", "QGemm")
@@ -146,10 +149,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
     parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--qat-epochs", type=int, default=3)
+    parser.add_argument("--qat-epochs", type=int, default=None, help="default: QAT_RECIPE[bits]")
+    parser.add_argument("--qat-lr", type=float, default=None, help="default: QAT_RECIPE[bits]")
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--models", default=",".join(GRAPH_ZOO))
     args = parser.parse_args()
+    qat_epochs, qat_lr = QAT_RECIPE[args.bits]
+    qat_epochs = args.qat_epochs if args.qat_epochs is not None else qat_epochs
+    qat_lr = args.qat_lr if args.qat_lr is not None else qat_lr
     torch.set_num_threads(1)
     data = load_digits_data()
     xt = torch.cat([b[0] for b in data.test])
@@ -160,10 +167,10 @@ def main() -> None:
         model = GRAPH_ZOO[name]()
         _train(name, model, data, args.epochs, 3e-3)
         float_score = _score(name, model, data)
-        quant = ModelQuantizer(get_preset(f"finn_w{args.bits}a{args.bits}")).quantize_model(model, data.calib)
+        quant = ModelQuantizer(finn_config(args.bits, model)).quantize_model(model, data.calib)
         ptq = _score(name, quant, data)
         prepare_qat(quant)
-        _train(name, quant, data, args.qat_epochs, 1e-3)
+        _train(name, quant, data, qat_epochs, qat_lr)
         quant.eval()
         qat = _score(name, quant, data)
         qonnx = work / f"{name}.onnx"
@@ -187,7 +194,8 @@ def main() -> None:
                       f"{graph_ms:.3f}", f"{static_ms:.3f}", f"{static_ms / graph_ms:.2f}",
                       _kernels(work / f"{name}_w8_opt.onnx"), _kernels(work / f"{name}_static_opt.onnx")))
     score = "accuracy % (encoder_decoder: MSE)"
-    print(f"W{args.bits}A{args.bits} finn preset, {args.qat_epochs} QAT epochs; {score}")
+    wide = ", first layer input+weights and last layer weights 8-bit" if args.bits == 2 else ""
+    print(f"W{args.bits}A{args.bits} finn preset{wide}, {qat_epochs} QAT epochs from lr {qat_lr:g} (cosine); {score}")
     print(format_table(("model", "float", "PTQ", "QAT", "QONNX vs PyTorch", "readiness findings",
                         "FINN convert+streamline"), rows))
     print("\nonnxruntime, W8A8: graph backend QCDQ vs quantize_static (QDQ, per-channel int8), batch 64, 1 thread")

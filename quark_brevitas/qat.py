@@ -38,7 +38,9 @@ from brevitas.core.restrict_val import PowerOfTwoRestrictValue
 from torch import nn
 
 from quark_brevitas.brevitas_adapter import (
+    QuantActivation,
     QuantLayer,
+    fused_activation,
     iter_quantizers,
     mark_scale_initialised,
     quantization_disabled,
@@ -81,10 +83,13 @@ _TRAINED_ROLES = ("weight", "input", "output")
 
 def _quantizers(model: nn.Module) -> Iterator[tuple[str, str, nn.Module, Any]]:
     """Yield (layer name, role, layer, proxy) for every enabled weight/input/output quantizer of the
-    weight/bias layers (the quantizers TQT initialises)."""
+    weight/bias layers and every stand-alone activation quantizer (``act``: QuantReLU, QuantIdentity, the graph
+    backend's points): the quantizers TQT initialises."""
     for site in iter_quantizers(model):
         if isinstance(site.layer, QuantLayer) and site.role in _TRAINED_ROLES:
             yield site.layer_name, site.role, site.layer, site.proxy
+        elif isinstance(site.layer, QuantActivation) and site.role == "act":
+            yield site.layer_name, "act", site.layer, site.proxy
 
 
 def _is_pof2(impl: nn.Module) -> bool:
@@ -148,8 +153,12 @@ def _collect_inputs(model: nn.Module, loader: Any) -> dict[str, list[torch.Tenso
         if role == "weight":
             continue
 
-        def hook(_module: nn.Module, args: tuple, key: str = f"{name}:{role}") -> None:
-            seen.setdefault(key, []).append(args[0].detach().flatten())
+        activation = fused_activation(proxy)
+
+        def hook(_module: nn.Module, args: tuple, key: str = f"{name}:{role}", act: Any = activation) -> None:
+            # a QuantReLU quantizes the ReLU of what its proxy receives; a shared point (one quantizer called on
+            # every input of an add/concat) collects all its calls, so its threshold covers every input
+            seen.setdefault(key, []).append(act(args[0].detach()).flatten())
 
         hooks.append(proxy.register_forward_pre_hook(hook))
     if loader is None:

@@ -237,12 +237,17 @@ class PlannedLayer:
     ``sources`` maps each tensor role of a quantizable layer to the level its spec came from:
     ``"global"``, ``'layer_type_quant_config["Conv2d"]'``, ``'layer_quant_config["fc1"]'`` or
     ``"excluded"``; it is empty for modules the backend does not quantize (BatchNorm, ReLU, ...).
+
+    ``graph_points`` (``Backend.graph`` only): the quantization points this layer owns, i.e. whose value reaches
+    it (:class:`~quark_brevitas.backend.graph.QuantPoint`: tensor, kind, spec, sign, and for a shared-scale group
+    the values sharing it), so that the plan shows every tensor the graph backend quantizes before calibration.
     """
 
     name: str
     module_type: str
     layer_config: QuantizationConfig | None
     sources: dict[str, str] = field(default_factory=dict)
+    graph_points: tuple[Any, ...] = ()
 
     @property
     def quantized(self) -> bool:
@@ -268,14 +273,25 @@ class PlannedLayer:
             return next(iter(groups))
         return "; ".join(f"{', '.join(roles)}: {source}" for source, roles in groups.items())
 
+    def points_cell(self) -> str:
+        """The graph points in one cell, e.g. ``relu0 uint4 activation; add int4 shared(relu0+bn2)``."""
+        cells = []
+        for point in self.graph_points:
+            shared = f"({'+'.join(point.inputs)})" if point.kind == "shared" else ""
+            cells.append(f"{point.tensor} {point.short()} {point.kind}{shared}")
+        return "; ".join(cells) or "-"
+
 
 def plan_table(rows: Sequence[PlannedLayer]) -> str:
-    """The plan as an aligned text table: name, type, quantized, weight, input, output, bias, source."""
-    header = ("name", "type", "quantized", "weight", "input", "output", "bias", "source")
+    """The plan as an aligned text table: name, type, quantized, weight, input, output, bias, source, and for
+    ``Backend.graph`` the quantization points each layer owns."""
+    graph = any(row.graph_points for row in rows)
+    header = ("name", "type", "quantized", "weight", "input", "output", "bias", "source") + (
+        ("graph points",) if graph else ())
     table = [header]
     for row in rows:
         table.append((row.name or "(model)", row.module_type, "yes" if row.quantized else "no",
-                      *row.spec_cells(), row.source_summary()))
+                      *row.spec_cells(), row.source_summary()) + ((row.points_cell(),) if graph else ()))
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table]
     lines.insert(1, "  ".join("-" * w for w in widths))

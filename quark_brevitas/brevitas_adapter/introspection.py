@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 from brevitas.nn.equalized_layer import EqualizedModule
-from brevitas.nn.quant_layer import QuantWeightBiasInputOutputLayer
+from brevitas.nn.quant_layer import QuantNonLinearActLayer, QuantWeightBiasInputOutputLayer
 from brevitas.proxy.float_parameter_quant import BiasFloatQuantProxyFromInjector, WeightFloatQuantProxyFromInjectorBase
 from brevitas.proxy.float_runtime_quant import ActFloatQuantProxyFromInjectorBase, DynamicActFloatQuantProxyFromInjector
 from brevitas.proxy.groupwise_float_runtime_quant import GroupwiseActFloatQuantProxyFromInjector
@@ -41,6 +41,8 @@ from quark_brevitas.brevitas_adapter.rotation import RotatedInput
 __all__ = [
     "FLOAT8_DTYPES",
     "EqualizedModule",
+    "QuantActivation",
+    "fused_activation",
     "QuantLayer",
     "QuantizerSite",
     "StopFwdException",
@@ -65,6 +67,8 @@ __all__ = [
 
 #: Quantized layers with weight, bias, input and output quantizers (QuantLinear, QuantConv*, ...).
 QuantLayer = QuantWeightBiasInputOutputLayer
+#: Stand-alone activation quantizers (QuantReLU, QuantIdentity, ...): the graph backend's quantization points.
+QuantActivation = QuantNonLinearActLayer
 
 
 
@@ -119,6 +123,13 @@ def iter_quantizers(model: nn.Module, *, enabled_only: bool = True) -> Iterator[
             continue
         layer_name, _, attribute = name.rpartition(".")
         yield QuantizerSite(layer_name, attribute, quantizer_kind(proxy), proxy, modules[layer_name], name)
+
+
+def fused_activation(proxy: nn.Module) -> nn.Module:
+    """The activation an activation proxy applies before quantizing (a QuantReLU's ReLU; ``Identity`` for a
+    QuantIdentity): what the quantizer's range must cover is this function of the proxy's input."""
+    fused = getattr(proxy, "fused_activation_quant_proxy", None)
+    return getattr(fused, "activation_impl", None) or nn.Identity()
 
 
 def quantizer_names(model: nn.Module) -> set[str]:

@@ -51,6 +51,23 @@ def test_plan_lists_every_point_with_owner_sign_and_shared_group() -> None:
     assert "shared" in table and ("relu0, bn2" in table or "bn2, relu0" in table)
 
 
+def test_plan_rows_carry_the_graph_points_each_layer_owns() -> None:
+    from quark_brevitas.backend import plan_table
+
+    rows = {row.name: row for row in ModelQuantizer(get_preset("finn_w4a4")).plan(GRAPH_ZOO["residual_cnn"]())}
+    owned = {name: {(p.tensor, p.kind) for p in row.graph_points} for name, row in rows.items()}
+    assert owned["conv0"] == {("x", "layer_input")} and owned["conv1"] == {("relu0", "activation")}
+    # the head owns everything behind the residual block: the shared group, its ReLU and the average pool
+    assert owned["fc"] == {("relu0", "activation"), ("add", "shared"), ("relu2", "activation"), ("gap", "requant")}
+    shared = next(p for p in rows["fc"].graph_points if p.kind == "shared")
+    assert set(shared.inputs) == {"relu0", "bn2"} and shared.signed and shared.spec.bit_width == 4
+    assert not rows["bn0"].graph_points  # float modules own no point
+    every = {(p.tensor, p.kind) for row in rows.values() for p in row.graph_points}
+    assert every == {(p.tensor, p.kind) for p in _points("residual_cnn")}  # the rows miss no point
+    table = plan_table(list(rows.values()))
+    assert "graph points" in table.splitlines()[0] and "add int4 shared(" in table
+
+
 def test_concat_inputs_share_one_quantizer_and_fork_gets_private_call() -> None:
     points = {(p.tensor, p.kind): p for p in _points("encoder_decoder")}
     shared = points["cat", "shared"]

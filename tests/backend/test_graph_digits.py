@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers.graph_zoo import GRAPH_ZOO, ResidualCNN, input_batch, randomised
+from helpers.graph_zoo import GRAPH_ZOO, QAT_RECIPE, ResidualCNN, finn_config, input_batch, randomised
 
 from quark_brevitas.api import ModelQuantizer
 from quark_brevitas.cli.digits import evaluate, fine_tune, load_digits_data
@@ -19,20 +19,32 @@ from quark_brevitas.qat import prepare_qat
 from tests.backend.test_graph_finn import finn, run_finn  # noqa: F401 - the fixture
 
 
-@pytest.fixture(scope="module")
-def digits_w4a4(tmp_path_factory):
+def _digits_qat(bits: int, tmp_path_factory):
+    """The residual CNN trained on digits, quantized by ``finn_config(bits)`` and trained by ``QAT_RECIPE[bits]``;
+    (float accuracy, QAT accuracy, the QONNX file, the test images)."""
     torch.manual_seed(0)
     data = load_digits_data()
     model = ResidualCNN()
     fine_tune(model, data, epochs=15, lr=3e-3)
     float_accuracy = evaluate(model, data.test)
-    quant = ModelQuantizer(get_preset("finn_w4a4")).quantize_model(model, data.calib)
+    quant = ModelQuantizer(finn_config(bits, model)).quantize_model(model, data.calib)
     prepare_qat(quant)
-    fine_tune(quant, data, epochs=3, lr=1e-3)
+    epochs, lr = QAT_RECIPE[bits]
+    fine_tune(quant, data, epochs=epochs, lr=lr)
     xt = torch.cat([batch[0] for batch in data.test])
-    path = tmp_path_factory.mktemp("digits") / "w4a4.onnx"
-    export_qonnx(quant.eval(), xt, path)
+    path = tmp_path_factory.mktemp("digits") / f"w{bits}a{bits}.onnx"
+    export_qonnx(quant.eval(), xt, path)  # verified against PyTorch on every test image
     return float_accuracy, evaluate(quant, data.test), path, xt
+
+
+@pytest.fixture(scope="module")
+def digits_w4a4(tmp_path_factory):
+    return _digits_qat(4, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def digits_w2a2(tmp_path_factory):
+    return _digits_qat(2, tmp_path_factory)
 
 
 @pytest.mark.slow
@@ -42,8 +54,15 @@ def test_digits_residual_cnn_w4a4_qat_within_one_point_of_float(digits_w4a4) -> 
 
 
 @pytest.mark.slow
-def test_finn_converted_digits_file_predicts_as_pytorch(finn, digits_w4a4) -> None:  # noqa: F811
-    _, _, path, xt = digits_w4a4
+def test_digits_residual_cnn_w2a2_qat_within_three_points_of_float(digits_w2a2) -> None:
+    float_accuracy, qat_accuracy, _, _ = digits_w2a2
+    assert qat_accuracy >= float_accuracy - 3.0, (float_accuracy, qat_accuracy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trained", ["digits_w4a4", "digits_w2a2"])
+def test_finn_converted_digits_file_predicts_as_pytorch(finn, trained, request) -> None:  # noqa: F811
+    _, _, path, xt = request.getfixturevalue(trained)
     result = run_finn(finn, path, xt.numpy())
     # the same arg-max on every test image: FINN's file has the PyTorch model's accuracy
     assert result["argmax_agree"] == 1.0 and result["rel_streamline"] <= 1e-4, result

@@ -81,12 +81,18 @@ class GraphBackend:
 
     def plan(self, model: nn.Module, config: Config, *, check_names: bool = True, prefix: str = ""
              ) -> list[PlannedLayer]:
-        """The layers' plan (as the layerwise backend's); the graph points are checked too (:meth:`points`), so an
-        untraceable model or a disagreeing shared point fails here, before anything is calibrated."""
+        """The layers' plan (as the layerwise backend's), each compute layer's row with the graph points it owns
+        (``graph_points``); the points are built here, so an untraceable model or a disagreeing shared point fails
+        before anything is calibrated."""
         rows = self.layerwise.plan(model, config, check_names=check_names, prefix=prefix)
         self._check_specs(rows)
-        self.analyse(model, rows)
-        return rows
+        points = self.analyse(model, rows).points
+
+        def owned(row: PlannedLayer) -> tuple[QuantPoint, ...]:
+            local = row.name.removeprefix(f"{prefix}.") if prefix else row.name
+            return tuple(point for point in points if local in point.layers)
+
+        return [dataclasses.replace(row, graph_points=owned(row)) if row.quantized else row for row in rows]
 
     def points(self, model: nn.Module, config: Config) -> list[QuantPoint]:
         """Every quantization point of ``model`` under ``config`` (tensor, owning layers, spec, sign, group)."""
