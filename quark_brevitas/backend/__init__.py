@@ -29,6 +29,7 @@ from brevitas.graph.base import ModuleToModuleByInstance
 from brevitas.graph.utils import set_module
 from torch import nn
 
+from quark_brevitas.backend.groups import group_size_check, log_padded_groups
 from quark_brevitas.backend.layers import QuantConv1D, QuantMultiheadAttention
 from quark_brevitas.brevitas_adapter import (
     HALF_DTYPES,
@@ -282,35 +283,6 @@ def plan_table(rows: Sequence[PlannedLayer]) -> str:
     return "\n".join(lines)
 
 
-def _grouped_width(module: nn.Module) -> int | None:
-    """The input channels a per-group weight's groups run along (Linear, Conv1d/2d at each kernel position,
-    Hugging Face's Conv1D stored ``[in, out]``); ``None`` for layers whose groups are laid out otherwise."""
-    if isinstance(module, nn.Linear):
-        return int(module.in_features)
-    if isinstance(module, nn.Conv1d | nn.Conv2d) and not isinstance(module, nn.ConvTranspose1d | nn.ConvTranspose2d):
-        return int(module.in_channels // module.groups)
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return int(module.weight.shape[0])
-    return None
-
-
-def group_size_check(module: nn.Module, layer: QuantizationConfig) -> tuple[str, str] | None:
-    """A per-group weight whose layer's input channels are no multiple of ``group_size`` (or fewer): Brevitas would
-    pad the last group, silently costing evaluation time and memory (3-70x and +45 % measured for group sizes of
-    7 and 100000 on 64 channels), so it is refused unless the spec asks for padding (``pad_groups=True``)."""
-    spec = layer.weight.resolved() if layer.weight is not None else None
-    if spec is None or spec.qscheme is not QSchemeType.per_group or not spec.group_size or spec.pad_groups:
-        return None
-    width = _grouped_width(module)
-    if width is None or width % spec.group_size == 0:
-        return None
-    divisors = [g for g in (256, 128, 64, 32, 16, 8) if g < width and width % g == 0][:1]
-    hint = f"a group size that divides {width} (e.g. {divisors[0]})" if divisors else "another granularity"
-    relation = "fewer than" if width < spec.group_size else "no multiple of"
-    return "weight.group_size", (f"its {width} input channels are {relation} group_size {spec.group_size}; choose "
-                                 f"{hint}, exclude the layer, or set pad_groups=True to pad its last group")
-
-
 class LayerwiseBackend:
     """Replaces every module whose exact class is in the layer map; leaves the rest in float."""
 
@@ -454,6 +426,7 @@ class LayerwiseBackend:
         kept = [f"{r.name} ({r.module_type}{_why_float(r)})" for r in rows
                 if r.layer_config is None and not any(r.name.startswith(t + ".") for t in targets)
                 and (r.sources or not list(modules[r.name].children()))]
+        log_padded_groups(rows, modules, logging.DEBUG if prefix else log)
         logger.log(logging.DEBUG if prefix else log, "Quantized %d layers%s; kept in float: %s", len(targets),
                    f" of {prefix}" if prefix else "", ", ".join(kept) if kept else "none")
         return model

@@ -99,9 +99,11 @@ class QuantizationSpec:
       range ``-2^(b-1)..2^(b-1)-1`` with Quark's ``scale = max|w| / (2^(b-1) - 1/2)`` (int3: -4..3, 8 codes);
       ``None``: the default for the bit width (:func:`narrow_range_of`: full range at 2-4 bits, narrow above, see
       :data:`FULL_RANGE_MAX_BITS`).
-    - ``pad_groups``: ``per_group`` weights only: ``True`` accepts a layer whose input channels are no multiple of
-      ``group_size`` (or fewer than it) and pads its last group; ``None`` (default): such a layer is a
-      :class:`ConfigError` in ``plan()`` naming it, because padding silently costs evaluation time and memory.
+    - ``pad_groups``: ``per_group`` weights only, for a layer whose input channels are no multiple of
+      ``group_size`` (or fewer than it): ``True`` pads its last group; ``False`` refuses it; ``None`` (default)
+      follows Quark 0.13: MX formats pad (as Quark's MX quantizer does), integer and float groups are a
+      :class:`ConfigError` in ``plan()`` naming the layer, before calibration (padding silently costs evaluation
+      time and memory). A run that pads logs the layers it pads.
     """
 
     #: Written to files only when set. A file without it gets the default of the reading release: 2-4 bit symmetric

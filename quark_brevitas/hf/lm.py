@@ -48,8 +48,10 @@ _TOKENIZER_COPIED = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.
 
 def default_llm_config() -> Config:
     """The LLM command line's default: int4 weights per group of 128 rounded by GPTQ, activations in float
-    (no FX pre-processing: Hugging Face models cannot be traced)."""
-    weight = QTensorConfig(qscheme=QSchemeType.per_group, group_size=128, bit_width=4)
+    (no FX pre-processing: Hugging Face models cannot be traced). It pads a layer narrower than 128 channels or not
+    a multiple of them (``pad_groups``, logged): a default must run on any model; a config the user gives pads only
+    when it says so."""
+    weight = QTensorConfig(qscheme=QSchemeType.per_group, group_size=128, bit_width=4, pad_groups=True)
     return Config(QLayerConfig(weight=weight), pre_quant_opt_config=[], algo_config=[GPTQ()])
 
 
