@@ -434,7 +434,7 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
         save_file(kept, str(work / _WEIGHTS_FILE), metadata={"format": "pt"})
         config_text = config_json(hf_config, quantization_config, type(quant_model).__name__)
         (work / "config.json").write_text(config_text)
-        write_tokenizer(tokenizer, work)
+        write_tokenizer(tokenizer, work, directory)  # copied files are read back against their source
         # the files are complete: read them back (safetensors' reader) before the folder is moved into place
         verify_safetensors_file(work / _WEIGHTS_FILE, directory / _WEIGHTS_FILE, records_of(kept))
         verify_text_file(work / "config.json", directory / "config.json", config_text)

@@ -80,12 +80,10 @@ def write_gguf_streamed(checkpoint: Any, output: Any, *, overwrite: bool = False
     return export_gguf_streamed(checkpoint, output, overwrite=overwrite, **options)
 
 
-def _tokenizer(tokenizer_dir: Any) -> Any:
-    if tokenizer_dir is None:
-        return None
-    from quark_brevitas.hf.lm import load_tokenizer
-
-    return load_tokenizer(tokenizer_dir)
+def _tokenizer(tokenizer_dir: Any) -> Path | None:
+    """The tokenizer folder, whose files the folder formats copy as they are and read back (not a loaded tokenizer:
+    transformers would re-serialise it, and for some classes that is another tokenizer)."""
+    return None if tokenizer_dir is None else Path(tokenizer_dir)
 
 
 def _safetensors(fmt: str, model: Any, output: Any, example: Any, overwrite: bool, tokenizer_dir: Any,

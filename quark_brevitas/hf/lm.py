@@ -29,6 +29,7 @@ from quark_brevitas.config import Config, QLayerConfig, QTensorConfig
 from quark_brevitas.config.algorithms import GPTQ
 from quark_brevitas.config.enums import QSchemeType
 from quark_brevitas.errors import ModelError, QuarkBrevitasError
+from quark_brevitas.export.hf_folder import TOKENIZER_COPIED, TOKENIZER_FILES
 from quark_brevitas.extras import require
 
 logger = logging.getLogger(__name__)
@@ -37,13 +38,8 @@ __all__ = ["TOKENIZER_FILES", "LLMReport", "PerplexityMeter", "copy_tokenizer", 
            "is_causal_lm", "load_tokenizer", "mean_pooled", "quantize_folder", "sentence_batches", "split_held_out",
            "text_batches"]
 
-#: Files of which a folder holding a Hugging Face tokenizer has at least one (``save_pretrained`` writes the first
-#: two; the others are the vocabularies of slow tokenizers).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
-                   "spiece.model", "sentencepiece.bpe.model")
-#: Every file of a tokenizer folder that :func:`copy_tokenizer` copies beside a checkpoint.
-_TOKENIZER_COPIED = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
-                     "chat_template.jinja", "chat_template.json")
+#: Re-exported: the tables live with the exporters that copy tokenizers too.
+_TOKENIZER_COPIED = TOKENIZER_COPIED
 
 
 def default_llm_config() -> Config:
