@@ -83,7 +83,8 @@ from quark_brevitas.extras import require
 from quark_brevitas.outputs import output_dir as _output_folder
 
 __all__ = ["COMPRESSED_TENSORS", "FORMATS", "LayerCodes", "check_export_args", "collect_tensors", "config_json",
-           "export_safetensors", "hf_format", "layer_codes", "quantization_config_dict", "untie", "write_tokenizer"]
+           "check_layer_fits", "export_safetensors", "hf_format", "layer_codes", "quantization_config_dict", "untie",
+           "write_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -344,6 +345,13 @@ def _layer_entry(name: str, layer: nn.Module, fmt: HFFormat) -> LayerCodes:
         raise fmt.refuse(exc.layer, exc.why) from exc
     fmt.check(entry)
     return entry
+
+
+def check_layer_fits(name: str, layer: nn.Module, format: str) -> None:
+    """Raise the :class:`ExportError` the writer of ``format`` raises for the quantized ``layer`` (called ``name``),
+    if any: the same per-layer function, for the checks made before calibration
+    (:mod:`quark_brevitas.export.plan_checks`)."""
+    _layer_entry(name, layer, hf_format(format))
 
 
 def collect_tensors(model: nn.Module, prefix: str, tensors: dict[str, torch.Tensor], entries: list[LayerCodes],
