@@ -3,8 +3,9 @@
 Why: ``quantize --model DIR --export FORMAT`` with a config the format cannot hold used to be refused by the
 exporter, after the calibration (hours on a real model). The refusal must come first, and it must be the
 exporter's own: a second, hand-written list of what each format holds would drift from the one its writer applies.
-So each distinct (layer type, layer spec, input width) of the plan is quantized on a small stand-in layer (two
-output rows, one calibration batch: the layout of the codes does not depend on the data) and handed to the same
+So each distinct (layer type, layer spec, input width, output rows) of the plan is quantized on a small stand-in
+layer (a few output rows with the layer's divisibility, one calibration batch: the layout of the codes does not
+depend on the data) and handed to the same
 per-layer function the writer runs on every layer. Each format's check is named by its row of the format table
 (:attr:`quark_brevitas.export.registry.ExportFormat.plan_check`); the command line asks the table, not an if-chain.
 
@@ -27,8 +28,8 @@ from torch import nn
 
 from quark_brevitas.export.errors import ExportError
 
-__all__ = ["check_compressed_tensors_plan", "check_qcdq_plan", "check_quark_plan", "input_width", "quiet",
-           "stand_ins"]
+__all__ = ["check_compressed_tensors_plan", "check_qcdq_plan", "check_quark_plan", "input_width", "output_rows",
+           "quiet", "stand_ins"]
 
 #: Files of which a folder holding a Hugging Face tokenizer has at least one (the ONNX export of a language model
 #: is traced with a sentence through it).
@@ -56,14 +57,29 @@ def quiet() -> Iterator[None]:
         package.setLevel(previous)
 
 
-def _stand_in(module: nn.Module, width: int) -> nn.Module:
-    """A layer of ``module``'s class with ``width`` inputs and two outputs (two rows, so that one scale per row is
-    told apart from one per tensor), with deterministic weights."""
-    has_bias = getattr(module, "bias", None) is not None
+def output_rows(module: nn.Module) -> int:
+    """Output rows of a layer's stand-in: the layer's own up to 128, else 64 plus its count modulo 64 -- a few rows,
+    with the same divisibility by every power of two up to 64 (formats pack along output channels: Quark's 4-bit
+    codes go eight to an int32), and at least two (one scale per row is told apart from one per tensor)."""
+    weight = getattr(module, "weight", None)
     if isinstance(module, nn.Linear):
-        layer: nn.Module = nn.Linear(width, 2, bias=has_bias)
+        rows = int(module.out_features)
+    elif weight is not None and weight.dim() == 2:  # Hugging Face's Conv1D: [in, out]
+        rows = int(weight.shape[1])
+    else:
+        rows = 2
+    return max(2, rows if rows <= 128 else 64 + rows % 64)
+
+
+def _stand_in(module: nn.Module, width: int) -> nn.Module:
+    """A layer of ``module``'s class with ``width`` inputs and :func:`output_rows` outputs, with deterministic
+    weights."""
+    has_bias = getattr(module, "bias", None) is not None
+    rows = output_rows(module)
+    if isinstance(module, nn.Linear):
+        layer: nn.Module = nn.Linear(width, rows, bias=has_bias)
     else:  # Hugging Face's Conv1D(nf, nx)
-        layer = type(module)(2, width)
+        layer = type(module)(rows, width)
     with torch.no_grad():
         weight = layer.weight
         weight.copy_(torch.linspace(-1.0, 1.0, weight.numel()).reshape(weight.shape))
@@ -76,13 +92,13 @@ def stand_ins(rows: list[Any], skeleton: nn.Module) -> Iterator[tuple[str, nn.Mo
     from quark_brevitas.api import ModelQuantizer
     from quark_brevitas.config import Config
 
-    tried: set[tuple[str, str, int]] = set()
+    tried: set[tuple[str, str, int, int]] = set()
     for row in rows:
         if row.layer_config is None:
             continue
         module = skeleton.get_submodule(row.name)
         width = input_width(module)
-        key = (type(module).__name__, repr(row.layer_config), width or 0)
+        key = (type(module).__name__, repr(row.layer_config), width or 0, output_rows(module))
         if width is None or key in tried:
             continue
         tried.add(key)

@@ -155,3 +155,17 @@ def test_the_format_table_names_a_check_for_every_format_quantize_can_write() ->
     from quark_brevitas.export.registry import FORMATS, format_names
 
     assert all(FORMATS[name].plan_check is not None for name in format_names(hf_lm=True))
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "quark", "gguf"])
+def test_a_config_the_format_holds_passes_its_check(fmt: str, qwen2_dir) -> None:
+    """The stand-ins keep each layer's output count's divisibility: Quark packs int4 codes eight to an int32 along
+    the output channels, which a two-row stand-in refused although the real layers (64, 128 rows) fit."""
+    from quark_brevitas import ModelQuantizer
+    from quark_brevitas.config.presets import get_preset
+    from quark_brevitas.export.registry import get_format
+    from quark_brevitas.hf.streaming import load_skeleton
+
+    skeleton, hf_config = load_skeleton(qwen2_dir)
+    config = get_preset("gguf_q4_0")  # int4 symmetric per group of 32, float16 scales
+    get_format(fmt).check_plan(ModelQuantizer(config).plan(skeleton), skeleton, hf_config, qwen2_dir)
