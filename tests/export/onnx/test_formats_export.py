@@ -19,9 +19,10 @@ PG = QSchemeType.per_group
 T = onnx.TensorProto
 
 DIGITS = {
-    # name: (weight spec, stored weight type, block size)
-    "int4 g32": (QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=32), T.INT4, 32),
-    "int4 g128": (QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=128), T.INT4, 128),
+    # name: (weight spec, stored weight type, block size); the digits CNN's 1- and 16-channel convs pad their
+    # groups (asked for with pad_groups; MX pads as Quark's does)
+    "int4 g32": (QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=32, pad_groups=True), T.INT4, 32),
+    "int4 g128": (QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=128, pad_groups=True), T.INT4, 128),
     "mxint8": (QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.int8), T.INT8, 32),
     "mxfp8 e4m3": (QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp8_e4m3), T.FLOAT8E4M3FN, 32),
     "mxfp6 e2m3": (QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp6_e2m3), T.INT8, 32),
