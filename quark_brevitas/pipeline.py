@@ -180,18 +180,20 @@ class Pipeline:
         return activations
 
     # ------------------------------------------------------------------ stages
-    def replace_layers(self, model: nn.Module) -> nn.Module:
+    def replace_layers(self, model: nn.Module, *, log: int = logging.INFO) -> nn.Module:
         """Structure: the backend replaces the planned layers (names were checked on the caller's model;
-        they are not re-checked on the pre-processed copy, whose BatchNorm layers may be merged away)."""
-        logger.info("Applying quantization (%s backend)", self.config.backend.name)
-        return self.backend.quantize(model, self.config, check_names=False)
+        they are not re-checked on the pre-processed copy, whose BatchNorm layers may be merged away).
+        ``log``: the level of the stage's lines (DEBUG when a checkpoint is rebuilt: a run says each stage once)."""
+        logger.log(log, "Applying quantization (%s backend)", self.config.backend.name)
+        return self.backend.quantize(model, self.config, check_names=False, log=log)
 
-    def _replace_unit_layers(self, unit: nn.Module, name: str) -> tuple[nn.Module, list[PlannedLayer]]:
+    def _replace_unit_layers(self, unit: nn.Module, name: str, *,
+                             log: int = logging.INFO) -> tuple[nn.Module, list[PlannedLayer]]:
         """:meth:`replace_layers` on one part of the model (``name``: its place; names resolve in full); a part
         without a layer to quantize is returned as it is."""
         rows = self.backend.plan(unit, self.config, check_names=False, prefix=name)
         if any(row.quantized for row in rows):
-            unit = self.backend.quantize(unit, self.config, check_names=False, prefix=name)
+            unit = self.backend.quantize(unit, self.config, check_names=False, prefix=name, log=log)
         return unit, rows
 
     def _stage(self, stage: str) -> list[Any]:
@@ -263,7 +265,7 @@ class Pipeline:
         """:meth:`quantize_unit`'s structure without data (for loading a checkpoint one part at a time):
         ``saved`` is the checkpoint's record restricted to the unit (:func:`restrict_structure`)."""
         unit = self._restore_algorithms("pre_quant_opt_config", unit, saved, data_driven_only=True)
-        unit, _ = self._replace_unit_layers(unit, name)
+        unit, _ = self._replace_unit_layers(unit, name, log=logging.DEBUG)  # a reload: the run said it once
         return self._restore_algorithms("algo_config", unit, saved)
 
     def quantized_layers(self, model: nn.Module) -> list[str]:
@@ -372,7 +374,7 @@ class Pipeline:
         self._checked_plan(float_model)
         work = copy.deepcopy(float_model)
         work = self._restore_algorithms("pre_quant_opt_config", work, saved)
-        work = self.replace_layers(work)
+        work = self.replace_layers(work, log=logging.DEBUG)  # a reload: the run that quantized said it
         work = self._restore_algorithms("algo_config", work, saved)
         return self.finish(work)
 

@@ -99,7 +99,7 @@ def test_int8_weights_match_hand_quantized_float_layer_or_are_refused(name: str,
 
 
 @pytest.mark.parametrize("weight", [
-    QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=8),
+    QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=8, pad_groups=True),  # depthwise: 1 input
     QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp8_e4m3),
     QTensorConfig(dtype=Dtype.fp8_e4m3),
 ], ids=["int4_g8", "mxfp8", "fp8"])

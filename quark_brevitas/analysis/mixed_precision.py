@@ -87,14 +87,16 @@ def _w_a8(bits: int) -> QLayerConfig:
 
 #: Named candidate layer configs (the command line's ``--candidates``); ``None`` is float. Per-group and fp8
 #: candidates keep the bias in float (an integer bias needs a per-tensor/per-channel int weight scale).
+#: ``w4a8_g32`` pads a layer narrower than 32 input channels or not a multiple of them (``pad_groups``, logged):
+#: a candidate is tried on every layer, and the sizes it reports count the padded groups.
 CANDIDATES: dict[str, QuantizationConfig | None] = {
     "w8a8": _w_a8(8),
     "w6a8": _w_a8(6),
     "w4a8": _w_a8(4),
     "w3a8": _w_a8(3),
     "w2a8": _w_a8(2),
-    "w4a8_g32": QLayerConfig(weight=QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32),
-                             input_tensors=_A8),
+    "w4a8_g32": QLayerConfig(weight=QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32,
+                                                  pad_groups=True), input_tensors=_A8),
     "fp8": QLayerConfig(weight=dataclasses.replace(_FP8, qscheme=QSchemeType.per_channel), input_tensors=_FP8),
     "float": None,
 }

@@ -29,6 +29,7 @@ from brevitas.graph.base import ModuleToModuleByInstance
 from brevitas.graph.utils import set_module
 from torch import nn
 
+from quark_brevitas.backend.groups import group_size_check, log_padded_groups
 from quark_brevitas.backend.layers import QuantConv1D, QuantMultiheadAttention
 from quark_brevitas.brevitas_adapter import (
     HALF_DTYPES,
@@ -360,7 +361,9 @@ class LayerwiseBackend:
                      sources: Mapping[str, str]) -> None:
         """Raise :class:`ConfigError` at the config level that gave the spec a layer instance cannot take."""
         check = self.layer_map[type(module)].check
-        refusal = check(module, layer) if check is not None and layer is not None else None
+        refusal = group_size_check(module, layer) if layer is not None else None
+        if refusal is None and check is not None and layer is not None:
+            refusal = check(module, layer)
         if refusal is None:
             return
         field_path, reason = refusal
@@ -401,9 +404,11 @@ class LayerwiseBackend:
             f"{supported}. Register a LayerMapping for your layer type in the container's layer_map."
         )
 
-    def quantize(self, model: nn.Module, config: Config, *, check_names: bool = True, prefix: str = "") -> nn.Module:
+    def quantize(self, model: nn.Module, config: Config, *, check_names: bool = True, prefix: str = "",
+                 log: int = logging.INFO) -> nn.Module:
         """Replace the planned layers of ``model`` in place and return it (``check_names``, ``prefix``: see
-        :meth:`plan`)."""
+        :meth:`plan`). ``log``: the level of the "Quantized N layers" summary -- INFO when quantizing, DEBUG when
+        a checkpoint's structure is rebuilt for loading (one summary line per stage of a run, not per reload)."""
         rows = self.plan(model, config, check_names=check_names, prefix=prefix)
         self.require_values(model)
         if not config.kv_cache_quant_config:  # a KV-cache-only config quantizes the cache, no layer
@@ -437,7 +442,8 @@ class LayerwiseBackend:
         kept = [f"{r.name} ({r.module_type}{_why_float(r)})" for r in rows
                 if r.layer_config is None and not any(r.name.startswith(t + ".") for t in targets)
                 and (r.sources or not list(modules[r.name].children()))]
-        logger.log(logging.DEBUG if prefix else logging.INFO, "Quantized %d layers%s; kept in float: %s", len(targets),
+        log_padded_groups(rows, modules, logging.DEBUG if prefix else log)
+        logger.log(logging.DEBUG if prefix else log, "Quantized %d layers%s; kept in float: %s", len(targets),
                    f" of {prefix}" if prefix else "", ", ".join(kept) if kept else "none")
         return model
 

@@ -72,26 +72,30 @@ def _cmd_quantize_llm(args: argparse.Namespace) -> int:
     if args.config is not None or args.preset is not None:
         config, source = resolve_config(args)
     output = checked_output(args.output, "--output", args.overwrite, sources=[args.model])
-    if args.export == "gguf":
-        _refuse_gguf_early(args, config)
+    if args.export is not None:
+        _refuse_early(args, config)
     with claimed(args.output, "--output"):  # held until the export below is written too
         return _quantize_llm_claimed(args, config, source, output)
 
 
-def _refuse_gguf_early(args: argparse.Namespace, config: Any) -> None:
-    """``--export gguf``: what the GGUF export would refuse at the end (the family, a layer's weight layout,
-    quantized activations, the tokenizer's fit to the embedding), refused now, before any calibration."""
+def _refuse_early(args: argparse.Namespace, config: Any) -> None:
+    """``--export FORMAT``: what the export would refuse at the end (for GGUF the family, a layer's weight layout,
+    quantized activations, the tokenizer's fit to the embedding; for the others the layers they cannot hold),
+    refused now, before any calibration, by the format's own check (its row of the format table)."""
     from quark_brevitas.export import ExportError
-    from quark_brevitas.export.gguf_plan import check_gguf_plan
+    from quark_brevitas.export.registry import get_format
     from quark_brevitas.hf.lm import default_llm_config
     from quark_brevitas.hf.streaming import load_skeleton
 
+    row = get_format(args.export)
+    if row.plan_check is None:
+        return
     skeleton, hf_config = load_skeleton(args.model)
     rows = ModelQuantizer(config if config is not None else default_llm_config()).plan(skeleton)
     try:
-        check_gguf_plan(rows, skeleton, hf_config, args.tokenizer if args.tokenizer is not None else args.model)
+        row.check_plan(rows, skeleton, hf_config, args.tokenizer if args.tokenizer is not None else args.model)
     except ExportError as exc:
-        raise CLIError(f"--export gguf: {exc} (refused before quantizing; nothing was written)") from exc
+        raise CLIError(f"--export {args.export}: {exc} (refused before quantizing; nothing was written)") from exc
 
 
 def _quantize_llm_claimed(args: argparse.Namespace, config: Any, source: str, output: Path) -> int:

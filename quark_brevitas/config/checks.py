@@ -161,7 +161,7 @@ def _check_types(spec: QuantizationSpec, path: str) -> None:
 
 _BIAS_FIXED = ("qscheme", "symmetric", "scale_type", "quant_type", "param_type", "exponent_bit_width",
                "mantissa_bit_width", "dtype", "group_size", "ch_axis", "round_method", "is_dynamic",
-               "zero_point_type", "mx_element_dtype", "percentile", "narrow_range")
+               "zero_point_type", "mx_element_dtype", "percentile", "narrow_range", "pad_groups")
 
 
 def _verify_bias(spec: QuantizationSpec, path: str) -> None:
@@ -200,6 +200,9 @@ def _verify_granularity(spec: QuantizationSpec, kind: str, path: str) -> None:
     elif spec.group_size is not None:
         raise ConfigError(f"{path}.group_size", f"only used with qscheme=per_group (qscheme is {qscheme.name}); "
                           "remove it or set qscheme=per_group")
+    if spec.pad_groups is not None and (qscheme is not QSchemeType.per_group or kind == "act"):
+        raise ConfigError(f"{path}.pad_groups", "only used with per_group weights (it lets a layer whose input "
+                          "channels are no multiple of group_size pad its last group); remove it")
     if spec.ch_axis is not None:
         # Quark 0.13's templates write ch_axis=-1 for per-group weights: the last dimension, a Linear weight's
         # input channels, which is what 1 means here.

@@ -99,11 +99,16 @@ class QuantizationSpec:
       range ``-2^(b-1)..2^(b-1)-1`` with Quark's ``scale = max|w| / (2^(b-1) - 1/2)`` (int3: -4..3, 8 codes);
       ``None``: the default for the bit width (:func:`narrow_range_of`: full range at 2-4 bits, narrow above, see
       :data:`FULL_RANGE_MAX_BITS`).
+    - ``pad_groups``: ``per_group`` weights only, for a layer whose input channels are no multiple of
+      ``group_size`` (or fewer than it): ``True`` pads its last group; ``False`` refuses it; ``None`` (default)
+      follows Quark 0.13: MX formats pad (as Quark's MX quantizer does), integer and float groups are a
+      :class:`ConfigError` in ``plan()`` naming the layer, before calibration (padding silently costs evaluation
+      time and memory). A run that pads logs the layers it pads.
     """
 
     #: Written to files only when set. A file without it gets the default of the reading release: 2-4 bit symmetric
     #: weights written before the full range became their default read as full range now.
-    omitted_when_none: ClassVar[tuple[str, ...]] = ("narrow_range",)
+    omitted_when_none: ClassVar[tuple[str, ...]] = ("narrow_range", "pad_groups")
 
     qscheme: QSchemeType = QSchemeType.per_tensor
     symmetric: bool = True
@@ -123,6 +128,7 @@ class QuantizationSpec:
     percentile: float | None = None
     observer_cls: str | None = None
     narrow_range: bool | None = None
+    pad_groups: bool | None = None
 
     def __post_init__(self) -> None:
         # Quark passes the observer class itself; it is kept by name (plain, serialisable data without torch).

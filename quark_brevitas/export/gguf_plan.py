@@ -12,10 +12,7 @@ writer's checks too.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +20,9 @@ import torch
 from torch import nn
 
 from quark_brevitas.export.errors import ExportError
+from quark_brevitas.export.plan_checks import input_width, quiet
 
 __all__ = ["check_gguf_plan"]
-
-
-def _input_width(module: nn.Module) -> int | None:
-    """Input channels of a layer GGUF stores as ``[out, in]`` (Linear; Hugging Face's Conv1D stores ``[in, out]``)."""
-    if isinstance(module, nn.Linear):
-        return int(module.in_features)
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return int(module.weight.shape[0])
-    return None
 
 
 def _try_layer(name: str, layer_config: Any, width: int) -> None:
@@ -49,21 +38,10 @@ def _try_layer(name: str, layer_config: Any, width: int) -> None:
     stand_in = nn.Linear(width, 2, bias=False)
     with torch.no_grad():
         stand_in.weight.copy_(torch.linspace(-1.0, 1.0, 2 * width).reshape(2, width))
-    with _quiet():  # the stand-in is not the user's model: its "Quantized 1 layers" would only confuse
+    with quiet():  # the stand-in is not the user's model: its "Quantized 1 layers" would only confuse
         quantized = ModelQuantizer(config).quantize_model(stand_in)
     entry = next(iter(integer_weights(quantized).values()))
     pack_gguf_tensor(name, entry, gguf_type(name, entry, is_kquant_layer(quantized)))
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    package = logging.getLogger("quark_brevitas")
-    previous = package.level
-    package.setLevel(max(previous, logging.WARNING))
-    try:
-        yield
-    finally:
-        package.setLevel(previous)
 
 
 def check_gguf_plan(rows: list[Any], skeleton: nn.Module, hf_config: Any,
@@ -84,7 +62,7 @@ def check_gguf_plan(rows: list[Any], skeleton: nn.Module, hf_config: Any,
         if activations:
             raise ExportError(f"layer '{row.name}' quantizes its {' and '.join(activations)}; GGUF holds weight-only "
                               "models (float activations): use a gguf_* preset, or another --export format")
-        width = _input_width(skeleton.get_submodule(row.name))
+        width = input_width(skeleton.get_submodule(row.name))
         if layer.weight is None or width is None:
             continue
         key = (repr(layer.weight), width)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +23,10 @@ from typing import Any
 import torch
 
 from quark_brevitas.export.errors import ExportArgumentError, ExportError
+from quark_brevitas.export.tokenizer_files import TOKENIZER_COPIED, TOKENIZER_FILES
 
-__all__ = ["HFFormat", "LayerCodes", "TensorFormat", "UnfitLayerError", "config_json", "untie", "write_tokenizer"]
+__all__ = ["TOKENIZER_COPIED", "TOKENIZER_FILES", "HFFormat", "LayerCodes", "TensorFormat", "UnfitLayerError",
+           "config_json", "untie", "write_tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -135,10 +139,35 @@ def config_json(hf_config: Any, quantization_config: Mapping[str, Any], architec
     return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
 
 
-def write_tokenizer(tokenizer: Any, work: Path) -> None:
+def write_tokenizer(tokenizer: Any, work: Path, shown: Path | None = None) -> None:
+    """Write the tokenizer into the folder being built (``work``, which becomes ``shown``).
+
+    ``tokenizer`` a folder (path): its tokenizer files are copied byte for byte, not re-serialised (transformers
+    re-saves some tokenizers as other ones: Qwen2's gains an ``<|endoftext|>`` id), then read back and compared with
+    the source files before the folder is moved into place. A loaded tokenizer (``save_pretrained``) is saved by
+    transformers, and every JSON file it wrote is read back and parsed."""
+    from quark_brevitas.export.readback import ReadBackError, verify_copied_files
+
     if tokenizer is None:
         return
+    shown = work if shown is None else shown
+    if isinstance(tokenizer, str | os.PathLike):
+        source = Path(tokenizer)
+        names = [name for name in TOKENIZER_COPIED if (source / name).is_file()]
+        if not any(name in TOKENIZER_FILES for name in names):
+            raise ExportArgumentError(f"tokenizer folder {str(source)!r} has no tokenizer (none of "
+                                      f"{', '.join(TOKENIZER_FILES)})")
+        for name in names:
+            shutil.copyfile(source / name, work / name)
+        verify_copied_files(work, shown, source, names)
+        return
     if not hasattr(tokenizer, "save_pretrained"):
-        raise ExportArgumentError(f"tokenizer must have save_pretrained (a transformers tokenizer), got "
-                                  f"{type(tokenizer).__name__}")
-    tokenizer.save_pretrained(str(work))
+        raise ExportArgumentError(f"tokenizer must be a folder or have save_pretrained (a transformers tokenizer), "
+                                  f"got {type(tokenizer).__name__}")
+    written = tokenizer.save_pretrained(str(work))
+    for path in map(Path, written or ()):
+        if path.suffix == ".json" and path.is_file():
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except ValueError as exc:
+                raise ReadBackError(shown / path.name, None, f"is not valid JSON ({exc})") from exc

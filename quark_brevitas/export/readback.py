@@ -27,7 +27,7 @@ import torch
 from quark_brevitas.export.errors import ExportError
 
 __all__ = ["ReadBackError", "TensorRecord", "array_digest", "records_of", "verify_gguf_file", "verify_json_file",
-           "verify_npz_file", "verify_safetensors_file", "verify_text_file"]
+           "verify_copied_files", "verify_npz_file", "verify_safetensors_file", "verify_text_file"]
 
 
 class ReadBackError(ExportError):
@@ -177,3 +177,20 @@ def verify_json_file(written: Path, shown: Path, value: Any) -> None:
         raise ReadBackError(shown, None, f"is not valid JSON ({exc})") from exc
     if found != value:
         raise ReadBackError(shown, None, "differs from the JSON written")
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_copied_files(work: Path, shown: Path, source: Path, names: Sequence[str]) -> None:
+    """Check that each file ``names`` copied from the folder ``source`` into ``work`` reads back with the source's
+    bytes (tokenizer files beside a safetensors folder: a tokenizer that differs from the user's gives other token
+    ids, silently). ``shown``: the folder ``work`` becomes."""
+    for name in names:
+        if _file_sha256(work / name) != _file_sha256(source / name):
+            raise ReadBackError(shown / name, None, f"differs from {str(source / name)!r}, the file it copies")

@@ -89,6 +89,10 @@ class ExportFormat:
     title: str = ""
     #: What reads the written file back to prove it (shown by ``list formats`` and the ``export`` table).
     checked_with: str = ""
+    #: Whether a quantization plan can be written in this format, checked before calibration (``None``: no check):
+    #: ``check(rows, skeleton, hf_config, tokenizer_dir)`` raises the ExportError the export would raise at its end
+    #: (see :mod:`quark_brevitas.export.plan_checks`).
+    plan_check: WriterRef | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in ("file", "folder"):
@@ -118,6 +122,12 @@ class ExportFormat:
                               "from memory")
         return _load(self.streamed_writer, f"format {self.name!r} streamed_writer")(checkpoint, output, **options)
 
+    def check_plan(self, rows: Any, skeleton: Any, hf_config: Any, tokenizer_dir: Any) -> None:
+        """Raise now what writing this plan in this format would raise after calibration (nothing if the row has
+        no :attr:`plan_check`)."""
+        if self.plan_check is not None:
+            _load(self.plan_check, f"format {self.name!r} plan_check")(rows, skeleton, hf_config, tokenizer_dir)
+
     def installed(self) -> bool:
         """Whether every package the writer needs can be imported here."""
         return all(importlib.util.find_spec(package) is not None for package in self.requires)
@@ -127,6 +137,7 @@ _WRITERS = "quark_brevitas.export.writers"
 #: The block-by-block writers rebuild each block from the checkpoint (the checkpoint room, above this one): they are
 #: named here, imported only when a row writes (as every writer is), so the export room imports nothing above it.
 _STREAMED = "quark_brevitas.hf.export_streamed"
+_CHECKS = "quark_brevitas.export.plan_checks"
 
 #: Every format by name, in the order the command line lists them. :func:`register_format` adds rows.
 FORMATS: dict[str, ExportFormat] = {
@@ -137,7 +148,7 @@ FORMATS: dict[str, ExportFormat] = {
             summary="ONNX QuantizeLinear/Clip/DequantizeLinear, verified in onnxruntime (CPU)",
             holds="integer (up to 8 bits) and fp8 weights and activations per tensor/channel; per-group, MX, fp6 "
                   "and fp4 weights; int4 weight-only Linear as MatMulNBits; CNNs, encoders and decoders",
-            model_writer=f"{_WRITERS}:write_qcdq"),
+            model_writer=f"{_WRITERS}:write_qcdq", plan_check=f"{_CHECKS}:check_qcdq_plan"),
         ExportFormat(
             name="qonnx", layout="file", needs_example=True, extra="qonnx", requires=("qonnx",), title="QONNX",
             suffix=".onnx", checked_with="qonnx",
@@ -150,19 +161,22 @@ FORMATS: dict[str, ExportFormat] = {
             summary="llama.cpp's GGUF (and transformers' gguf_file=), every block proven to dequantize exactly",
             holds="weight-only Q8_0, Q4_0, Q4_1 (int8/int4 per group of 32, fp16 scales) of Llama, Mistral, "
                   "Qwen2 and GPT-2 decoders",
-            model_writer=f"{_WRITERS}:write_gguf", streamed_writer=f"{_STREAMED}:write_gguf_streamed"),
+            model_writer=f"{_WRITERS}:write_gguf", streamed_writer=f"{_STREAMED}:write_gguf_streamed",
+            plan_check="quark_brevitas.export.gguf_plan:check_gguf_plan"),
         ExportFormat(
             name="compressed-tensors", layout="folder", hf_lm=True, extra="deploy",
             requires=("compressed_tensors",),
             summary="Hugging Face folder in the compressed-tensors format (transformers, vLLM)",
             holds="int4/int8 weights per channel/group, int8/fp8 e4m3 activations, of Linear layers",
             model_writer=f"{_WRITERS}:write_compressed_tensors",
-            streamed_writer=f"{_STREAMED}:write_compressed_tensors_streamed"),
+            streamed_writer=f"{_STREAMED}:write_compressed_tensors_streamed",
+            plan_check=f"{_CHECKS}:check_compressed_tensors_plan"),
         ExportFormat(
             name="quark", layout="folder", hf_lm=True, extra="hf", requires=("transformers",),
             summary="Hugging Face folder in AMD Quark 0.13's format (transformers with amd-quark, vLLM)",
             holds="int4/int8/fp8 weights per tensor/channel/group, int8/fp8 activations, of Linear layers",
-            model_writer=f"{_WRITERS}:write_quark", streamed_writer=f"{_STREAMED}:write_quark_streamed"),
+            model_writer=f"{_WRITERS}:write_quark", streamed_writer=f"{_STREAMED}:write_quark_streamed",
+            plan_check=f"{_CHECKS}:check_quark_plan"),
     )
 }
 

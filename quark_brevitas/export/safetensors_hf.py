@@ -83,7 +83,8 @@ from quark_brevitas.extras import require
 from quark_brevitas.outputs import output_dir as _output_folder
 
 __all__ = ["COMPRESSED_TENSORS", "FORMATS", "LayerCodes", "check_export_args", "collect_tensors", "config_json",
-           "export_safetensors", "hf_format", "layer_codes", "quantization_config_dict", "untie", "write_tokenizer"]
+           "check_layer_fits", "export_safetensors", "hf_format", "layer_codes", "quantization_config_dict", "untie",
+           "write_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -346,6 +347,13 @@ def _layer_entry(name: str, layer: nn.Module, fmt: HFFormat) -> LayerCodes:
     return entry
 
 
+def check_layer_fits(name: str, layer: nn.Module, format: str) -> None:
+    """Raise the :class:`ExportError` the writer of ``format`` raises for the quantized ``layer`` (called ``name``),
+    if any: the same per-layer function, for the checks made before calibration
+    (:mod:`quark_brevitas.export.plan_checks`)."""
+    _layer_entry(name, layer, hf_format(format))
+
+
 def collect_tensors(model: nn.Module, prefix: str, tensors: dict[str, torch.Tensor], entries: list[LayerCodes],
              float_linears: list[str], skip: str | None = None, pack_asymmetric: bool = False,
              fmt: HFFormat = COMPRESSED_TENSORS) -> None:
@@ -460,7 +468,7 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
         save_file(kept, str(work / _WEIGHTS_FILE), metadata={"format": "pt"})
         config_text = config_json(hf_config, quantization_config, type(quant_model).__name__)
         (work / "config.json").write_text(config_text)
-        write_tokenizer(tokenizer, work)
+        write_tokenizer(tokenizer, work, directory)  # copied files are read back against their source
         # the files are complete: read them back (safetensors' reader) before the folder is moved into place
         verify_safetensors_file(work / _WEIGHTS_FILE, directory / _WEIGHTS_FILE, records_of(kept))
         verify_text_file(work / "config.json", directory / "config.json", config_text)

@@ -13,12 +13,15 @@ from typing import Any
 from quark_brevitas.errors import ModelError
 from quark_brevitas.extras import require
 
-__all__ = ["TOKENIZER_FILES", "load_tokenizer"]
+__all__ = ["TOKENIZER_COPIED", "TOKENIZER_FILES", "load_tokenizer"]
 
 #: Files of which a folder holding a Hugging Face tokenizer has at least one (``save_pretrained`` writes the first
 #: two; the others are the vocabularies of slow tokenizers).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
                    "spiece.model", "sentencepiece.bpe.model")
+#: Every file of a tokenizer folder copied beside a checkpoint or an exported folder.
+TOKENIZER_COPIED = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
+                    "chat_template.jinja", "chat_template.json")
 
 
 def load_tokenizer(folder: str | os.PathLike[str], model_dir: str | os.PathLike[str] | None = None) -> Any:

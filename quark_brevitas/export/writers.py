@@ -73,12 +73,10 @@ def write_gguf(model: Any, output: Any, *, example: Any = None, overwrite: bool 
     return export_gguf(model, output, overwrite=overwrite, **options)
 
 
-def hf_tokenizer(tokenizer_dir: Any) -> Any:
-    if tokenizer_dir is None:
-        return None
-    from quark_brevitas.export.tokenizer_files import load_tokenizer
-
-    return load_tokenizer(tokenizer_dir)
+def hf_tokenizer(tokenizer_dir: Any) -> Path | None:
+    """The tokenizer folder, whose files the folder formats copy as they are and read back (not a loaded tokenizer:
+    transformers would re-serialise it, and for some classes that is another tokenizer)."""
+    return None if tokenizer_dir is None else Path(tokenizer_dir)
 
 
 def _safetensors(fmt: str, model: Any, output: Any, example: Any, overwrite: bool, tokenizer_dir: Any,

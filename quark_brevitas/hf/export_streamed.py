@@ -117,7 +117,7 @@ def export_safetensors_streamed(checkpoint: str | os.PathLike[str], output_dir: 
         (work / _INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         config_text = config_json(hf_config, fmt.quantization_config(entries, float_linears))
         (work / "config.json").write_text(config_text)
-        write_tokenizer(tokenizer, work)
+        write_tokenizer(tokenizer, work, directory)  # copied files are read back against their source
         for name, records in shards.items():  # every shard is complete: read each back before the folder moves
             verify_safetensors_file(work / name, directory / name, records)
         verify_json_file(work / _INDEX_FILE, directory / _INDEX_FILE, index)

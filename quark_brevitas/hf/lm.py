@@ -29,7 +29,7 @@ from quark_brevitas.config import Config, QLayerConfig, QTensorConfig
 from quark_brevitas.config.algorithms import GPTQ
 from quark_brevitas.config.enums import QSchemeType
 from quark_brevitas.errors import QuarkBrevitasError
-from quark_brevitas.export.tokenizer_files import TOKENIZER_FILES, load_tokenizer
+from quark_brevitas.export.tokenizer_files import TOKENIZER_COPIED, TOKENIZER_FILES, load_tokenizer
 from quark_brevitas.extras import require
 
 logger = logging.getLogger(__name__)
@@ -38,15 +38,16 @@ __all__ = ["TOKENIZER_FILES", "LLMReport", "PerplexityMeter", "copy_tokenizer", 
            "is_causal_lm", "load_tokenizer", "mean_pooled", "quantize_folder", "sentence_batches", "split_held_out",
            "text_batches"]
 
-#: Every file of a tokenizer folder that :func:`copy_tokenizer` copies beside a checkpoint.
-_TOKENIZER_COPIED = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
-                     "chat_template.jinja", "chat_template.json")
+#: Re-exported: the tables live with the exporters that copy tokenizers too.
+_TOKENIZER_COPIED = TOKENIZER_COPIED
 
 
 def default_llm_config() -> Config:
     """The LLM command line's default: int4 weights per group of 128 rounded by GPTQ, activations in float
-    (no FX pre-processing: Hugging Face models cannot be traced)."""
-    weight = QTensorConfig(qscheme=QSchemeType.per_group, group_size=128, bit_width=4)
+    (no FX pre-processing: Hugging Face models cannot be traced). It pads a layer narrower than 128 channels or not
+    a multiple of them (``pad_groups``, logged): a default must run on any model; a config the user gives pads only
+    when it says so."""
+    weight = QTensorConfig(qscheme=QSchemeType.per_group, group_size=128, bit_width=4, pad_groups=True)
     return Config(QLayerConfig(weight=weight), pre_quant_opt_config=[], algo_config=[GPTQ()])
 
 

@@ -153,7 +153,9 @@ def prepare_streamed(config: Any, model: nn.Module, stack: str, *,
     for algo in config.pre_quant_algorithms():
         if algo.needs_data:
             continue
-        logger.info("Applying %s (outside the blocks now, each block as it loads)", _algorithm_name(algo))
+        # Once per run: loading a streamed checkpoint (values=False) rebuilds the same steps at DEBUG.
+        logger.log(logging.INFO if values else logging.DEBUG, "Applying %s (outside the blocks now, each block as "
+                   "it loads)", _algorithm_name(algo))
         handler = handler_for(algo)
 
         def apply(algo: Any, model: nn.Module, _data: Any, handler: Any = handler) -> nn.Module:

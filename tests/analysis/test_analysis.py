@@ -250,7 +250,7 @@ def test_model_size_matches_a_hand_count() -> None:
         layer_quant_config={
             "conv1": QLayerConfig(bias=QTensorConfig(bit_width=32)),
             "conv2": QLayerConfig(weight=QTensorConfig(dtype=Dtype.uint4, qscheme=QSchemeType.per_group,
-                                                       group_size=32)),
+                                                       group_size=32, pad_groups=True)),  # 16 inputs: padded
             "fc1": QLayerConfig(weight=QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp4)),
         },
         exclude=["fc2"])

@@ -53,8 +53,8 @@ CONFIGS = {
     "fp8_output": Config(global_quant_config=QLayerConfig(weight=FP8, input_tensors=FP8, output_tensors=FP8)),
     # Asymmetric activations (their zero point is created by calibration), per-group / MX weights, dynamic and
     # MX activations, float zero points and rounding methods.
-    "int4_g32_asym_acts": Config(global_quant_config=QLayerConfig(
-        weight=QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32),
+    "int4_g32_asym_acts": Config(global_quant_config=QLayerConfig(  # padded groups (1-/16-channel convs) asked for
+        weight=QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32, pad_groups=True),
         input_tensors=QTensorConfig(dtype=Dtype.uint8, zero_point_type=ZeroPointType.float32, percentile=99.0,
                                     round_method=RoundType.round))),
     "mxfp4_mx_acts": Config(global_quant_config=QLayerConfig(

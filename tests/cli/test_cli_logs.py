@@ -43,3 +43,26 @@ def test_quantize_export_logs_final_paths_and_no_tracing_warning(llama_folder: P
     stray = [line for line in err.splitlines() if re.match(r"^\S+\.py:\d+: \w*Warning", line)]
     assert not stray, stray
     assert TIMESTAMPED.match(err.splitlines()[0]), err.splitlines()[0]
+
+
+STAGE_LINES = ("Applying Pre-Processing", "Quantized ", "Applying quantization")
+
+
+@pytest.mark.slow
+def test_each_stage_is_logged_once_when_the_checkpoint_is_reloaded(llama_folder: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Block by block, the streamed checkpoint is loaded again for evaluation and for the export: those reloads
+    rebuild the structure without saying so again at INFO (they repeated "Applying Pre-Processing ..." and
+    "Quantized 1 layers" once per reload), while -v still shows them at DEBUG."""
+    args = ["quantize", "--model", str(llama_folder), "--calib-text", str(llama_folder.parent / "calib.txt"),
+            "--preset", "gguf_q8_0", "--export", "compressed-tensors", *FAST]
+    assert main([*args, "--output", str(tmp_path / "quiet")]) == 0
+    info = [line for line in capsys.readouterr().err.splitlines() if " INFO " in line]
+    for stage in STAGE_LINES:
+        said = [line for line in info if stage in line]
+        assert len(said) <= 1, said
+    assert sum("Applying Pre-Processing" in line for line in info) == 1, info
+    assert sum("Quantized 1 layers" in line for line in info) == 1, info  # lm_head, outside the blocks
+    assert main(["-v", *args, "--output", str(tmp_path / "verbose")]) == 0
+    debug = [line for line in capsys.readouterr().err.splitlines() if " DEBUG " in line]
+    assert sum("Applying Pre-Processing" in line for line in debug) >= 2, debug  # the reloads, at DEBUG

@@ -115,3 +115,57 @@ def test_gguf_tokenizer_check_names_the_ids_that_do_not_fit_and_where_they_came_
     message = str(caught.value)
     assert f"1 token id(s) that the model's embedding ({VOCAB} rows" in message
     assert f"{VOCAB} '<|endoftext|>' (added_tokens)" in message and "save_pretrained" in message
+
+
+#: A config each format cannot hold, and what its refusal says (each format's own per-layer check, run on a
+#: stand-in layer of the plan before calibration).
+UNFIT = {
+    "onnx": ({"weight": {"dtype": "int4", "qscheme": "per_group", "group_size": 32},
+              "input_tensors": {"dtype": "fp4"}}, "cannot be exported to ONNX QCDQ"),
+    "compressed-tensors": ({"weight": {"dtype": "fp8_e5m2"}}, "fp8_e5m2 weights (only fp8 e4m3 OCP"),
+    "quark": ({"weight": {"dtype": "int8"}, "output_tensors": {"dtype": "int8"}}, "output quantizers are not written"),
+}
+
+
+@pytest.mark.parametrize("fmt", list(UNFIT))
+def test_every_export_format_refuses_a_config_it_cannot_hold_before_quantizing(fmt: str, qwen2_dir, calib, tmp_path,
+                                                                               capsys, monkeypatch) -> None:
+    """Not only GGUF (issue 27): each format's row of the format table names its check, and the command line runs
+    it before calibration; a patched calibration that fails the test if called proves the order."""
+    import quark_brevitas.hf.streaming as streaming
+
+    def never(*args, **kwargs):
+        pytest.fail("calibration started for an export that must be refused")
+
+    monkeypatch.setattr(streaming, "evaluate_pretrained", never)
+    monkeypatch.setattr(streaming, "quantize_pretrained", never)
+    layer, says = UNFIT[fmt]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"global_quant_config": layer, "exclude": ["lm_head"], "pre_quant_opt_config": []}))
+    out = tmp_path / "out"
+    assert main(_args(qwen2_dir, calib, out, "--config", str(config), "--export", fmt)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --export {fmt}: "), err
+    assert "'model.layers.0.self_attn.q_proj'" in err[0] and says in err[0], err[0]
+    assert "refused before quantizing; nothing was written" in err[0]
+    assert not out.exists()
+
+
+def test_the_format_table_names_a_check_for_every_format_quantize_can_write() -> None:
+    from quark_brevitas.export.registry import FORMATS, format_names
+
+    assert all(FORMATS[name].plan_check is not None for name in format_names(hf_lm=True))
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "quark", "gguf"])
+def test_a_config_the_format_holds_passes_its_check(fmt: str, qwen2_dir) -> None:
+    """The stand-ins keep each layer's output count's divisibility: Quark packs int4 codes eight to an int32 along
+    the output channels, which a two-row stand-in refused although the real layers (64, 128 rows) fit."""
+    from quark_brevitas import ModelQuantizer
+    from quark_brevitas.config.presets import get_preset
+    from quark_brevitas.export.registry import get_format
+    from quark_brevitas.hf.streaming import load_skeleton
+
+    skeleton, hf_config = load_skeleton(qwen2_dir)
+    config = get_preset("gguf_q4_0")  # int4 symmetric per group of 32, float16 scales
+    get_format(fmt).check_plan(ModelQuantizer(config).plan(skeleton), skeleton, hf_config, qwen2_dir)

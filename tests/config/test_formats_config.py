@@ -36,7 +36,7 @@ def test_field_order_keeps_quarks_positional_order():
     assert names[:8] == ["qscheme", "symmetric", "scale_type", "quant_type", "param_type", "bit_width",
                          "exponent_bit_width", "mantissa_bit_width"]
     assert names[8:] == ["dtype", "group_size", "ch_axis", "round_method", "is_dynamic", "zero_point_type",
-                         "mx_element_dtype", "percentile", "observer_cls", "narrow_range"]
+                         "mx_element_dtype", "percentile", "observer_cls", "narrow_range", "pad_groups"]
     assert all(f.default is None for f in dataclasses.fields(QTensorConfig)[8:])
     assert QTensorConfig(PC, False, ScaleType.pof2, INT_Q, ParamType.mse, 4).bit_width == 4
 

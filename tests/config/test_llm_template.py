@@ -278,7 +278,7 @@ def test_quarks_ch_axis_minus_one_quantizes_as_axis_one(scheme: str) -> None:
     models = []
     for config in (from_template, axis_one):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
         models.append(ModelQuantizer(config).quantize_model(model, [torch.randn(4, 64)]))
     with torch.no_grad():
         for index in (0, 2):

@@ -140,21 +140,23 @@ class GraphBackend:
         self.layerwise.require_targets(model, rows)
 
     # ------------------------------------------------------------------ quantization
-    def quantize(self, model: nn.Module, config: Config, *, check_names: bool = True, prefix: str = "") -> nn.Module:
+    def quantize(self, model: nn.Module, config: Config, *, check_names: bool = True, prefix: str = "",
+                 log: int = logging.INFO) -> nn.Module:
         """The traced model with every point's quantizer and its compute layers replaced (``model`` itself is
-        changed where it already is a graph module)."""
+        changed where it already is a graph module); ``log``: the level of the summary lines (DEBUG on reload)."""
         graph_model = self.trace(model)
         rows = self.layerwise.plan(graph_model, config, check_names=False, prefix=prefix)
         self._check_specs(rows)
         analysis = self.analyse(graph_model, rows)
         # Layers first (the layerwise walk must see only float modules), then the points: graph nodes name
         # modules by their qualified names, which replacing a layer keeps.
-        graph_model = self.layerwise.quantize(graph_model, _without_inputs(config), check_names=False, prefix=prefix)
+        graph_model = self.layerwise.quantize(graph_model, _without_inputs(config), check_names=False, prefix=prefix,
+                                              log=log)
         quantizers = insert_points(graph_model, analysis)
         privatise_forks(graph_model, analysis, quantizers)
         graph_model.recompile()
-        logger.info("Backend.graph: %d quantization points (%d shared-scale groups)", len(analysis.points),
-                    sum(point.kind == "shared" for point in analysis.points))
+        logger.log(log, "Backend.graph: %d quantization points (%d shared-scale groups)", len(analysis.points),
+                   sum(point.kind == "shared" for point in analysis.points))
         return graph_model
 
 

@@ -119,7 +119,8 @@ F16 = ScaleType.float16
 
 @pytest.mark.parametrize("spec, found", [
     (QTensorConfig(dtype=Dtype.int4, qscheme=QSchemeType.per_channel), "int4 symmetric weights per channel"),
-    (QTensorConfig(dtype=Dtype.int4, qscheme=G, group_size=128, scale_type=F16), "per group of 128"),
+    (QTensorConfig(dtype=Dtype.int4, qscheme=G, group_size=128, scale_type=F16, pad_groups=True),  # 64 wide
+     "per group of 128"),
     (QTensorConfig(qscheme=G, group_size=32, scale_type=F16, bit_width=3), "int3"),
     (QTensorConfig(dtype=Dtype.uint8, qscheme=G, group_size=32, scale_type=F16), "uint8 asymmetric"),
 ])

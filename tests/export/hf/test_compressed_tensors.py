@@ -14,6 +14,7 @@ logits agree within a few percent (relative norm < 5 %), i.e. a quantization ste
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -183,7 +184,7 @@ def test_fp8_e5m2_weights_are_refused_naming_what_fits(tmp_path: Path) -> None:
 def test_a_last_partial_group_is_refused(tmp_path: Path) -> None:
     """128 input channels in groups of 96 end with a partial group, which compressed-tensors cannot dequantize
     (transformers' from_pretrained failed with its ValueError): one ExportError naming the layer instead."""
-    model = _quantize("llama", QLayerConfig(weight=_group(Dtype.int4, 96)))
+    model = _quantize("llama", QLayerConfig(weight=dataclasses.replace(_group(Dtype.int4, 96), pad_groups=True)))
     with pytest.raises(ExportError, match=r"'model\.layers\.0\.self_attn\.q_proj'.*128 input channels.*groups of 96"):
         export_safetensors(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()

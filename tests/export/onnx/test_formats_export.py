@@ -19,9 +19,10 @@ PG = QSchemeType.per_group
 T = onnx.TensorProto
 
 DIGITS = {
-    # name: (weight spec, stored weight type, block size)
-    "int4 g32": (QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=32), T.INT4, 32),
-    "int4 g128": (QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=128), T.INT4, 128),
+    # name: (weight spec, stored weight type, block size); the digits CNN's 1- and 16-channel convs pad their
+    # groups (asked for with pad_groups; MX pads as Quark's does)
+    "int4 g32": (QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=32, pad_groups=True), T.INT4, 32),
+    "int4 g128": (QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=128, pad_groups=True), T.INT4, 128),
     "mxint8": (QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.int8), T.INT8, 32),
     "mxfp8 e4m3": (QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp8_e4m3), T.FLOAT8E4M3FN, 32),
     "mxfp6 e2m3": (QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp6_e2m3), T.INT8, 32),
@@ -72,6 +73,7 @@ def test_digits_exports_run_in_onnxruntime_with_pytorchs_predictions(digits_mode
 
 
 def _mlp() -> nn.Module:
+    """48 and 40 inputs: per-group specs below ask for padding (pad_groups), whose export is part of the check."""
     torch.manual_seed(20)
     return nn.Sequential(nn.Linear(48, 40), nn.ReLU(), nn.Linear(40, 6))
 
@@ -79,13 +81,13 @@ def _mlp() -> nn.Module:
 @pytest.mark.parametrize(
     "spec",
     [
-        QTensorConfig(dtype=Dtype.uint4, qscheme=PG, group_size=16),
-        QTensorConfig(bit_width=3, qscheme=PG, group_size=32),
+        QTensorConfig(dtype=Dtype.uint4, qscheme=PG, group_size=16, pad_groups=True),
+        QTensorConfig(bit_width=3, qscheme=PG, group_size=32, pad_groups=True),
         QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp8_e5m2),
         QTensorConfig(dtype=Dtype.mx, mx_element_dtype=Dtype.fp6_e3m2),
         QTensorConfig(dtype=Dtype.fp4, qscheme=QSchemeType.per_channel),
         QTensorConfig(dtype=Dtype.fp6_e2m3),
-        QTensorConfig(dtype=Dtype.fp8_e4m3, qscheme=PG, group_size=16),
+        QTensorConfig(dtype=Dtype.fp8_e4m3, qscheme=PG, group_size=16, pad_groups=True),
     ],
     ids=lambda s: s.short(),
 )
@@ -108,7 +110,7 @@ def test_weight_formats_export_exactly_on_token_inputs(tmp_path, spec):
 def test_conv_transpose_groups_run_over_its_input_channels(tmp_path):
     torch.manual_seed(21)
     model = nn.Sequential(nn.ConvTranspose2d(40, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
-    spec = QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=16)
+    spec = QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=16, pad_groups=True)  # 40 / 8 inputs
     quant = ModelQuantizer(Config(QLayerConfig(weight=spec), pre_quant_opt_config=[])).quantize_model(model)
     report = export_onnx_qcdq(quant, torch.randn(2, 40, 5, 5), tmp_path / "m.onnx")
     assert report.max_abs_diff < 1e-4
@@ -138,7 +140,7 @@ def test_unexportable_formats_name_format_and_target(tmp_path, layer, needle):
 
 
 def test_blocked_weights_need_opset_21(tmp_path):
-    spec = QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=16)
+    spec = QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=16, pad_groups=True)  # 40 / 8 inputs
     quant = ModelQuantizer(Config(QLayerConfig(weight=spec), pre_quant_opt_config=[])).quantize_model(_mlp())
     with pytest.raises(ExportError, match=r"int4 per-group g16 \(weight quantizer '0.weight_quant'\).*opset 13.*21"):
         export_onnx_qcdq(quant, torch.randn(2, 48), tmp_path / "m.onnx", opset=13)

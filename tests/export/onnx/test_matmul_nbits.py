@@ -28,9 +28,11 @@ from quark_brevitas.export.passes.nbits import NBITS_REWRITE, matmul_nbits
 from quark_brevitas.types import Dtype, QSchemeType
 
 PG = QSchemeType.per_group
+#: pad_groups: these tests give layers whose input channels are no multiple of the group (the kernel's padding)
 SPECS = {
-    "int4 sym": lambda g: QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=g),
-    "uint4 asym": lambda g: QTensorConfig(dtype=Dtype.uint4, symmetric=False, qscheme=PG, group_size=g),
+    "int4 sym": lambda g: QTensorConfig(dtype=Dtype.int4, qscheme=PG, group_size=g, pad_groups=True),
+    "uint4 asym": lambda g: QTensorConfig(dtype=Dtype.uint4, symmetric=False, qscheme=PG, group_size=g,
+                                          pad_groups=True),
 }
 
 
