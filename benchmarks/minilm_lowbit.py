@@ -131,15 +131,20 @@ def start_quark(python: str, bench: Bench, specs: Sequence[Spec], folder: str,
     return process, runs
 
 
-def quark_results(process: subprocess.Popen, runs: list, bench: Bench) -> dict[tuple, dict]:
-    """(recipe, bits, group, symmetric) -> scores (or ``error``), from Quark's finished process."""
+def quark_results(process: subprocess.Popen, runs: list, bench: Bench, folder: str) -> dict[tuple, dict]:
+    """(recipe, bits, group, symmetric) -> scores (or ``error``), from Quark's finished process (from the runs
+    it finished when it failed)."""
     assert bench.score_embeddings is not None
     out, _ = process.communicate()
-    if process.returncode != 0 or not out.strip():
-        return {tuple(run): {"error": f"Quark's process exited with {process.returncode}"} for run in runs}
-    answers = json.loads(out.strip().splitlines()[-1])["results"]
+    answers = []
+    if process.returncode == 0 and out.strip():
+        answers = json.loads(out.strip().splitlines()[-1])["results"]
+    elif os.path.exists(progress := os.path.join(folder, "results.json")):  # the runs it finished
+        with open(progress, encoding="utf-8") as file:
+            answers = json.load(file)["results"]
+    missing = {"error": f"Quark's process exited with {process.returncode} before this run"}
     results = {}
-    for run, answer in zip(runs, answers, strict=True):
+    for run, answer in zip(runs, answers + [missing] * (len(runs) - len(answers)), strict=True):
         if "error" in answer:
             results[tuple(run)] = answer
             continue
@@ -222,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         logging.getLogger(__name__).exception("%s %s failed", spec.name, name)
                         results[name] = {"error": f"{type(exc).__name__}: {exc}"}
                     print(spec.name, name, results[name], file=sys.stderr, flush=True)
-        quark = quark_results(*quark_run, bench) if quark_run else {}
+        quark = quark_results(*quark_run, bench, folder) if quark_run else {}
     targets: list[str] = []
     for spec in specs:
         for symmetric in (True, False)[:1 if args.symmetric_only else 2]:

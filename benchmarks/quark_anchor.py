@@ -139,7 +139,7 @@ def task_minilm(args: dict[str, Any]) -> dict[str, Any]:
                                return_tensors="pt")) for i in range(0, len(sentences), 16)]
 
     calib, held_out = batches(args["calib"]), batches(args["held_out"])
-    results = []
+    results: list[dict[str, Any]] = []
     for index, (recipe, bits, group, symmetric) in enumerate(args["runs"]):
         model = copy.deepcopy(base)
         cpu = time.process_time()
@@ -147,6 +147,7 @@ def task_minilm(args: dict[str, Any]) -> dict[str, Any]:
             quant = ModelQuantizer(_minilm_config(recipe, bits, group, symmetric)).quantize_model(model, calib)
         except Exception as exc:  # noqa: BLE001 - reported in the row; the other recipes go on
             results.append({"error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            _progress(args["out"], results)
             continue
         seconds = time.process_time() - cpu
         with torch.no_grad():
@@ -158,7 +159,14 @@ def task_minilm(args: dict[str, Any]) -> dict[str, Any]:
         file = os.path.join(args["out"], f"{index}.pt")
         torch.save(torch.cat(embeddings), file)
         results.append({"embeddings": file, "cpu_seconds": seconds})
+        _progress(args["out"], results)
     return {"results": results}
+
+
+def _progress(folder: str, results: list[dict[str, Any]]) -> None:
+    """What is done so far (``results.json``), for a caller whose run is cut short."""
+    with open(os.path.join(folder, "results.json"), "w", encoding="utf-8") as file:
+        json.dump({"results": results}, file)
 
 
 TASKS = {"speed": task_speed, "minilm": task_minilm}
