@@ -66,3 +66,31 @@ def test_asymmetric_table_has_no_targets() -> None:
     quark = {("gptq", 3, 128, False): _scores(0.93)}
     text, targets = bench.table(bench.SPECS[0], False, {"GPTQ, asymmetric": _scores(0.94)}, quark)
     assert "asymmetric" in text and targets == []
+
+
+class _Finished:
+    """A stand-in for Quark's finished process: its exit status and standard output."""
+
+    def __init__(self, returncode: int, out: str) -> None:
+        self.returncode, self.out = returncode, out
+
+    def communicate(self) -> tuple[str, None]:
+        return self.out, None
+
+
+def test_quark_results_are_scored_by_our_code_and_survive_a_failed_process(tmp_path) -> None:
+    import json
+
+    embeddings = torch.ones(4, 3)
+    torch.save(embeddings, tmp_path / "0.pt")
+    answers = [{"embeddings": str(tmp_path / "0.pt"), "cpu_seconds": 2.0}, {"error": "ValueError: no"}]
+    runs = [["rtn", 3, 128, True], ["gptq", 3, 128, True], ["qronos", 3, 128, True]]
+    fake = bench.Bench(nn.Identity(), [], lambda m: {}, [], score_embeddings=lambda e: {"cosine": float(e.sum())})
+    done = bench.quark_results(_Finished(0, json.dumps({"results": [*answers, answers[1]]}) + "\n"), runs, fake,
+                               str(tmp_path))
+    assert done[("rtn", 3, 128, True)] == {"cosine": 12.0, "seconds": 2.0}
+    assert done[("gptq", 3, 128, True)] == {"error": "ValueError: no"}
+    (tmp_path / "results.json").write_text(json.dumps({"results": answers}))
+    cut = bench.quark_results(_Finished(1, ""), runs, fake, str(tmp_path))
+    assert cut[("rtn", 3, 128, True)]["cosine"] == 12.0
+    assert cut[("qronos", 3, 128, True)]["error"].startswith("Quark's process exited with 1")
