@@ -158,6 +158,10 @@ class Bench:
     calib: list[dict[str, torch.Tensor]]
     score: Callable[[torch.nn.Module], dict[str, float]]
     exclude: list[str]
+    #: MiniLM only: the calibration / held-out sentences and the score of held-out embeddings computed elsewhere
+    #: (the anchor's process), so that both tools are scored by the same code on the same text.
+    texts: tuple[list[str], list[str]] | None = None
+    score_embeddings: Callable[[torch.Tensor], dict[str, float]] | None = None
 
 
 def minilm_bench() -> Bench:
@@ -186,12 +190,12 @@ def minilm_bench() -> Bench:
     reference = embed(model)
     reference_nn = neighbours(reference)
 
-    def score(m: torch.nn.Module) -> dict[str, float]:
-        got = embed(m)
+    def score_embeddings(got: torch.Tensor) -> dict[str, float]:
         return {"cosine": float(torch.nn.functional.cosine_similarity(got, reference).mean()),
                 "nn": float((neighbours(got) == reference_nn).float().mean())}
 
-    return Bench(model, calib, score, exclude=["pooler"])
+    return Bench(model, calib, lambda m: score_embeddings(embed(m)), exclude=["pooler"],
+                 texts=(text[:128], text[128:]), score_embeddings=score_embeddings)
 
 
 def llama_bench() -> Bench:

