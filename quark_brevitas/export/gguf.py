@@ -41,6 +41,7 @@ from quark_brevitas.brevitas_adapter.kquant import is_kquant_layer
 from quark_brevitas.config.kquants import KQUANT_BY_BITS, KQUANT_SUPER_BLOCK, KQUANT_TYPES
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.export.gguf_bert import BERT_DROPPED, add_bert_architecture, add_wordpiece_tokenizer
 from quark_brevitas.export.gguf_kquants import KQUANT_FALLBACK, KQUANT_PACKERS, kquant_fallback
 from quark_brevitas.export.gguf_tokenizer import add_tokenizer, check_tokenizer_fits, tokenizer_dir_of
 from quark_brevitas.export.hf import refuse_online_rotations
@@ -83,6 +84,7 @@ class GGUFFamily:
     permute_qk: bool
     metadata: str = "llama"
     tokenizer_pre: str = "default"
+    dropped: tuple[str, ...] = ()  # parameter-name prefixes llama.cpp's converter leaves out
 
 
 #: model_type -> how it is written (the families transformers' GGUF loader reads back).
@@ -93,6 +95,8 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
     # GPT-2's projections are Conv1D (weight [in, out]); GGUF holds them as [out, in], as llama.cpp's converter
     # writes them and transformers' loader transposes back (our QuantConv1D already holds that layout).
     "gpt2": GGUFFamily("gpt2", False, metadata="gpt2", tokenizer_pre="gpt-2"),
+    # BERT sentence encoders (llama.cpp's embedding models): WordPiece vocabulary, pooling, no pooler tensor.
+    "bert": GGUFFamily("bert", False, metadata="bert", dropped=BERT_DROPPED),
 }
 
 
@@ -268,6 +272,8 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
     for local_name, param in model.named_parameters(remove_duplicate=False):
         if skip is not None and local_name.startswith(f"{skip}."):
             continue
+        if (prefix + local_name).startswith(family.dropped):
+            continue
         layer, _, leaf = local_name.rpartition(".")
         inside = [q for q in weights if local_name.startswith(f"{q}.") and local_name != f"{q}.weight"]
         if inside and not (layer in weights and leaf == "bias"):
@@ -401,8 +407,13 @@ def write_gguf(plan: GGUFPlan, config: Any, tensors: list[GGUFTensor], output_di
     gguf = plan.gguf
     with atomic_output_dir(output_dir, overwrite=overwrite, sources=sources) as work:
         writer = gguf.GGUFWriter(str(work / GGUF_FILE_NAME), plan.family.arch)
-        _add_architecture(writer, config, plan.family_name, plan.family)
-        if plan.tokenizer_dir is not None:
+        if plan.family.metadata == "bert":
+            add_bert_architecture(writer, gguf, config, plan.family_name, plan.tokenizer_dir)
+            if plan.tokenizer_dir is not None:
+                add_wordpiece_tokenizer(writer, gguf, plan.tokenizer_dir, config)
+        else:
+            _add_architecture(writer, config, plan.family_name, plan.family)
+        if plan.tokenizer_dir is not None and plan.family.metadata != "bert":
             add_tokenizer(writer, gguf, plan.tokenizer_dir, plan.family.tokenizer_pre,
                            _config_value(config, "vocab_size", default=None))
         for tensor in tensors:
