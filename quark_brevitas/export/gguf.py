@@ -43,6 +43,7 @@ from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
 from quark_brevitas.export.gguf_bert import BERT_DROPPED, add_bert_architecture, add_wordpiece_tokenizer
 from quark_brevitas.export.gguf_kquants import KQUANT_FALLBACK, KQUANT_PACKERS, kquant_fallback
+from quark_brevitas.export.gguf_q5 import Q5_PACKERS
 from quark_brevitas.export.gguf_tokenizer import add_tokenizer, check_tokenizer_fits, tokenizer_dir_of
 from quark_brevitas.export.hf import refuse_online_rotations
 from quark_brevitas.export.intweights import IntegerWeight, integer_weights
@@ -64,12 +65,14 @@ BLOCK = 32
 #: (format, symmetric) of an integer weight -> GGUF type name.
 GGUF_WEIGHT_TYPES: dict[tuple[str, bool], str] = {("int8", True): "Q8_0", ("int4", True): "Q4_0",
                                                    ("uint4", False): "Q4_1", ("int6", True): "Q6_K",
-                                                   ("int3", True): "Q3_K"}
+                                                   ("int3", True): "Q3_K", ("int5", True): "Q5_0",
+                                                   ("uint5", False): "Q5_1"}
 #: GGUF type -> (input channels per scale, input channels a row must be a whole number of).
-_LAYOUTS = {"Q8_0": (BLOCK, BLOCK), "Q4_0": (BLOCK, BLOCK), "Q4_1": (BLOCK, BLOCK),
+_LAYOUTS = {**{name: (BLOCK, BLOCK) for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")},
             **{name: (t.group_size, KQUANT_SUPER_BLOCK) for name, t in KQUANT_TYPES.items()}}
-_FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 (int4 symmetric, groups of 32) or Q4_1 (uint4 asymmetric, "
-         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1; K-quants Q2_K .. Q6_K "
+_FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 / Q5_0 (int4 / int5 symmetric, groups of 32) or Q4_1 / Q5_1 "
+         "(uint4 / uint5 asymmetric, groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / "
+         "gguf_q4_1, or bit_width=5 with scale_type=float16; K-quants Q2_K .. Q6_K "
          "(int2 .. int6 symmetric, groups of 16 or 32, scale_type=gguf_k: presets gguf_q2_k .. gguf_q6_k)")
 
 
@@ -134,6 +137,8 @@ def pack_gguf_tensor(name: str, entry: IntegerWeight, qtype: str) -> np.ndarray:
     (Q4_1: then offset), then the 32 codes; 4-bit codes two per byte, element ``j`` low and ``j + 16`` high)."""
     if qtype in KQUANT_PACKERS:
         return KQUANT_PACKERS[qtype](name, entry)
+    if qtype in Q5_PACKERS:
+        return Q5_PACKERS[qtype](name, entry)
     rows, cols = entry.int_weight.shape
     scale = entry.scale.detach().float().reshape(-1, 1)
     d = _float16_exact(name, "scales", scale).view(np.uint8)
@@ -263,7 +268,7 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
     ``prefix`` in the whole model), packed from its integer codes; parameters under ``skip`` are left out (the
     block stack, when the rest of a model is written without it). A parameter shared by two layers (a head tied
     to the embedding) is written under each name: the head's own GGUF tensor holds its quantized weight."""
-    weights = integer_weights(model)
+    weights = integer_weights(model, embeddings=True)
     if family.metadata == "gpt2":
         _refuse_float_conv1d(model, prefix, weights)
     heads, kv_heads = int(config.num_attention_heads), int(_config_value(config, "num_key_value_heads",
