@@ -88,12 +88,18 @@ class GGUFFamily:
     metadata: str = "llama"
     tokenizer_pre: str = "default"
     dropped: tuple[str, ...] = ()  # parameter-name prefixes llama.cpp's converter leaves out
+    display_name: str | None = None  # general.name (None: the model_type)
 
 
 #: model_type -> how it is written (the families transformers' GGUF loader reads back).
 GGUF_FAMILIES: dict[str, GGUFFamily] = {
     "llama": GGUFFamily("llama", True),
-    "mistral": GGUFFamily("llama", True),  # llama.cpp writes Mistral as llama; transformers reads the name
+    # llama.cpp's converter writes Mistral as its llama architecture, named after the model ("Mistral 7B v0.1").
+    # transformers' GGUF loader turns a llama file whose general.name is exactly "mistral" into model_type
+    # "mistral", then looks that up in gguf-py's architectures, which have none (Unknown gguf model_type); under
+    # any other name it loads the file as the Llama that computes the same function (Mistral's sliding window
+    # aside, which llama.cpp's llama architecture does not apply either).
+    "mistral": GGUFFamily("llama", True, display_name="Mistral"),
     "qwen2": GGUFFamily("qwen2", False),
     # GPT-2's projections are Conv1D (weight [in, out]); GGUF holds them as [out, in], as llama.cpp's converter
     # writes them and transformers' loader transposes back (our QuantConv1D already holds that layout).
@@ -191,7 +197,7 @@ def _add_architecture(writer: Any, config: Any, family_name: str, family: GGUFFa
         return
     heads = int(config.num_attention_heads)
     head_dim = _config_value(config, "head_dim", default=config.hidden_size // heads)
-    writer.add_name(family_name)
+    writer.add_name(family.display_name or family_name)
     writer.add_context_length(int(config.max_position_embeddings))
     writer.add_embedding_length(int(config.hidden_size))
     writer.add_block_count(int(config.num_hidden_layers))
