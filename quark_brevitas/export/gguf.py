@@ -41,8 +41,10 @@ from quark_brevitas.brevitas_adapter.kquant import is_kquant_layer
 from quark_brevitas.config.kquants import KQUANT_BY_BITS, KQUANT_SUPER_BLOCK, KQUANT_TYPES
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
+from quark_brevitas.export.gguf_bert import BERT_DROPPED, add_bert_architecture, add_wordpiece_tokenizer
 from quark_brevitas.export.gguf_families import add_family_metadata, rope_freqs, rope_theta
 from quark_brevitas.export.gguf_kquants import KQUANT_FALLBACK, KQUANT_PACKERS, kquant_fallback
+from quark_brevitas.export.gguf_q5 import Q5_PACKERS
 from quark_brevitas.export.gguf_tokenizer import add_tokenizer, check_tokenizer_fits, tokenizer_dir_of
 from quark_brevitas.export.hf import refuse_online_rotations
 from quark_brevitas.export.intweights import IntegerWeight, integer_weights
@@ -64,12 +66,14 @@ BLOCK = 32
 #: (format, symmetric) of an integer weight -> GGUF type name.
 GGUF_WEIGHT_TYPES: dict[tuple[str, bool], str] = {("int8", True): "Q8_0", ("int4", True): "Q4_0",
                                                    ("uint4", False): "Q4_1", ("int6", True): "Q6_K",
-                                                   ("int3", True): "Q3_K"}
+                                                   ("int3", True): "Q3_K", ("int5", True): "Q5_0",
+                                                   ("uint5", False): "Q5_1"}
 #: GGUF type -> (input channels per scale, input channels a row must be a whole number of).
-_LAYOUTS = {"Q8_0": (BLOCK, BLOCK), "Q4_0": (BLOCK, BLOCK), "Q4_1": (BLOCK, BLOCK),
+_LAYOUTS = {**{name: (BLOCK, BLOCK) for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")},
             **{name: (t.group_size, KQUANT_SUPER_BLOCK) for name, t in KQUANT_TYPES.items()}}
-_FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 (int4 symmetric, groups of 32) or Q4_1 (uint4 asymmetric, "
-         "groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / gguf_q4_1; K-quants Q2_K .. Q6_K "
+_FITS = ("Q8_0 (int8 symmetric, groups of 32), Q4_0 / Q5_0 (int4 / int5 symmetric, groups of 32) or Q4_1 / Q5_1 "
+         "(uint4 / uint5 asymmetric, groups of 32), all with float16 scales: presets gguf_q8_0 / gguf_q4_0 / "
+         "gguf_q4_1, or bit_width=5 with scale_type=float16; K-quants Q2_K .. Q6_K "
          "(int2 .. int6 symmetric, groups of 16 or 32, scale_type=gguf_k: presets gguf_q2_k .. gguf_q6_k)")
 
 
@@ -86,12 +90,19 @@ class GGUFFamily:
     metadata: str = "llama"
     tokenizer_pre: str = "default"
     norm_offset: float = 0.0
+    dropped: tuple[str, ...] = ()  # parameter-name prefixes llama.cpp's converter leaves out
+    display_name: str | None = None  # general.name (None: the model_type)
 
 
 #: model_type -> how it is written (the families transformers' GGUF loader reads back).
 GGUF_FAMILIES: dict[str, GGUFFamily] = {
     "llama": GGUFFamily("llama", True),
-    "mistral": GGUFFamily("llama", True),  # llama.cpp writes Mistral as llama; transformers reads the name
+    # llama.cpp's converter writes Mistral as its llama architecture, named after the model ("Mistral 7B v0.1").
+    # transformers' GGUF loader turns a llama file whose general.name is exactly "mistral" into model_type
+    # "mistral", then looks that up in gguf-py's architectures, which have none (Unknown gguf model_type); under
+    # any other name it loads the file as the Llama that computes the same function (Mistral's sliding window
+    # aside, which llama.cpp's llama architecture does not apply either).
+    "mistral": GGUFFamily("llama", True, display_name="Mistral"),
     "qwen2": GGUFFamily("qwen2", False),
     # issue 30's families, NEOX-style rotary in llama.cpp (no Q/K permutation), metadata in gguf_families
     "qwen3": GGUFFamily("qwen3", False),
@@ -101,6 +112,8 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
     # GPT-2's projections are Conv1D (weight [in, out]); GGUF holds them as [out, in], as llama.cpp's converter
     # writes them and transformers' loader transposes back (our QuantConv1D already holds that layout).
     "gpt2": GGUFFamily("gpt2", False, metadata="gpt2", tokenizer_pre="gpt-2"),
+    # BERT sentence encoders (llama.cpp's embedding models): WordPiece vocabulary, pooling, no pooler tensor.
+    "bert": GGUFFamily("bert", False, metadata="bert", dropped=BERT_DROPPED),
 }
 
 
@@ -138,6 +151,8 @@ def pack_gguf_tensor(name: str, entry: IntegerWeight, qtype: str) -> np.ndarray:
     (Q4_1: then offset), then the 32 codes; 4-bit codes two per byte, element ``j`` low and ``j + 16`` high)."""
     if qtype in KQUANT_PACKERS:
         return KQUANT_PACKERS[qtype](name, entry)
+    if qtype in Q5_PACKERS:
+        return Q5_PACKERS[qtype](name, entry)
     rows, cols = entry.int_weight.shape
     scale = entry.scale.detach().float().reshape(-1, 1)
     d = _float16_exact(name, "scales", scale).view(np.uint8)
@@ -190,7 +205,7 @@ def _add_architecture(writer: Any, config: Any, family_name: str, family: GGUFFa
         return
     heads = int(config.num_attention_heads)
     head_dim = _config_value(config, "head_dim", default=config.hidden_size // heads)
-    writer.add_name(family_name)
+    writer.add_name(family.display_name or family_name)
     writer.add_context_length(int(config.max_position_embeddings))
     writer.add_embedding_length(int(config.hidden_size))
     writer.add_block_count(int(config.num_hidden_layers))
@@ -269,7 +284,7 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
     ``prefix`` in the whole model), packed from its integer codes; parameters under ``skip`` are left out (the
     block stack, when the rest of a model is written without it). A parameter shared by two layers (a head tied
     to the embedding) is written under each name: the head's own GGUF tensor holds its quantized weight."""
-    weights = integer_weights(model)
+    weights = integer_weights(model, embeddings=True)
     if family.metadata == "gpt2":
         _refuse_float_conv1d(model, prefix, weights)
     heads, kv_heads = int(config.num_attention_heads), int(_config_value(config, "num_key_value_heads",
@@ -277,6 +292,8 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
     tensors, written = [], set()
     for local_name, param in model.named_parameters(remove_duplicate=False):
         if skip is not None and local_name.startswith(f"{skip}."):
+            continue
+        if (prefix + local_name).startswith(family.dropped):
             continue
         layer, _, leaf = local_name.rpartition(".")
         inside = [q for q in weights if local_name.startswith(f"{q}.") and local_name != f"{q}.weight"]
@@ -421,8 +438,13 @@ def write_gguf(plan: GGUFPlan, config: Any, tensors: list[GGUFTensor], output_di
         tensors = [*tensors, GGUFTensor(f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS]}.weight", factors, "F32")]
     with atomic_output_dir(output_dir, overwrite=overwrite, sources=sources) as work:
         writer = gguf.GGUFWriter(str(work / GGUF_FILE_NAME), plan.family.arch)
-        _add_architecture(writer, config, plan.family_name, plan.family)
-        if plan.tokenizer_dir is not None:
+        if plan.family.metadata == "bert":
+            add_bert_architecture(writer, gguf, config, plan.family_name, plan.tokenizer_dir)
+            if plan.tokenizer_dir is not None:
+                add_wordpiece_tokenizer(writer, gguf, plan.tokenizer_dir, config)
+        else:
+            _add_architecture(writer, config, plan.family_name, plan.family)
+        if plan.tokenizer_dir is not None and plan.family.metadata != "bert":
             add_tokenizer(writer, gguf, plan.tokenizer_dir, plan.family.tokenizer_pre,
                            _config_value(config, "vocab_size", default=None))
         for tensor in tensors:

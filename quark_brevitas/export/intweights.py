@@ -248,8 +248,11 @@ def _extract(label: str, proxy: nn.Module, qt: Any) -> IntegerWeight:
     return entry
 
 
-def integer_weights(model: nn.Module) -> dict[str, IntegerWeight]:
+def integer_weights(model: nn.Module, *, embeddings: bool = False) -> dict[str, IntegerWeight]:
     """For every layer with an enabled weight quantizer: its integer (or float8) weight and parameters.
+
+    ``embeddings``: include quantized embedding tables (``QuantEmbedding``, a ``[vocab, width]`` weight) too, for
+    formats that store them as blocks of rows like any weight (GGUF); by default they are left out with a warning.
 
     Keys are module names in model order. Each entry is verified: ``entry.dequantize()`` equals the
     layer's ``quant_weight().value`` exactly (``torch.equal``), else an error names the layer.
@@ -265,7 +268,8 @@ def integer_weights(model: nn.Module) -> dict[str, IntegerWeight]:
             if site.kind != "weight":
                 continue
             layer = site.layer
-            if not isinstance(layer, QuantLayer) or site.attribute != "weight_quant":
+            table = embeddings and isinstance(layer, nn.Embedding) and hasattr(layer, "quant_weight")
+            if not (isinstance(layer, QuantLayer) or table) or site.attribute != "weight_quant":
                 other.append(site.name)
                 continue
             label = site.layer_name or "(model)"

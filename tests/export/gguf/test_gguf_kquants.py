@@ -102,8 +102,6 @@ def test_every_tensor_dequantizes_exactly_and_transformers_computes_the_same_log
             decoded = _unpermute(decoded, 4 if ".q_proj" in name else 2)
         expected = layer.quant_weight().value.detach().numpy()
         assert np.abs(decoded - expected).max() == 0.0, name
-    if family == "mistral":
-        return  # transformers 5's GGUF loader maps a file named "mistral" to a gguf-py architecture it lacks
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf").eval()
     tokens = token_batches(1, seed=3)[0]
     with torch.no_grad():
@@ -236,23 +234,25 @@ def test_a_mix_without_the_model_says_what_it_needs() -> None:
 
 
 # ===================================================================== optional: llama.cpp itself
-@pytest.mark.parametrize("preset", ["gguf_q6_k", "gguf_q5_k", "gguf_q4_k", "gguf_q3_k", "gguf_q2_k"])
-def test_llama_cpp_runs_our_k_quant_file_like_the_quantized_model(preset: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("preset", "family"), [("gguf_q6_k", "llama"), ("gguf_q5_k", "llama"), ("gguf_q4_k", "llama"),
+                                                ("gguf_q3_k", "llama"), ("gguf_q2_k", "llama"),
+                                                ("gguf_q4_k", "mistral")])
+def test_llama_cpp_runs_our_k_quant_file_like_the_quantized_model(preset: str, family: str, tmp_path: Path) -> None:
     """llama.cpp (llama-cpp-python, the extra [llamacpp]) loads the K-quant file and its logits follow the quantized
     model's (not bit for bit: its K-quant products quantize the activations to 8 bits too) far closer than the
-    float model's do."""
+    float model's do. Mistral is written as llama.cpp's llama architecture, as its converter writes it."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the extra [llamacpp])")
     from helpers.llm_folders import bpe_tokenizer as _bpe_tokenizer
 
     _bpe_tokenizer(tmp_path / "tok")
-    quant = _quantize(_model("llama"), preset)
+    quant = _quantize(_model(family), preset)
     path = export_gguf(quant, tmp_path / "out", tokenizer_path=tmp_path / "tok")
     tokens = token_batches(1, seed=3)[0][0]
     runner = llama_cpp.Llama(model_path=str(path), n_ctx=len(tokens), logits_all=True, n_threads=1, verbose=False)
     runner.eval(tokens.tolist())
     theirs = torch.tensor(np.asarray(runner.scores[:len(tokens)]), dtype=torch.float32)
     with torch.no_grad():
-        ours, float_logits = quant(tokens[None]).logits[0], _model("llama")(tokens[None]).logits[0]
+        ours, float_logits = quant(tokens[None]).logits[0], _model(family)(tokens[None]).logits[0]
     error, float_error = (float((logits - ours).norm() / ours.norm()) for logits in (theirs, float_logits))
     assert error < 0.05, error
     if preset in ("gguf_q4_k", "gguf_q3_k", "gguf_q2_k"):  # Q5_K / Q6_K weights are near float themselves
