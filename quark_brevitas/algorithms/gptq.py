@@ -239,7 +239,13 @@ class HessianPass:
     from the second batch on only that group's Hessians are accumulated, and the batch stops (StopFwdException)
     as soon as every layer of the group has had as many calls as in the first batch: the rest of the block
     would compute nothing this pass uses (in a transformer block, the passes for q/k/v, o and the MLP's first
-    layer skip the MLP)."""
+    layer skip the MLP).
+
+    Layers called with the same object (q/k/v, gate/up) share one product ``X^T X``: it is computed once per
+    call and added to each layer's sum, the very same values as one product per layer. When the whole group
+    reads one input once per batch (``shortcut``, the sequential case of a transformer block), the batch stops
+    at the group's first call, crediting every layer of the group with that input: the other layers' calls would
+    only repeat the product, and their outputs are never used (the pass stops before anything reads them)."""
 
     sequential: bool
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -248,6 +254,28 @@ class HessianPass:
     group: list[str] | None = None
     calls_per_batch: dict[str, int] = field(default_factory=dict)
     this_batch: dict[str, int] = field(default_factory=dict)
+    #: Whether a batch may stop at the group's first call (see the class docstring; subclasses that need every
+    #: layer's own call, as Qronos's cross products do, turn it off).
+    shortcut: bool = True
+    one_input: bool = False
+    last_product: tuple[Any, int, torch.Tensor] | None = None
+
+    def _product(self, rows: torch.Tensor, raw: Any) -> torch.Tensor:
+        """``rows^T rows``, computed once for consecutive calls with the same object (not modified in between)."""
+        version = getattr(raw, "_version", None)
+        if self.last_product is not None and self.last_product[0] is raw and self.last_product[1] == version:
+            return self.last_product[2]
+        product = rows.t() @ rows
+        self.last_product = (raw, version, product)
+        return product
+
+    def _accumulate(self, name: str, product: torch.Tensor, samples: int) -> None:
+        if name in self.hessians:
+            self.hessians[name] += product
+        else:
+            self.hessians[name] = product.clone()
+        self.counts[name] = self.counts.get(name, 0) + samples
+        self.this_batch[name] = self.this_batch.get(name, 0) + 1
 
     def add(self, name: str, rows: torch.Tensor, raw: Any) -> None:
         if self.group is None:
@@ -255,14 +283,15 @@ class HessianPass:
                 self.first_calls.append((name, raw))
         elif name not in self.group:
             return
-        product = rows.t() @ rows
-        if name in self.hessians:
-            self.hessians[name] += product
-        else:
-            self.hessians[name] = product
-        self.counts[name] = self.counts.get(name, 0) + rows.shape[0]
-        self.this_batch[name] = self.this_batch.get(name, 0) + 1
+        product = self._product(rows, raw)
+        if self.one_input:
+            for member in self.group:
+                self._accumulate(member, product, rows.shape[0])
+            self.last_product = None
+            raise StopFwdException
+        self._accumulate(name, product, rows.shape[0])
         if self.group is not None and all(self.this_batch.get(n, 0) >= c for n, c in self.calls_per_batch.items()):
+            self.last_product = None
             raise StopFwdException
 
     def averaged(self, data: CalibrationData, name: str, *sums: dict[str, torch.Tensor]
@@ -281,7 +310,9 @@ class HessianPass:
             for name in [n for n in self.hessians if n not in self.group]:
                 del self.hessians[name], self.counts[name]
             self.calls_per_batch = {name: self.this_batch[name] for name in self.group}
+            self.one_input = self.shortcut and self.sequential and set(self.calls_per_batch.values()) == {1}
         self.this_batch = {}
+        self.last_product = None
 
 
 @register(GPTQConfig)

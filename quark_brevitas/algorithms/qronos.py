@@ -109,6 +109,7 @@ class _CrossPass(HessianPass):
     crosses: dict[str, torch.Tensor] = field(default_factory=dict)
     float_rows: dict[str, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
     float_calls: dict[str, int] = field(default_factory=dict)
+    shortcut: bool = False  # every layer's own call pairs its quantized rows with its float rows
 
     def add_float(self, name: str, rows: torch.Tensor, _raw: Any) -> None:
         if self.group is not None and name not in self.group:
