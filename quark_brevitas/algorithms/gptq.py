@@ -41,6 +41,7 @@ from quark_brevitas.brevitas_adapter import (
     StopFwdException,
     WeightGrid,
     int_weight_format,
+    layer_outputs_remembered,
     quantization_disabled,
     weight_grid,
 )
@@ -167,6 +168,7 @@ class ColumnRounding:
         ``block_size`` columns, one matrix product between blocks (AutoGPTQ's lazy batch)."""
         columns = self.work.shape[1]
         starts = self.group_starts()
+        quantize = self.grid.column_quantizer()
         for start in range(first_column, columns, block_size):
             stop = min(start + block_size, columns)
             block = self.work[:, start:stop].clone()
@@ -177,16 +179,19 @@ class ColumnRounding:
             # Views into the grid, sliced once per block: a dynamic group's fresh scale written into the grid by
             # _start_group shows through them.
             scale, zero_point = self.grid.scale[:, start:stop], self.grid.zero_point[:, start:stop]
-            for offset in range(stop - start):
+            rounded_block = self.quantized[:, start:stop]
+            width = stop - start
+            for offset in range(width):
                 column = start + offset
                 if column in starts:
                     self._start_group(column, block, offset, stop)
                 values = block[:, offset]
-                rounded = self.grid.quantize_values(values, scale[:, offset], zero_point[:, offset])
-                self.quantized[:, column] = rounded
+                rounded = quantize(values, scale[:, offset], zero_point[:, offset])
+                rounded_block[:, offset] = rounded
                 delta = torch.sub(values, rounded, out=block_delta[:, offset])
                 error = torch.div(delta, diagonal[offset], out=block_error[:, offset])
-                block[:, offset:] -= error[:, None] * block_factor[offset, offset:][None, :]
+                if offset + 1 < width:  # the rounded column itself is not read again: only the later ones
+                    block[:, offset + 1:].sub_(error[:, None] * block_factor[offset, offset + 1:][None, :])
             self.losses += (block_delta ** 2 / diagonal[None, :] ** 2 / 2).sum(dim=1)
             self.work[:, stop:] -= block_error @ factor[start:stop, stop:]
 
@@ -357,14 +362,19 @@ class GPTQConfigHandler(BlockwiseHandler):
         where, remaining, features = self.sequential_layers(algo, block, name)
         start = time.perf_counter()
         samples: dict[str, int] = {}
-        with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False):
+        # The memo: a pass recomputes only the layers rounded since the last one (and the block engine's pass for
+        # the block's outputs only the last group), the others returning what they computed then.
+        with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False), \
+                layer_outputs_remembered(block, hand_over=True) as memo:
             while remaining:
                 collected = HessianPass(algo.true_sequential)
+                memo.new_pass()
                 with layer_inputs(remaining, collected.add):
                     data.forward(UntilStopped(block), f"{algo.name}: Hessians of {name or where}",
                                  on_output=collected.batch_done)
                 if not collected.group:
                     raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
+                memo.forget([remaining[layer_name] for layer_name in collected.group])
                 for layer_name in collected.group:
                     samples[layer_name], (hessian,) = collected.averaged(data, layer_name)
                     loss = self._quantize(algo, layer_name, remaining.pop(layer_name), hessian)

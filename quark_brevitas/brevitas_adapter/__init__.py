@@ -95,9 +95,12 @@ from quark_brevitas.brevitas_adapter.introspection import (  # noqa: E402
 )
 from quark_brevitas.brevitas_adapter.memo import (  # noqa: E402
     LAYER_OUTPUT_BUDGET,
+    Handoff,
     LayerOutputs,
+    discard_handed_over_outputs,
     layer_output_budget,
     layer_outputs_remembered,
+    outputs_handed_over,
 )
 from quark_brevitas.brevitas_adapter.modes import (  # noqa: E402
     a2gpfq_available,
@@ -150,6 +153,9 @@ __all__ = [
     "LayerOutputs",
     "layer_output_budget",
     "layer_outputs_remembered",
+    "outputs_handed_over",
+    "discard_handed_over_outputs",
+    "Handoff",
     "gptq_class_checking_once",
     "weights_quantized_once",
     "FLOAT8_DTYPES",
