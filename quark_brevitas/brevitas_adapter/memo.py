@@ -15,7 +15,16 @@ the output of its ``k``-th call in an earlier pass when
 
 Otherwise the layer runs, and its output is kept while the kept tensors stay within ``budget_bytes`` (then later
 calls simply run: the cache trades memory for time, never results). Only calls with one tensor argument and no
-gradients are remembered. Part of the one door to Brevitas internals; re-exported by
+gradients are remembered. A weight set in place through its parameter (``copy_``) is also seen, by its version
+counter.
+
+GPTQConfig's last pass over a block computes, with their final weights, every layer but the last group; the block
+engine's next pass (the block's outputs, for the next block) would compute them again. Inside
+:func:`outputs_handed_over` (opened by the engine around a block), a memo opened with ``hand_over=True`` stays
+installed after its context for that one pass (:meth:`Handoff.replaying`); the pipeline drops it
+(:func:`discard_handed_over_outputs`) before any further algorithm, which might change the layers.
+
+Part of the one door to Brevitas internals; re-exported by
 :mod:`quark_brevitas.brevitas_adapter`.
 """
 

@@ -31,20 +31,27 @@ from quark_brevitas.brevitas_adapter import (  # noqa: E402
     layer_outputs_remembered,
     outputs_handed_over,
 )
-from quark_brevitas.config import Config, GPTQConfig, QuantizationConfig, QuantizationSpec  # noqa: E402
+from quark_brevitas.config import (  # noqa: E402
+    Config,
+    GPTQConfig,
+    QronosConfig,
+    QuantizationConfig,
+    QuantizationSpec,
+)
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
 INT4_G32 = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32)
 BATCHES = 8
 
 
-def _quantize(budget: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """GPTQConfig's weights on the tiny 2-block Llama and how often each quantized layer really computed (its
-    class's ``forward``, which a remembered output skips)."""
+def _quantize(budget: int | None = None, algorithm: str = "gptq") -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """GPTQConfig's (or QronosConfig's) weights on the tiny 2-block Llama and how often each quantized layer of
+    the model really computed (its class's ``forward``, which a remembered output skips)."""
     torch.set_num_threads(1)
     model = tiny_llama(2)
-    config = Config(QuantizationConfig(weight=INT4_G32), pre_quant_opt_config=[],
-                    algo_config=[GPTQConfig(sym=True, group_size=32)], exclude=["lm_head"])
+    algo = GPTQConfig(sym=True, group_size=32) if algorithm == "gptq" else QronosConfig()
+    config = Config(QuantizationConfig(weight=INT4_G32), pre_quant_opt_config=[], algo_config=[algo],
+                    exclude=["lm_head"])
     runs: dict[str, int] = {}
     patched: dict[type, object] = {}
 
@@ -57,22 +64,23 @@ def _quantize(budget: int | None = None) -> tuple[dict[str, torch.Tensor], dict[
 
         return forward
 
-    from quark_brevitas.algorithms import gptq
+    from quark_brevitas.algorithms import gptq, qronos
 
-    original_apply = gptq.GPTQConfigHandler.apply_block
+    handler = gptq.GPTQConfigHandler if algorithm == "gptq" else qronos.QronosConfigHandler
+    original_apply = handler.apply_block
 
     def apply_block(self: object, algo: object, block: nn.Module, data: object, name: str) -> nn.Module:
         for layer_name, module in block.named_modules():
             if isinstance(module, QuantLayer) and type(module) not in patched:
                 patched[type(module)] = type(module).forward
                 type(module).forward = counting(type(module).forward)  # type: ignore[method-assign]
-            if isinstance(module, QuantLayer):
+            if isinstance(module, QuantLayer) and not hasattr(module, "_counted_name"):
                 object.__setattr__(module, "_counted_name", f"{name}.{layer_name}")
         return original_apply(self, algo, block, data, name)  # type: ignore[arg-type]
 
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(gptq.GPTQConfigHandler, "apply_block", apply_block)
+            patch.setattr(handler, "apply_block", apply_block)
             context = layer_output_budget(budget) if budget is not None else contextlib.nullcontext()
             with context:
                 quant = ModelQuantizer(config).quantize_model(model, token_batches(BATCHES))
@@ -86,6 +94,17 @@ def _quantize(budget: int | None = None) -> tuple[dict[str, torch.Tensor], dict[
 @pytest.fixture(scope="module")
 def remembered() -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     return _quantize()
+
+
+def test_qronos_memos_change_no_weight() -> None:
+    """QronosConfig remembers its float twin's outputs (its layers never change) and the block's, as GPTQConfig:
+    its layers compute less often, and the weights equal those without the memos, bit for bit."""
+    weights, runs = _quantize(algorithm="qronos")
+    plain_weights, plain_runs = _quantize(budget=0, algorithm="qronos")
+    assert sum(plain_runs.values()) > 1.5 * sum(runs.values())
+    assert sorted(plain_weights) == sorted(weights)
+    for name, value in weights.items():
+        assert torch.equal(plain_weights[name], value), name
 
 
 def test_each_layer_computes_about_once_per_batch(remembered: tuple[dict[str, torch.Tensor], dict[str, int]]) -> None:
