@@ -508,6 +508,8 @@ def section_roofline(anchor_python: str | None, recipes: list[str], depths: list
                         print(f"Quark {recipe} {blocks}: {quark['error']}", file=sys.stderr)
                 if "error" in ours:
                     print(f"ours {recipe} {blocks}: {ours['error']}", file=sys.stderr)
+                print(f"{label}, {blocks} blocks: ours {_fmt(ours_s[-1], '.2f')} s, Quark "
+                      f"{_fmt(quark_s[-1] if quark_s else None, '.2f')} s (CPU)", file=sys.stderr, flush=True)
             floor = roofline.floor_seconds(algorithm, block, blocks, rate)
             mine, theirs = _median(ours_s), _median(quark_s)
             gflop = roofline.flops(algorithm, block, blocks) / 1e9
