@@ -9,6 +9,12 @@ blocked form: rank-1 updates inside blocks of ``block_size`` columns, 128 by def
 between blocks; the block size changes speed and memory, not the result). With
 ``true_sequential`` the next group's Hessians are collected with the previous groups already quantized.
 
+Each layer is computed about once per batch (issue 32): a pass for a group that reads one input stops at the
+group's first call (:class:`HessianPass`), and layers rounded in an earlier pass return the outputs they computed
+then (:func:`~quark_brevitas.brevitas_adapter.layer_outputs_remembered`, handed over to the block engine's pass
+for the block's outputs, which then computes only the last group again). The weights are those of recomputing
+everything, bit for bit.
+
 Columns are rounded with the layer's own Brevitas weight quantizer's scale and zero point
 (:func:`quark_brevitas.brevitas_adapter.weight_grid`), so the result lies exactly on the grid Brevitas uses at
 inference: after GPTQ, the layer's quantized weight equals GPTQ's output bit for bit. ``static_groups=False``
