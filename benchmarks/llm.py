@@ -483,38 +483,45 @@ def _median(values: list[float]) -> float | None:
 
 
 def section_roofline(anchor_python: str | None, recipes: list[str], depths: list[int], repeats: int,
-                     rows_count: int = 64) -> str:
-    """Ours and Quark's CPU time, alternately in the same run (``repeats`` each, medians), beside the floor."""
+                     rows_count: int = 64, model: Path | None = None) -> str:
+    """Ours and Quark's CPU time, alternately in the same run (``repeats`` each, medians), beside the floor; on
+    the random Llamas of ``depths`` blocks, or on ``model`` (the trained 4-block Llama) when given."""
     from benchmarks import roofline
 
     rate = roofline.GemmRate()
-    block = roofline.Block(WIDTH, 768, rows_count * SEQ, SEQ)
+    block = roofline.Block(WIDTH, INTERMEDIATE if model else 768, rows_count * SEQ, SEQ)
+    extra = {"model": str(model)} if model else {}
     table = []
     for recipe in recipes:
         algorithm, label = SIDE_BY_SIDE[recipe]
-        for blocks in depths:
+        for blocks in ([4] if model else depths):
             ours_s: list[float] = []
             quark_s: list[float] = []
             for _ in range(repeats):  # interleaved: the machine's load hits both alike
-                ours = run_child("speed", recipe=recipe, blocks=blocks, rows=rows_count)
+                ours = run_child("speed", recipe=recipe, blocks=blocks, rows=rows_count, **extra)
                 ours_s.append(ours.get("cpu_seconds", float("nan")))
                 if anchor_python:
                     quark = run_anchor(anchor_python, task="speed", recipe=algorithm, blocks=blocks, rows=rows_count,
-                                       bits=3 if recipe == "qronos" else 4)
+                                       bits=3 if recipe == "qronos" else 4, **extra)
                     quark_s.append(quark.get("cpu_seconds", float("nan")))
                     if "error" in quark:
                         print(f"Quark {recipe} {blocks}: {quark['error']}", file=sys.stderr)
                 if "error" in ours:
                     print(f"ours {recipe} {blocks}: {ours['error']}", file=sys.stderr)
+                print(f"{label}, {blocks} blocks: ours {_fmt(ours_s[-1], '.2f')} s, Quark "
+                      f"{_fmt(quark_s[-1] if quark_s else None, '.2f')} s (CPU)", file=sys.stderr, flush=True)
             floor = roofline.floor_seconds(algorithm, block, blocks, rate)
             mine, theirs = _median(ours_s), _median(quark_s)
-            table.append([label, str(blocks), f"{roofline.flops(algorithm, block, blocks) / 1e9:.0f}",
+            gflop = roofline.flops(algorithm, block, blocks) / 1e9
+            table.append([label, f"{blocks}{' trained' if model else ''}", f"{gflop:.0f}",
                           f"{floor:.2f}", _fmt(mine, ".2f"), _fmt(theirs, ".2f"),
                           f"{mine / theirs:.2f}x" if mine and theirs else "-",
                           f"{mine / floor:.2f}x" if mine else "-", f"{theirs / floor:.2f}x" if theirs else "-",
                           " ".join(f"{v:.2f}" for v in ours_s), " ".join(f"{v:.2f}" for v in quark_s)])
     rates = sorted(rate.rates.values())
-    header = [f"1 thread, random Llama {WIDTH} wide (768), vocab 8192, {rows_count} x {SEQ} tokens, batch 1",
+    what = f"trained Llama {WIDTH} wide ({INTERMEDIATE}), vocab {VOCAB}" if model else \
+        f"random Llama {WIDTH} wide (768), vocab 8192"
+    header = [f"1 thread, {what}, {rows_count} x {SEQ} random tokens, batch 1",
               "blocks", "floor GFLOP", "floor s", "ours CPU s (median)", "Quark 0.13 CPU s (median)", "ours / Quark",
               "ours / floor", "Quark / floor", "ours, each run", "Quark, each run"]
     return (f"measured float32 GEMM rate, 1 thread, at the shapes involved: {rates[0] / 1e9:.0f}-"
@@ -688,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{','.join(SIDE_BY_SIDE)} (default gptqconfig)")
     parser.add_argument("--depths", default="2,4,8", help="roofline section: block counts (default 2,4,8)")
     parser.add_argument("--repeats", type=int, default=3, help="roofline section: runs of each tool (default 3)")
+    parser.add_argument("--trained", action="store_true", help="roofline section: on the trained 4-block Llama "
+                        "(trained and cached on first use) instead of the random ones of --depths")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -701,8 +710,13 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     if "roofline" in sections:
         anchor = args.anchor_python if args.anchor_python and Path(args.anchor_python).exists() else None
+        trained = None
+        if args.trained:
+            torch.set_num_threads(os.cpu_count() or 1)  # training only; every measurement runs on one thread
+            trained = trained_llama(40 if args.quick else args.steps)
+            torch.set_num_threads(1)
         out.append(section_roofline(anchor, args.recipes.split(","), [int(d) for d in args.depths.split(",")],
-                                    args.repeats))
+                                    args.repeats, model=trained))
     if "speed" in sections:
         out.append(section_speed(args.quick))
     if "llama" in sections:

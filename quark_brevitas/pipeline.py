@@ -37,7 +37,7 @@ from torch import nn
 from quark_brevitas.algorithms import SavedStructure, handler_for
 from quark_brevitas.algorithms.ties import run_untied
 from quark_brevitas.backend import PlannedLayer
-from quark_brevitas.brevitas_adapter import current_shard, require_equal_shares
+from quark_brevitas.brevitas_adapter import current_shard, discard_handed_over_outputs, require_equal_shares
 from quark_brevitas.calibration.data import BatchToInputs, CalibrationData, model_device_dtype
 from quark_brevitas.calibration.threads import threads_per_process
 from quark_brevitas.config import Config, verify_config
@@ -216,6 +216,7 @@ class Pipeline:
                 continue
             logger.log(log, "Applying %s", _algorithm_name(algo))
             handler = handler_for(algo)
+            discard_handed_over_outputs()  # an earlier algorithm's outputs: this one may change the layers
             apply = handler.apply if unit is None else \
                 functools.partial(handler.apply_unit, name=unit[0], block=unit[1])
             # Tied weights of quantized layers are untied only if the algorithm changes them (warning).

@@ -9,6 +9,12 @@ blocked form: rank-1 updates inside blocks of ``block_size`` columns, 128 by def
 between blocks; the block size changes speed and memory, not the result). With
 ``true_sequential`` the next group's Hessians are collected with the previous groups already quantized.
 
+Each layer is computed about once per batch (issue 32): a pass for a group that reads one input stops at the
+group's first call (:class:`HessianPass`), and layers rounded in an earlier pass return the outputs they computed
+then (:func:`~quark_brevitas.brevitas_adapter.layer_outputs_remembered`, handed over to the block engine's pass
+for the block's outputs, which then computes only the last group again). The weights are those of recomputing
+everything, bit for bit.
+
 Columns are rounded with the layer's own Brevitas weight quantizer's scale and zero point
 (:func:`quark_brevitas.brevitas_adapter.weight_grid`), so the result lies exactly on the grid Brevitas uses at
 inference: after GPTQ, the layer's quantized weight equals GPTQ's output bit for bit. ``static_groups=False``
@@ -42,6 +48,7 @@ from quark_brevitas.brevitas_adapter import (
     StopFwdException,
     WeightGrid,
     int_weight_format,
+    layer_outputs_remembered,
     quantization_disabled,
     weight_grid,
 )
@@ -167,6 +174,7 @@ class ColumnRounding:
         ``block_size`` columns, one matrix product between blocks (AutoGPTQ's lazy batch)."""
         columns = self.work.shape[1]
         starts = self.group_starts()
+        quantize = self.grid.column_quantizer()
         for start in range(first_column, columns, block_size):
             stop = min(start + block_size, columns)
             block = self.work[:, start:stop].clone()
@@ -177,16 +185,19 @@ class ColumnRounding:
             # Views into the grid, sliced once per block: a dynamic group's fresh scale written into the grid by
             # _start_group shows through them.
             scale, zero_point = self.grid.scale[:, start:stop], self.grid.zero_point[:, start:stop]
-            for offset in range(stop - start):
+            rounded_block = self.quantized[:, start:stop]
+            width = stop - start
+            for offset in range(width):
                 column = start + offset
                 if column in starts:
                     self._start_group(column, block, offset, stop)
                 values = block[:, offset]
-                rounded = self.grid.quantize_values(values, scale[:, offset], zero_point[:, offset])
-                self.quantized[:, column] = rounded
+                rounded = quantize(values, scale[:, offset], zero_point[:, offset])
+                rounded_block[:, offset] = rounded
                 delta = torch.sub(values, rounded, out=block_delta[:, offset])
                 error = torch.div(delta, diagonal[offset], out=block_error[:, offset])
-                block[:, offset:] -= error[:, None] * block_factor[offset, offset:][None, :]
+                if offset + 1 < width:  # the rounded column itself is not read again: only the later ones
+                    block[:, offset + 1:].sub_(error[:, None] * block_factor[offset, offset + 1:][None, :])
             self.losses += (block_delta ** 2 / diagonal[None, :] ** 2 / 2).sum(dim=1)
             self.work[:, stop:] -= block_error @ factor[start:stop, stop:]
 
@@ -239,7 +250,13 @@ class HessianPass:
     from the second batch on only that group's Hessians are accumulated, and the batch stops (StopFwdException)
     as soon as every layer of the group has had as many calls as in the first batch: the rest of the block
     would compute nothing this pass uses (in a transformer block, the passes for q/k/v, o and the MLP's first
-    layer skip the MLP)."""
+    layer skip the MLP).
+
+    Layers called with the same object (q/k/v, gate/up) share one product ``X^T X``: it is computed once per
+    call and added to each layer's sum, the very same values as one product per layer. When the whole group
+    reads one input once per batch (``shortcut``, the sequential case of a transformer block), the batch stops
+    at the group's first call, crediting every layer of the group with that input: the other layers' calls would
+    only repeat the product, and their outputs are never used (the pass stops before anything reads them)."""
 
     sequential: bool
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -248,6 +265,28 @@ class HessianPass:
     group: list[str] | None = None
     calls_per_batch: dict[str, int] = field(default_factory=dict)
     this_batch: dict[str, int] = field(default_factory=dict)
+    #: Whether a batch may stop at the group's first call (see the class docstring; subclasses that need every
+    #: layer's own call, as Qronos's cross products do, turn it off).
+    shortcut: bool = True
+    one_input: bool = False
+    last_product: tuple[Any, int, torch.Tensor] | None = None
+
+    def _product(self, rows: torch.Tensor, raw: Any) -> torch.Tensor:
+        """``rows^T rows``, computed once for consecutive calls with the same object (not modified in between)."""
+        version = getattr(raw, "_version", None)
+        if self.last_product is not None and self.last_product[0] is raw and self.last_product[1] == version:
+            return self.last_product[2]
+        product = rows.t() @ rows
+        self.last_product = (raw, version, product)
+        return product
+
+    def _accumulate(self, name: str, product: torch.Tensor, samples: int) -> None:
+        if name in self.hessians:
+            self.hessians[name] += product
+        else:
+            self.hessians[name] = product.clone()
+        self.counts[name] = self.counts.get(name, 0) + samples
+        self.this_batch[name] = self.this_batch.get(name, 0) + 1
 
     def add(self, name: str, rows: torch.Tensor, raw: Any) -> None:
         if self.group is None:
@@ -263,14 +302,15 @@ class HessianPass:
                 return
         elif name not in self.group:
             return
-        product = rows.t() @ rows
-        if name in self.hessians:
-            self.hessians[name] += product
-        else:
-            self.hessians[name] = product
-        self.counts[name] = self.counts.get(name, 0) + rows.shape[0]
-        self.this_batch[name] = self.this_batch.get(name, 0) + 1
+        product = self._product(rows, raw)
+        if self.one_input:
+            for member in self.group:
+                self._accumulate(member, product, rows.shape[0])
+            self.last_product = None
+            raise StopFwdException
+        self._accumulate(name, product, rows.shape[0])
         if self.group is not None and all(self.this_batch.get(n, 0) >= c for n, c in self.calls_per_batch.items()):
+            self.last_product = None
             raise StopFwdException
 
     def averaged(self, data: CalibrationData, name: str, *sums: dict[str, torch.Tensor]
@@ -289,7 +329,9 @@ class HessianPass:
             for name in [n for n in self.hessians if n not in self.group]:
                 del self.hessians[name], self.counts[name]
             self.calls_per_batch = {name: self.this_batch[name] for name in self.group}
+            self.one_input = self.shortcut and self.sequential and set(self.calls_per_batch.values()) == {1}
         self.this_batch = {}
+        self.last_product = None
 
 
 @register(GPTQConfig)
@@ -334,14 +376,19 @@ class GPTQConfigHandler(BlockwiseHandler):
         where, remaining, features = self.sequential_layers(algo, block, name)
         start = time.perf_counter()
         samples: dict[str, int] = {}
-        with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False):
+        # The memo: a pass recomputes only the layers rounded since the last one (and the block engine's pass for
+        # the block's outputs only the last group), the others returning what they computed then.
+        with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False), \
+                layer_outputs_remembered(block, hand_over=True) as memo:
             while remaining:
                 collected = HessianPass(algo.true_sequential)
+                memo.new_pass()
                 with layer_inputs(remaining, collected.add):
                     data.forward(UntilStopped(block), f"{algo.name}: Hessians of {name or where}",
                                  on_output=collected.batch_done)
                 if not collected.group:
                     raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
+                memo.forget([remaining[layer_name] for layer_name in collected.group])
                 for layer_name in collected.group:
                     samples[layer_name], (hessian,) = collected.averaged(data, layer_name)
                     loss = self._quantize(algo, layer_name, remaining.pop(layer_name), hessian)

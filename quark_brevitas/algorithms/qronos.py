@@ -51,7 +51,13 @@ from quark_brevitas.algorithms.gptq import (
 from quark_brevitas.algorithms.scaling import layer_inputs, linear_weight, set_linear_weight
 from quark_brevitas.algorithms.structure import is_linear
 from quark_brevitas.blocks.capture import UntilStopped
-from quark_brevitas.brevitas_adapter import StopFwdException, int_weight_format, quantization_disabled, weight_grid
+from quark_brevitas.brevitas_adapter import (
+    StopFwdException,
+    int_weight_format,
+    layer_outputs_remembered,
+    quantization_disabled,
+    weight_grid,
+)
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.config.rounding import QronosConfig
 from quark_brevitas.errors import ModelError
@@ -109,6 +115,7 @@ class _CrossPass(HessianPass):
     crosses: dict[str, torch.Tensor] = field(default_factory=dict)
     float_rows: dict[str, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
     float_calls: dict[str, int] = field(default_factory=dict)
+    shortcut: bool = False  # every layer's own call pairs its quantized rows with its float rows
 
     def add_float(self, name: str, rows: torch.Tensor, _raw: Any) -> None:
         if self.group is not None and name not in self.group:
@@ -204,15 +211,22 @@ class QronosConfigHandler(GPTQConfigHandler):
         done: dict[str, nn.Module] = {}
         start = time.perf_counter()
         samples: dict[str, int] = {}
+        # Memos (as GPTQConfig's): the float twin's layers never change, so after their first computation they
+        # return what they computed; the block's layers, once rounded, likewise (the block engine's outputs pass
+        # takes the block's memo over).
         with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False), \
-                quantization_disabled(float_block):
+                quantization_disabled(float_block), layer_outputs_remembered(block, hand_over=True) as memo, \
+                layer_outputs_remembered(float_block) as float_memo:
             while remaining:
                 collected = _CrossPass(True)
                 twin = _FloatThenQuantized(block, collected, remaining, done, float_block)
+                memo.new_pass()
+                float_memo.new_pass()
                 data.forward(UntilStopped(twin), f"{algo.name}: statistics of {name or where}",
                              on_output=collected.batch_done)
                 if not collected.group:
                     raise ModelError(f"QronosConfig on {where}: none of {', '.join(remaining)} was called")
+                memo.forget([remaining[layer_name] for layer_name in collected.group])
                 for layer_name in collected.group:
                     samples[layer_name], (hessian, cross) = collected.averaged(data, layer_name, collected.crosses)
                     done[layer_name] = remaining.pop(layer_name)

@@ -41,7 +41,7 @@ from quark_brevitas.blocks.protocol import UnitQuantizer
 from quark_brevitas.blocks.sources import BlockSink, BlockSource, SoloLayer
 from quark_brevitas.blocks.stack import outside_layers
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory, detached
-from quark_brevitas.brevitas_adapter import layer_output_budget
+from quark_brevitas.brevitas_adapter import layer_output_budget, outputs_handed_over
 from quark_brevitas.calibration.data import BlockInputs, CalibrationData
 from quark_brevitas.errors import ModelError
 
@@ -276,10 +276,13 @@ class BlockwiseEngine:
         self.stack[index] = block
         # Offloaded activations: the user asked for memory, so the algorithms keep no layer outputs in memory.
         budget = layer_output_budget(0) if self.stores.directory is not None else contextlib.nullcontext()
-        with budget:
+        # An algorithm may hand over the outputs its last passes computed (the layers it finished): the pass that
+        # computes the block's outputs then recomputes only what changed since.
+        with budget, outputs_handed_over() as handoff:
             block = self._quantizer().quantize_unit(block, name, self._block_inputs(hidden, name))
-        self.stack[index] = block
-        return self._propagate(index, block, hidden)
+            self.stack[index] = block
+            with handoff.replaying():
+                return self._propagate(index, block, hidden)
 
     def _propagate(self, index: int, block: nn.Module, hidden: ActivationStore) -> ActivationStore:
         """Run ``block`` on its cached inputs; its outputs become the next block's inputs."""

@@ -97,9 +97,12 @@ from quark_brevitas.brevitas_adapter.introspection import (  # noqa: E402
 )
 from quark_brevitas.brevitas_adapter.memo import (  # noqa: E402
     LAYER_OUTPUT_BUDGET,
+    Handoff,
     LayerOutputs,
+    discard_handed_over_outputs,
     layer_output_budget,
     layer_outputs_remembered,
+    outputs_handed_over,
 )
 from quark_brevitas.brevitas_adapter.modes import (  # noqa: E402
     a2gpfq_available,
@@ -152,6 +155,9 @@ __all__ = [
     "LayerOutputs",
     "layer_output_budget",
     "layer_outputs_remembered",
+    "outputs_handed_over",
+    "discard_handed_over_outputs",
+    "Handoff",
     "gptq_class_checking_once",
     "weights_quantized_once",
     "FLOAT8_DTYPES",

@@ -107,6 +107,10 @@ class WeightGrid(NamedTuple):
         """``weight`` (the weight, or its ``columns``) quantized and dequantized on this grid."""
         return self.quantize_values(weight, self.scale[:, columns], self.zero_point[:, columns])
 
+    def column_quantizer(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """:meth:`quantize_values` as a function whose rounding path is chosen once, for a loop over columns."""
+        return _column_quantizer(self)
+
     def quantize_values(self, values: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
         """``values`` quantized and dequantized with ``scale`` / ``zero_point`` (slices of this grid's, of the
         same shape): :meth:`quantize` without the slicing, for GPTQ's column loop.
@@ -119,6 +123,20 @@ class WeightGrid(NamedTuple):
         else:
             codes = self.clamp(self.to_int(values / scale + zero_point), min_val=self.min_int, max_val=self.max_int)
         return (codes - zero_point) * scale
+
+
+def _column_quantizer(grid: WeightGrid) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """:meth:`WeightGrid.quantize_values` with the choice of path made once (GPTQ's column loop calls it per
+    column): the same operations, so the same values."""
+    if not plain_round_and_clamp(grid.to_int, grid.clamp):
+        return grid.quantize_values
+    min_int, max_int = grid.min_int, grid.max_int
+
+    def quantize(values: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+        codes = torch.clamp(torch.round(values / scale + zero_point), min_int, max_int)
+        return (codes - zero_point) * scale
+
+    return quantize
 
 
 def plain_round_and_clamp(to_int: Any, clamp: Any) -> bool:

@@ -15,7 +15,16 @@ the output of its ``k``-th call in an earlier pass when
 
 Otherwise the layer runs, and its output is kept while the kept tensors stay within ``budget_bytes`` (then later
 calls simply run: the cache trades memory for time, never results). Only calls with one tensor argument and no
-gradients are remembered. Part of the one door to Brevitas internals; re-exported by
+gradients are remembered. A weight set in place through its parameter (``copy_``) is also seen, by its version
+counter.
+
+GPTQConfig's last pass over a block computes, with their final weights, every layer but the last group; the block
+engine's next pass (the block's outputs, for the next block) would compute them again. Inside
+:func:`outputs_handed_over` (opened by the engine around a block), a memo opened with ``hand_over=True`` stays
+installed after its context for that one pass (:meth:`Handoff.replaying`); the pipeline drops it
+(:func:`discard_handed_over_outputs`) before any further algorithm, which might change the layers.
+
+Part of the one door to Brevitas internals; re-exported by
 :mod:`quark_brevitas.brevitas_adapter`.
 """
 
@@ -33,7 +42,8 @@ from torch import nn
 
 from quark_brevitas.brevitas_adapter.cache import quant_layers
 
-__all__ = ["LAYER_OUTPUT_BUDGET", "LayerOutputs", "layer_output_budget", "layer_outputs_remembered"]
+__all__ = ["LAYER_OUTPUT_BUDGET", "Handoff", "LayerOutputs", "discard_handed_over_outputs", "layer_output_budget",
+           "layer_outputs_remembered", "outputs_handed_over"]
 
 #: Bytes of inputs and outputs :func:`layer_outputs_remembered` keeps at most unless told otherwise (512 MiB; read
 #: at each call, so a user short of memory can lower it, 0 turning the memo off).
@@ -55,7 +65,7 @@ def layer_output_budget(budget_bytes: int) -> Iterator[None]:
 
 
 class _Entry(NamedTuple):
-    state: tuple[bool, ...]
+    state: tuple[Any, ...]
     input: torch.Tensor
     input_version: int
     output: torch.Tensor
@@ -63,10 +73,14 @@ class _Entry(NamedTuple):
     nbytes: int
 
 
-def _state(layer: QuantWeightBiasInputOutputLayer) -> tuple[bool, ...]:
-    """What a layer's output depends on besides its input and weights: which quantizers are on, and its mode."""
-    return (layer.training, *(bool(getattr(getattr(layer, name, None), "is_quant_enabled", False))
-                              for name in ("weight_quant", "input_quant", "output_quant", "bias_quant")))
+def _state(layer: QuantWeightBiasInputOutputLayer) -> tuple[Any, ...]:
+    """What a layer's output depends on besides its input: which quantizers are on, its mode, and its weight's
+    storage and version counter (a weight set in place through the parameter, e.g. ``copy_``, is seen; one written
+    through ``.data`` is not: the caller forgets such layers)."""
+    weight = getattr(layer, "weight", None)
+    stamp = (weight.data_ptr(), weight._version) if isinstance(weight, torch.Tensor) else None
+    return (layer.training, stamp, *(bool(getattr(getattr(layer, name, None), "is_quant_enabled", False))
+                                     for name in ("weight_quant", "input_quant", "output_quant", "bias_quant")))
 
 
 class LayerOutputs:
@@ -117,7 +131,7 @@ class LayerOutputs:
         return output
 
     @staticmethod
-    def _matches(entry: _Entry, state: tuple[bool, ...], value: torch.Tensor) -> bool:
+    def _matches(entry: _Entry, state: tuple[Any, ...], value: torch.Tensor) -> bool:
         return (entry.state == state and entry.input._version == entry.input_version
                 and entry.output._version == entry.output_version and entry.input.shape == value.shape
                 and entry.input.dtype == value.dtype and entry.input.device == value.device
@@ -135,23 +149,98 @@ def _remembering(memo: LayerOutputs, layer: QuantWeightBiasInputOutputLayer, for
     return remembering
 
 
-@contextlib.contextmanager
-def layer_outputs_remembered(model: nn.Module, budget_bytes: int | None = None) -> Iterator[LayerOutputs]:
-    """While the context lasts, the quantized layers of ``model`` return remembered outputs where they can
-    (:class:`LayerOutputs`, keeping at most ``budget_bytes``, by default the budget of the enclosing
-    :func:`layer_output_budget`, else :data:`LAYER_OUTPUT_BUDGET`); the caller
-    marks passes (``new_pass``) and the layers it changes (``forget``)."""
-    if budget_bytes is None:
-        budget_bytes = _BUDGET.get()
-    memo = LayerOutputs(LAYER_OUTPUT_BUDGET if budget_bytes is None else budget_bytes)
+def _install(model: nn.Module, memo: LayerOutputs) -> list[nn.Module]:
     installed = []
     for layer in quant_layers(model):
         if "forward" not in layer.__dict__:
             object.__setattr__(layer, "forward", _remembering(memo, layer, layer.forward))
             installed.append(layer)
+    return installed
+
+
+def _uninstall(memo: LayerOutputs, installed: list[nn.Module]) -> None:
+    for layer in installed:
+        layer.__dict__.pop("forward", None)
+    memo.entries.clear()
+    memo.used = 0
+
+
+@contextlib.contextmanager
+def layer_outputs_remembered(model: nn.Module, budget_bytes: int | None = None, *,
+                             hand_over: bool = False) -> Iterator[LayerOutputs]:
+    """While the context lasts, the quantized layers of ``model`` return remembered outputs where they can
+    (:class:`LayerOutputs`, keeping at most ``budget_bytes``, by default the budget of the enclosing
+    :func:`layer_output_budget`, else :data:`LAYER_OUTPUT_BUDGET`); the caller
+    marks passes (``new_pass``) and the layers it changes (``forget``).
+
+    ``hand_over``: when the context ends normally inside :func:`outputs_handed_over`, the memo stays installed
+    for the enclosing code's next pass (:meth:`Handoff.replaying`) instead of being dropped: the block engine's
+    pass that computes a block's outputs then reuses what the algorithm's last passes computed."""
+    if budget_bytes is None:
+        budget_bytes = _BUDGET.get()
+    memo = LayerOutputs(LAYER_OUTPUT_BUDGET if budget_bytes is None else budget_bytes)
+    installed = _install(model, memo)
+    handoff = _HANDOFF.get()
+    kept = False
     try:
         yield memo
+        if hand_over and handoff is not None and memo.budget > 0:
+            handoff.keep(memo, installed)
+            kept = True
     finally:
-        for layer in installed:
-            layer.__dict__.pop("forward", None)
-        memo.entries.clear()
+        if not kept:
+            _uninstall(memo, installed)
+
+
+class Handoff:
+    """A memo an algorithm left installed on a block for the block engine's next pass (see
+    :func:`outputs_handed_over`)."""
+
+    def __init__(self) -> None:
+        self.kept: tuple[LayerOutputs, list[nn.Module]] | None = None
+
+    def keep(self, memo: LayerOutputs, installed: list[nn.Module]) -> None:
+        self.discard()
+        self.kept = (memo, installed)
+
+    def discard(self) -> None:
+        """Drop the kept memo (uninstall it): something may change the layers before the next pass."""
+        if self.kept is not None:
+            _uninstall(*self.kept)
+            self.kept = None
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """One more pass through the kept memo, if any (keeping nothing new), then drop it."""
+        try:
+            if self.kept is not None:
+                self.kept[0].new_pass(keep_new=False)
+            yield
+        finally:
+            self.discard()
+
+
+#: The handoff :func:`outputs_handed_over` opened (``None``: memos are never kept beyond their context).
+_HANDOFF: contextvars.ContextVar[Handoff | None] = contextvars.ContextVar("layer_outputs_handoff", default=None)
+
+
+@contextlib.contextmanager
+def outputs_handed_over() -> Iterator[Handoff]:
+    """Opened by the block engine around a block's quantization and its outputs' pass: an algorithm whose
+    :func:`layer_outputs_remembered` says ``hand_over`` leaves its memo for that pass (the block's layers, as the
+    algorithm left them, then return the outputs they computed in the algorithm's last passes). Anything that may
+    change the block's layers in between calls :func:`discard_handed_over_outputs` first."""
+    handoff = Handoff()
+    token = _HANDOFF.set(handoff)
+    try:
+        yield handoff
+    finally:
+        _HANDOFF.reset(token)
+        handoff.discard()
+
+
+def discard_handed_over_outputs() -> None:
+    """Drop a memo handed over in the current :func:`outputs_handed_over` (before a step that may change layers)."""
+    handoff = _HANDOFF.get()
+    if handoff is not None:
+        handoff.discard()
