@@ -66,7 +66,7 @@ def decode_tokens_per_s(path: Path, prompt: list[int], new_tokens: int, threads:
 def float_gguf(float_model: torch.nn.Module, tokenizer_dir: Path, out: Path) -> Path:
     """``float_model`` as an all-F32 GGUF file with our exporter's names and metadata and the tokenizer of
     ``tokenizer_dir`` (the float baseline llama.cpp runs)."""
-    from quark_brevitas.export.gguf import collect_gguf_tensors, plan_gguf, write_gguf
+    from quark_brevitas.export.gguf.writer import collect_gguf_tensors, plan_gguf, write_gguf
 
     config = float_model.config
     plan = plan_gguf(config, None, tokenizer_dir)

@@ -83,7 +83,7 @@ def gguf_package_q4_0(ours: Path, float_model: torch.nn.Module, out: Path) -> Pa
     Q4_0 in our file ``ours`` (everything else as F32), with our exporter's names, metadata and tokenizer."""
     import gguf
 
-    from quark_brevitas.export.gguf import GGUFTensor, collect_gguf_tensors, plan_gguf, write_gguf
+    from quark_brevitas.export.gguf.writer import GGUFTensor, collect_gguf_tensors, plan_gguf, write_gguf
 
     quantized = {t.name for t in gguf.GGUFReader(str(ours)).tensors if t.tensor_type.name == "Q4_0"}
     config = float_model.config

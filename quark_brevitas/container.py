@@ -41,7 +41,7 @@ def _onnx_exporter():  # imported lazily: onnx/onnxruntime are only needed when 
 
 
 def _qonnx_exporter():  # imported lazily: qonnx is only needed when exporting QONNX
-    from quark_brevitas.export.qonnx import export_qonnx
+    from quark_brevitas.export.onnx.qonnx import export_qonnx
 
     return export_qonnx
 

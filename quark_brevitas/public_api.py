@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DEPRECATED_SINCE", "MOVED", "PUBLIC", "moved_module", "new_location"]
+__all__ = ["DEPRECATED_SINCE", "MOVED", "MOVED_SINCE", "PUBLIC", "moved_module", "new_location"]
 
 #: Public module -> the names the documentation shows from it (the whole promise; everything else is internal).
 PUBLIC: dict[str, tuple[str, ...]] = {
@@ -98,6 +98,9 @@ PUBLIC: dict[str, tuple[str, ...]] = {
 #: The release that moved the names of :data:`MOVED` (their shims stay at least until the next minor release).
 DEPRECATED_SINCE = "0.2.0"
 
+#: Old modules moved by a later release than :data:`DEPRECATED_SINCE` -> that release.
+MOVED_SINCE: dict[str, str] = {"quark_brevitas.export.qonnx": "0.3.0", "quark_brevitas.export.blocked": "0.3.0"}
+
 #: Old module (a shim now) -> {public name it had: the module it lives in now}. Each old module was documented
 #: (README, examples) before 0.2.0 and removed by a reorganisation.
 MOVED: dict[str, dict[str, str]] = {
@@ -126,10 +129,16 @@ MOVED: dict[str, dict[str, str]] = {
     "quark_brevitas.intweights": dict.fromkeys(
         ("IntegerWeight", "integer_weights", "save_integer_weights"), "quark_brevitas.export.intweights"),
     "quark_brevitas.export_qonnx": dict.fromkeys(
-        ("QONNX_DOMAIN", "QONNXExportReport", "export_qonnx", "run_qonnx"), "quark_brevitas.export.qonnx"),
+        ("QONNX_DOMAIN", "QONNXExportReport", "export_qonnx", "run_qonnx"), "quark_brevitas.export.onnx.qonnx"),
     "quark_brevitas.export_blocked": dict.fromkeys(
         ("BLOCKED_OPSET", "PlannedWeight", "float_weights", "insert_dequantize", "needs_plan", "plan_weights",
-         "weight_format"), "quark_brevitas.export.blocked"),
+         "weight_format"), "quark_brevitas.export.onnx.blocked"),
+    # 0.3.0: quark_brevitas/export/ split by target (onnx/, hf/, gguf/); these two modules were documented.
+    "quark_brevitas.export.qonnx": dict.fromkeys(
+        ("QONNX_DOMAIN", "QONNXExportReport", "export_qonnx", "run_qonnx"), "quark_brevitas.export.onnx.qonnx"),
+    "quark_brevitas.export.blocked": dict.fromkeys(
+        ("BLOCKED_OPSET", "PlannedWeight", "float_weights", "insert_dequantize", "needs_plan", "plan_weights",
+         "weight_format"), "quark_brevitas.export.onnx.blocked"),
     "quark_brevitas.ties": dict.fromkeys(
         ("TiedGroup", "run_untied", "tied_groups", "untie_differing"), "quark_brevitas.algorithms.ties"),
     "quark_brevitas.dtypes": {
@@ -160,6 +169,7 @@ def moved_module(old_module: str) -> tuple[Callable[[str], Any], Callable[[], li
     that imports or reads it, so ``python -W error::DeprecationWarning`` points at the user's code). The value is
     not cached on the shim, so every use is reported, not only the first."""
     names = MOVED[old_module]
+    since = MOVED_SINCE.get(old_module, DEPRECATED_SINCE)
     # One warning per access; the owner's code runs `from old import name` or `old.name`, both of which call
     # __getattr__ from the frame that names it.
     stacklevel = 2
@@ -167,9 +177,9 @@ def moved_module(old_module: str) -> tuple[Callable[[str], Any], Callable[[], li
     def __getattr__(name: str) -> Any:
         if name not in names:
             raise AttributeError(f"module {old_module!r} has no attribute {name!r} (the module is deprecated since "
-                                 f"{DEPRECATED_SINCE}; its public names moved: {', '.join(sorted(names))})")
+                                 f"{since}; its public names moved: {', '.join(sorted(names))})")
         target = names[name]
-        warnings.warn(f"{old_module}.{name} moved to {target}.{name} in quark_brevitas {DEPRECATED_SINCE}; import "
+        warnings.warn(f"{old_module}.{name} moved to {target}.{name} in quark_brevitas {since}; import "
                       f"it from {target} (the old path will be removed in a later minor release)",
                       DeprecationWarning, stacklevel=stacklevel)
         return getattr(importlib.import_module(target), name)

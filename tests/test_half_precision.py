@@ -95,7 +95,7 @@ def test_export_writes_a_verified_float32_copy(dtype: torch.dtype, tmp_path: Any
     model, batches = _model_and_data(dtype)
     quantized = ModelQuantizer(get_preset("w8a8")).quantize_model(model, batches)
     path = tmp_path / "half.onnx"
-    with caplog.at_level(logging.INFO, logger="quark_brevitas.export.precision"):
+    with caplog.at_level(logging.INFO, logger="quark_brevitas.export.onnx.precision"):
         report = ModelExporter(path).export_onnx_model(quantized, batches[0])
     assert report.max_abs_diff <= report.tolerance
     assert any("float32 copy" in r.message and str(dtype).removeprefix("torch.") in r.message for r in caplog.records)

@@ -243,11 +243,11 @@ UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
     # modules do not yet sit where the layer order puts them.
     (f"{PACKAGE}.api", f"{PACKAGE}.quark_compat.freezing"):
         "ModelQuantizer.freeze is Quark 0.13's name; its body lives with Quark's other functions in quark_compat",
-    (f"{PACKAGE}.export.gguf_plan", f"{PACKAGE}.api"):
+    (f"{PACKAGE}.export.gguf.plan", f"{PACKAGE}.api"):
         "the GGUF early check quantizes a two-row stand-in layer per spec with the pipeline the run will use",
     (f"{PACKAGE}.export.plan_checks", f"{PACKAGE}.api"):
         "every format's early check quantizes a two-row stand-in layer per spec with the pipeline the run will use",
-    (f"{PACKAGE}.export.kv_hf", f"{PACKAGE}.hf.kv_cache"):
+    (f"{PACKAGE}.export.hf.kv_scales", f"{PACKAGE}.hf.kv_cache"):
         "the KV-cache scales a Hugging Face folder records are read from the model's KV quantizers (hf/)",
     (f"{PACKAGE}.pipeline", f"{PACKAGE}.hf.kv_cache"):
         "the data phase attaches and calibrates the KV-cache quantizers of Hugging Face attention modules",

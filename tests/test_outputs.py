@@ -15,7 +15,7 @@ from torch import nn
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
 from quark_brevitas.checkpoint import load_quantized, save_quantized
 from quark_brevitas.cli import main
-from quark_brevitas.export import orchestrate
+from quark_brevitas.export.onnx import orchestrate
 from quark_brevitas.outputs import MARKER_FILE, OutputError, add_file, output_dir, write_file
 
 W8 = Config(QLayerConfig(weight=QTensorConfig()), pre_quant_opt_config=[], algo_config=[])

@@ -32,7 +32,7 @@ def snap_kquant_scales(scales: torch.Tensor, groups_per_super_block: int, sub_sc
     A row that is no whole number of super-blocks (MiniLM's 384 input channels) cannot be a K-quant tensor;
     llama.cpp's quantizer then writes the tensor in a 32-channel type instead (Q6_K -> Q8_0, Q3_K -> IQ4_NL). Here
     such rows get the grid that a 32-channel float16-scale type holds exactly: the ``groups_per_32`` groups of
-    each 32 channels share the largest scale, rounded to float16 (see :mod:`quark_brevitas.export.gguf_kquants`)."""
+    each 32 channels share the largest scale, rounded to float16 (see :mod:`quark_brevitas.export.gguf.kquants`)."""
     shape = scales.shape
     groups = shape[-1]
     flat = scales.reshape(-1, groups).float().abs()

@@ -8,7 +8,7 @@ the dequantized block ``codes * scale``. Brevitas's ``IntQuant`` divides by the 
 (``round(a / (amax / 127))``), which picks the other code about twice per million elements (near ties, where the
 two roundings of the same real quotient differ). A model whose dynamic per-group int8 inputs use
 :class:`ReciprocalIntQuant` computes exactly what the kernel computes, so its file can feed the raw float input
-to the kernel (:mod:`quark_brevitas.export.dynamic`), without the explicit quantization ops that cost a quarter
+to the kernel (:mod:`quark_brevitas.export.onnx.dynamic`), without the explicit quantization ops that cost a quarter
 of a decode step.
 
 Brevitas pieces replaced for such a quantizer (:data:`RECIPROCAL_INT8_LETS`): ``int_quant`` (the code

@@ -108,7 +108,7 @@ def _final_path_in_logs(temporary: Path, final: Path) -> Iterator[None]:
 def _rebuilt(checkpoint: Path, info: Any) -> nn.Module:
     """The quantized model of a Hugging Face checkpoint (streamed or in memory), rebuilt from what it records."""
     from quark_brevitas.checkpoint import load_quantized
-    from quark_brevitas.export.hf import float_model_from_record
+    from quark_brevitas.export.hf.models import float_model_from_record
     from quark_brevitas.hf.streaming import load_pretrained_quantized
 
     if is_streamed(info):

@@ -79,7 +79,7 @@ def _checkpoint_model(args: argparse.Namespace, info: Any) -> tuple[nn.Module, s
     Face checkpoint's recorded architecture (the class and config in the manifest, or ``float_model/`` of one
     written block by block by ``quantize --model``), else the digits CNN."""
     from quark_brevitas.checkpoint import load_quantized
-    from quark_brevitas.export.hf import float_model_from_record
+    from quark_brevitas.export.hf.models import float_model_from_record
     from quark_brevitas.hf.streaming import FLOAT_MODEL_DIR, load_pretrained_quantized
 
     record = info.manifest.get("huggingface")
@@ -116,7 +116,7 @@ def _export_example(args: argparse.Namespace, info: Any, model: nn.Module) -> tu
     (random values, or random token ids for a model with a vocabulary), else the checkpoint's stored one,
     else for a Hugging Face language model a tokenized sentence or random token ids of
     :data:`DEFAULT_TOKEN_SHAPE` with a full attention mask."""
-    from quark_brevitas.export.hf import token_example
+    from quark_brevitas.export.hf.models import token_example
 
     if args.input_shape is not None:
         tokens = token_example(model, args.input_shape)

@@ -6,7 +6,7 @@ super-block one float16 number ``d`` that the sub-scales multiply: a weight is `
 per-group integer weight whose group scales are, in every super-block, integer multiples ``1..sub_scale_max`` of
 one float16 number is therefore a K-quant block exactly; ``scale_type=gguf_k`` makes the scales so (the
 restriction is :class:`quark_brevitas.brevitas_adapter.kquant.KQuantScaleRestrict`) and
-:mod:`quark_brevitas.export.gguf_kquants` packs them.
+:mod:`quark_brevitas.export.gguf.kquants` packs them.
 
 ``Q6_K`` (int6 codes -32..31, int8 sub-scales) and ``Q3_K`` (int3 codes -4..3, 6-bit signed sub-scales) are
 symmetric. ``Q2_K``, ``Q4_K`` and ``Q5_K`` store unsigned codes ``q`` and a second per-sub-block term:

@@ -89,7 +89,7 @@ class Example:
     names: tuple[str, ...]
     keyword: bool = False
     #: Number of decoder layers whose past keys/values are inputs (``past_key_values.{i}.key`` / ``.value``, see
-    #: :mod:`~quark_brevitas.export.kv`); 0 for an export without a cache.
+    #: :mod:`~quark_brevitas.export.onnx.kv`); 0 for an export without a cache.
     past: int = 0
 
 
@@ -112,7 +112,7 @@ def normalize_example(args: object) -> Example:
 
     Mappings (dicts, Hugging Face ``BatchEncoding``) keep their key order; entries that are ``None`` are
     dropped (the model's default is used); entries named ``past_key_values.{i}.key`` / ``.value`` make it an example
-    with a past (:mod:`~quark_brevitas.export.kv`). Graph inputs are named after the keys, positional inputs
+    with a past (:mod:`~quark_brevitas.export.onnx.kv`). Graph inputs are named after the keys, positional inputs
     ``input`` / ``input_0``, ``input_1``, ...
     """
     if isinstance(args, Mapping) and not isinstance(args, (torch.Tensor, QuantTensor)):

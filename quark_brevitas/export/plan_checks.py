@@ -113,7 +113,7 @@ def stand_ins(rows: list[Any], skeleton: nn.Module) -> Iterator[tuple[str, nn.Mo
 def _folder_check(format_name: str) -> Callable[..., None]:
     def check(rows: list[Any], skeleton: nn.Module, hf_config: Any,
               tokenizer_dir: str | os.PathLike[str] | None) -> None:
-        from quark_brevitas.export.safetensors_hf import check_layer_fits
+        from quark_brevitas.export.hf.checkpoints import check_layer_fits
 
         for name, layer in stand_ins(rows, skeleton):
             check_layer_fits(name, layer, format_name)
@@ -133,7 +133,7 @@ def check_qcdq_plan(rows: list[Any], skeleton: nn.Module, hf_config: Any,
     every layer spec exported on a stand-in and run in onnxruntime, as the export does."""
     import tempfile
 
-    from quark_brevitas.export.qcdq import export_onnx_qcdq
+    from quark_brevitas.export.onnx.qcdq import export_onnx_qcdq
 
     if tokenizer_dir is None or not any((Path(tokenizer_dir) / name).is_file() for name in _TOKENIZER_MARKERS):
         raise ExportError(f"the ONNX export of a language model is traced with a sentence through its tokenizer, and "

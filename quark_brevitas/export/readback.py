@@ -53,7 +53,7 @@ def array_digest(array: np.ndarray | torch.Tensor) -> str:
 
 # ===================================================================== GGUF
 class ProvenGGUFTensor(Protocol):
-    """What the GGUF writer proved of one tensor (:class:`quark_brevitas.export.gguf.GGUFTensor`)."""
+    """What the GGUF writer proved of one tensor (:class:`quark_brevitas.export.gguf.writer.GGUFTensor`)."""
 
     name: str
     data: np.ndarray

@@ -162,7 +162,7 @@ FORMATS: dict[str, ExportFormat] = {
             holds="weight-only Q8_0, Q4_0, Q4_1 (int8/int4 per group of 32, fp16 scales) of Llama, Mistral, "
                   "Qwen2 and GPT-2 decoders",
             model_writer=f"{_WRITERS}:write_gguf", streamed_writer=f"{_STREAMED}:write_gguf_streamed",
-            plan_check="quark_brevitas.export.gguf_plan:check_gguf_plan"),
+            plan_check="quark_brevitas.export.gguf.plan:check_gguf_plan"),
         ExportFormat(
             name="compressed-tensors", layout="folder", hf_lm=True, extra="deploy",
             requires=("compressed_tensors",),

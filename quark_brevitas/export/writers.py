@@ -1,7 +1,8 @@
 """The built-in formats' writers behind the one contract of :mod:`quark_brevitas.export.registry`.
 
 Each function here only adapts arguments (the example input, the tokenizer folder, ``overwrite``) to the writer
-that does the work (:func:`~quark_brevitas.export.qcdq.export_onnx_qcdq`, :func:`~quark_brevitas.export.gguf.
+that does the work (:func:`~quark_brevitas.export.onnx.qcdq.export_onnx_qcdq`,
+:func:`~quark_brevitas.export.gguf.writer.
 export_gguf`, ...); nothing is written differently from calling those directly. Why a contract: the command line
 and :meth:`~quark_brevitas.api.ModelExporter.export` call every format the same way, so a new format needs no
 branch in either. The writers from a checkpoint written block by block are in
@@ -36,7 +37,7 @@ def write_qcdq(model: Any, output: Any, *, example: Any = None, overwrite: bool 
                **options: Any) -> Any:
     """ONNX QCDQ verified in onnxruntime; returns the :class:`~quark_brevitas.export.ExportReport`. The file is
     replaced if it exists (``overwrite`` concerns folders)."""
-    from quark_brevitas.export.qcdq import export_onnx_qcdq
+    from quark_brevitas.export.onnx.qcdq import export_onnx_qcdq
 
     _no_tokenizer(tokenizer_dir, "qcdq")
     return export_onnx_qcdq(model, _example(example, "qcdq"), output, **options)
@@ -45,7 +46,7 @@ def write_qcdq(model: Any, output: Any, *, example: Any = None, overwrite: bool 
 def write_qonnx(model: Any, output: Any, *, example: Any = None, overwrite: bool = False, tokenizer_dir: Any = None,
                 **options: Any) -> Any:
     """QONNX verified with qonnx; returns the :class:`~quark_brevitas.export.QONNXExportReport`."""
-    from quark_brevitas.export.qonnx import export_qonnx
+    from quark_brevitas.export.onnx.qonnx import export_qonnx
 
     _no_tokenizer(tokenizer_dir, "qonnx")
     return export_qonnx(model, _example(example, "qonnx"), output, **options)
@@ -66,7 +67,7 @@ def _no_example(example: Any, fmt: str) -> None:
 def write_gguf(model: Any, output: Any, *, example: Any = None, overwrite: bool = False, tokenizer_dir: Any = None,
                **options: Any) -> Path:
     """``output/model.gguf``; returns its path."""
-    from quark_brevitas.export.gguf import export_gguf
+    from quark_brevitas.export.gguf.writer import export_gguf
 
     _no_example(example, "gguf")
     options.setdefault("tokenizer_path", gguf_tokenizer(tokenizer_dir))
@@ -81,7 +82,7 @@ def hf_tokenizer(tokenizer_dir: Any) -> Path | None:
 
 def _safetensors(fmt: str, model: Any, output: Any, example: Any, overwrite: bool, tokenizer_dir: Any,
                  options: dict[str, Any]) -> Path:
-    from quark_brevitas.export.safetensors_hf import export_safetensors
+    from quark_brevitas.export.hf.checkpoints import export_safetensors
 
     _no_example(example, fmt)
     options.setdefault("tokenizer", hf_tokenizer(tokenizer_dir))

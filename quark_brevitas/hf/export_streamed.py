@@ -4,8 +4,9 @@ at a time.
 Lives on the Hugging Face side (it rebuilds quantized blocks through :mod:`quark_brevitas.hf.streaming`), so that
 :mod:`quark_brevitas.export` does not depend on the streaming machinery (no import cycle). The tensors and the
 ``quantization_config`` are those of :func:`quark_brevitas.export.export_safetensors`; see
-:mod:`quark_brevitas.export.safetensors_hf`. The GGUF tensors are those of :func:`quark_brevitas.export.export_gguf`
-(:mod:`quark_brevitas.export.gguf`): each block is packed, proven and spilled to a temporary file, and the file is
+:mod:`quark_brevitas.export.hf.checkpoints`. The GGUF tensors are those of :func:`quark_brevitas.export.export_gguf`
+(:mod:`quark_brevitas.export.gguf.writer`): each block is packed, proven and spilled to a temporary file, and the
+file is
 written from those memory-mapped arrays (GGUF's header names every tensor before any data), in the in-memory
 export's tensor order, so the two files are the same bytes. Every written file is read back and compared with what
 was proven before the folder is moved into place (:mod:`quark_brevitas.export.readback`).
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from quark_brevitas.export.errors import ExportError
-from quark_brevitas.export.gguf import (
+from quark_brevitas.export.gguf.writer import (
     GGUFPlan,
     GGUFTensor,
     check_gguf_blocks,
@@ -37,16 +38,7 @@ from quark_brevitas.export.gguf import (
     refuse_activation_quantizers,
     write_gguf,
 )
-from quark_brevitas.export.hf import refuse_online_rotations
-from quark_brevitas.export.readback import (
-    TensorRecord,
-    array_digest,
-    records_of,
-    verify_json_file,
-    verify_safetensors_file,
-    verify_text_file,
-)
-from quark_brevitas.export.safetensors_hf import (
+from quark_brevitas.export.hf.checkpoints import (
     LayerCodes,
     check_export_args,
     checkpoint_names,
@@ -54,6 +46,15 @@ from quark_brevitas.export.safetensors_hf import (
     config_json,
     untie,
     write_tokenizer,
+)
+from quark_brevitas.export.hf.models import refuse_online_rotations
+from quark_brevitas.export.readback import (
+    TensorRecord,
+    array_digest,
+    records_of,
+    verify_json_file,
+    verify_safetensors_file,
+    verify_text_file,
 )
 from quark_brevitas.export.writers import gguf_tokenizer, hf_tokenizer
 from quark_brevitas.outputs import output_dir as _output_folder

@@ -2,7 +2,7 @@
 import ...``), with Quark's arguments, on quark_brevitas's exporters (each proves the file it writes).
 
 - ``export_safetensors(model, output_dir, custom_mode="quark", weight_format=None, pack_method="reorder")`` writes
-  Quark's own Hugging Face format (:mod:`quark_brevitas.export.quark_hf`: ``real_quantized``, ``reorder``), which
+  Quark's own Hugging Face format (:mod:`quark_brevitas.export.hf.quark`: ``real_quantized``, ``reorder``), which
   transformers with amd-quark and vLLM load, and beside it, in ``quark_brevitas_checkpoint/``, the quark_brevitas
   checkpoint (:func:`~quark_brevitas.checkpoint.save_quantized`) from which
   :func:`~quark_brevitas.quark_compat.importing.import_model_from_safetensors` rebuilds the quantized model exactly.
@@ -53,7 +53,7 @@ def export_safetensors(model: nn.Module, output_dir: str | os.PathLike[str], cus
     write the checkpoint ``import_model_from_safetensors`` rebuilds the model from, in ``quark_brevitas_checkpoint/``;
     it holds the float weights and quantizer state, about the size of the float model).
     """
-    from quark_brevitas.export.safetensors_hf import export_safetensors as write_hf_folder
+    from quark_brevitas.export.hf.checkpoints import export_safetensors as write_hf_folder
 
     function = "export_safetensors"
     check_choice(function, "custom_mode", custom_mode, ["quark"], f"is one of Quark's modes that is not written here: "
@@ -98,7 +98,7 @@ def export_onnx(model: nn.Module, output_dir: str | os.PathLike[str], input_args
     ``output_names`` (the graph's inputs are named after a dict's keys, else ``input``, ``input_0``, ...),
     ``do_constant_folding=False``, an ``operator_export_type`` other than ``ONNX`` and ``dynamo=True``.
     """
-    from quark_brevitas.export.qcdq import export_onnx_qcdq
+    from quark_brevitas.export.onnx.qcdq import export_onnx_qcdq
 
     function = "export_onnx"
     if input_names or output_names:
@@ -130,7 +130,7 @@ def export_gguf(model: nn.Module, output_dir: str | os.PathLike[str], model_type
     returns its path. ``model_type`` (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"gpt2"``) and ``tokenizer_path`` (a
     folder with ``tokenizer.json``) as :func:`quark_brevitas.export.export_gguf` takes them; what GGUF cannot hold is
     an ExportError naming the layer."""
-    from quark_brevitas.export.gguf import export_gguf as write_gguf
+    from quark_brevitas.export.gguf.writer import export_gguf as write_gguf
 
     if not isinstance(model_type, str) or not model_type:
         raise UnsupportedArgumentError("export_gguf", "model_type", model_type, "is not a model type",

@@ -141,7 +141,7 @@ def test_plan_says_what_was_applied_where() -> None:
 # ===================================================================== rotated and quantized
 @pytest.mark.slow
 def test_rotated_w4a8_model_runs_saves_loads_and_exports(batches, tmp_path) -> None:
-    from quark_brevitas.export.qcdq import export_onnx_qcdq
+    from quark_brevitas.export.onnx.qcdq import export_onnx_qcdq
 
     model = tiny_llama()
     quantized = ModelQuantizer(_config([RotationConfig(**ALL)])).quantize_model(model, batches)

@@ -105,7 +105,7 @@ def test_the_users_qwen2_tokenizer_is_kept_as_given_and_gguf_export_takes_it(qwe
 
 
 def test_gguf_tokenizer_check_names_the_ids_that_do_not_fit_and_where_they_came_from(qwen2_dir, tmp_path) -> None:
-    from quark_brevitas.export.gguf import check_tokenizer_fits
+    from quark_brevitas.export.gguf.writer import check_tokenizer_fits
 
     assert check_tokenizer_fits(qwen2_dir, VOCAB) == VOCAB
     resaved = tmp_path / "resaved"

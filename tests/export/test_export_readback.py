@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save  # noqa: E402
 from quark_brevitas import Config, QLayerConfig  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.export import export_gguf, export_safetensors, readback  # noqa: E402
-from quark_brevitas.export import gguf as gguf_export  # noqa: E402
+from quark_brevitas.export.gguf.writer import writer as gguf_export  # noqa: E402
 from quark_brevitas.export.readback import ReadBackError  # noqa: E402
 from quark_brevitas.hf import export_streamed  # noqa: E402
 from quark_brevitas.hf.export_streamed import export_gguf_streamed, export_safetensors_streamed  # noqa: E402

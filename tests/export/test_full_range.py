@@ -20,7 +20,7 @@ from quark_brevitas.config import Config, QLayerConfig, QTensorConfig
 from quark_brevitas.config.specs import narrow_range_of
 from quark_brevitas.errors import ConfigError
 from quark_brevitas.export import export_onnx_qcdq, export_safetensors
-from quark_brevitas.export.qonnx import export_qonnx
+from quark_brevitas.export.onnx.qonnx import export_qonnx
 from quark_brevitas.types import Dtype, QSchemeType, ScaleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -25,7 +25,7 @@ from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.config.gguf_mixes import gguf_mix_types  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.export import export_gguf  # noqa: E402
-from quark_brevitas.export.gguf_q5 import pack_q5_0, pack_q5_1  # noqa: E402
+from quark_brevitas.export.gguf.q5 import pack_q5_0, pack_q5_1  # noqa: E402
 from quark_brevitas.export.intweights import IntegerWeight, integer_weights  # noqa: E402
 
 FOLDER = minilm.get_model_path()

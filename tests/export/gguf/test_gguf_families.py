@@ -1,5 +1,5 @@
 """GGUF files of issue 30's families (Qwen3, Gemma 2, Gemma 3, Phi-3, Llama 3.x), with the architecture metadata
-llama.cpp's converter writes for them (quark_brevitas.export.gguf_families): transformers' GGUF loader and
+llama.cpp's converter writes for them (quark_brevitas.export.gguf.families): transformers' GGUF loader and
 llama.cpp (where llama-cpp-python is installed) load them with the quantized model's logits."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from helpers.llm_models import bpe_tokenizer, token_batches  # noqa: E402
 from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.export import ExportError, export_gguf  # noqa: E402
-from quark_brevitas.export.gguf_families import rope_freqs, rope_theta  # noqa: E402
+from quark_brevitas.export.gguf.families import rope_freqs, rope_theta  # noqa: E402
 
 ARCH = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "llama": "llama"}
 

@@ -122,7 +122,7 @@ def test_gptq_rounds_on_the_k_quant_grid() -> None:
 def test_q3_k_block_decodes_like_hand_computed_weights() -> None:
     """One Q3_K super-block: codes -4..3 in every position, sub-scales 1..16, d = 2**-7; the gguf package's
     decoding of our bytes is d * s * q element by element."""
-    from quark_brevitas.export.gguf_kquants import pack_q3_k
+    from quark_brevitas.export.gguf.kquants import pack_q3_k
 
     codes = (torch.arange(256) % 8 - 4).reshape(1, 256).to(torch.int8)
     sub = torch.arange(1, 17, dtype=torch.float32)

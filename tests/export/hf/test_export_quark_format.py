@@ -194,7 +194,7 @@ def test_config_and_tensors_are_quarks_and_unpack_to_our_weights(written, name: 
 
 def test_int4_codes_unpack_to_our_integer_codes_exactly(written) -> None:
     """Not only the dequantized weight: the stored nibbles are our codes (signed int4) and zero points (uint4)."""
-    from quark_brevitas.export.blocked import plan_weights
+    from quark_brevitas.export.onnx.blocked import plan_weights
 
     for name, signed in (("w4_g32_sym", True), ("w4_g32_asym", False)):
         model, folder = written[name]

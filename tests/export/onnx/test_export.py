@@ -44,7 +44,7 @@ from quark_brevitas.export import (
     run_onnx,
     verify_onnx,
 )
-from quark_brevitas.export import qcdq as export_mod
+from quark_brevitas.export.onnx import qcdq as export_mod
 
 IMG = (3, 8, 8)
 

@@ -24,9 +24,9 @@ from torch import nn
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
 from quark_brevitas.config.presets import get_preset
 from quark_brevitas.export import ExportMismatchError, export_onnx_qcdq, verify_onnx
-from quark_brevitas.export.pinned import check_pinned
-from quark_brevitas.export.runtime import run_model_proto
-from quark_brevitas.export.verify import compute_reference, exported_module
+from quark_brevitas.export.onnx.pinned import check_pinned
+from quark_brevitas.export.onnx.runtime import run_model_proto
+from quark_brevitas.export.onnx.verify import compute_reference, exported_module
 from quark_brevitas.types import Dtype, QSchemeType
 
 transformers = pytest.importorskip("transformers")
@@ -64,7 +64,7 @@ def test_a_quantized_layer_the_graph_does_not_use_is_skipped_with_an_info_log(
     config = get_preset(preset)
     config.algo_config = []  # GPTQ is not what this test is about (and costs time)
     quant = ModelQuantizer(config).quantize_model(_tiny_bert(), [_ids(4, 8, 0)])
-    with caplog.at_level(logging.INFO, logger="quark_brevitas.export.qcdq"):
+    with caplog.at_level(logging.INFO, logger="quark_brevitas.export.onnx.qcdq"):
         report = export_onnx_qcdq(LastHiddenState(quant), _ids(3, 8, 1), tmp_path / "wrapped.onnx")
     assert report.output_names == ("output",)
     assert "not used by the traced graph, left out of the file: model.m.pooler.dense" in caplog.text
@@ -168,7 +168,7 @@ def test_a_relu_reaching_a_float8_quantizer_through_a_reshape_is_written_as_max(
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from quark_brevitas.export.passes.float8 import relu_as_max_before_float8_quantizers
+    from quark_brevitas.export.onnx.passes.float8 import relu_as_max_before_float8_quantizers
 
     zero = helper.make_tensor("zp", TensorProto.FLOAT8E4M3FN, [], [0.0])
     nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu_q"),

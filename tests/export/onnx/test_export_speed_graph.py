@@ -24,7 +24,7 @@ from torch import nn
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
 from quark_brevitas.cli.digits import example_input
 from quark_brevitas.export import ExportReport, export_onnx_qcdq, run_onnx
-from quark_brevitas.export.passes.kernels import rewrite_for_integer_kernels
+from quark_brevitas.export.onnx.passes.kernels import rewrite_for_integer_kernels
 from quark_brevitas.types import QSchemeType
 
 PC = QSchemeType.per_channel

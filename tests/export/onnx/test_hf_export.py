@@ -29,9 +29,9 @@ from quark_brevitas.export import (  # noqa: E402
     verify_onnx,
 )
 from quark_brevitas.export.args import KeywordInputs, normalize_example, with_attention_mask  # noqa: E402
-from quark_brevitas.export.pinned import check_pinned  # noqa: E402
-from quark_brevitas.export.runtime import run_model_proto  # noqa: E402
-from quark_brevitas.export.verify import compute_reference, exported_module  # noqa: E402
+from quark_brevitas.export.onnx.pinned import check_pinned  # noqa: E402
+from quark_brevitas.export.onnx.runtime import run_model_proto  # noqa: E402
+from quark_brevitas.export.onnx.verify import compute_reference, exported_module  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
 WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "ran", "far", "quick", "brown", "fox", "jumps", "over",

@@ -21,10 +21,10 @@ from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, 
 from quark_brevitas.calibration.data import cache_keyword, output_cache  # noqa: E402
 from quark_brevitas.export import ExportError, export_onnx_qcdq, run_onnx, verify_onnx  # noqa: E402
 from quark_brevitas.export.args import normalize_example  # noqa: E402
-from quark_brevitas.export.kv import TOTAL, export_module, with_past  # noqa: E402
-from quark_brevitas.export.pinned import check_pinned  # noqa: E402
-from quark_brevitas.export.runtime import run_model_proto  # noqa: E402
-from quark_brevitas.export.verify import compute_reference, exported_module  # noqa: E402
+from quark_brevitas.export.onnx.kv import TOTAL, export_module, with_past  # noqa: E402
+from quark_brevitas.export.onnx.pinned import check_pinned  # noqa: E402
+from quark_brevitas.export.onnx.runtime import run_model_proto  # noqa: E402
+from quark_brevitas.export.onnx.verify import compute_reference, exported_module  # noqa: E402
 from quark_brevitas.types import QSchemeType  # noqa: E402
 
 VOCAB = 50

@@ -1,6 +1,6 @@
 """Weight-only Linear layers exported as onnxruntime's ``MatMulNBits`` (com.microsoft), exactly.
 
-The rewrite (:mod:`quark_brevitas.export.passes.nbits`) must hold the model's own codes, scales and zero points:
+The rewrite (:mod:`quark_brevitas.export.onnx.passes.nbits`) must hold the model's own codes, scales and zero points:
 the weights are unpacked from the file here, independently of the exporter's packing, and compared with the
 quantized PyTorch weights bit for bit; the file's outputs in a *default* onnxruntime session are compared with
 the opset-21 ``DequantizeLinear`` form (``int4_kernel="dequantize"``) run with onnxruntime's optimizations off
@@ -23,8 +23,8 @@ from torch import nn
 
 from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig
 from quark_brevitas.export import ExportError, export_onnx_qcdq, run_onnx
-from quark_brevitas.export.passes.kernels import WEIGHT_ONLY_KERNEL_REWRITES
-from quark_brevitas.export.passes.nbits import NBITS_REWRITE, matmul_nbits
+from quark_brevitas.export.onnx.passes.kernels import WEIGHT_ONLY_KERNEL_REWRITES
+from quark_brevitas.export.onnx.passes.nbits import NBITS_REWRITE, matmul_nbits
 from quark_brevitas.types import Dtype, QSchemeType
 
 PG = QSchemeType.per_group
@@ -182,7 +182,7 @@ def test_group_sizes_matmulnbits_cannot_take_stay_dequantize_with_an_info_log(
         tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, group: int) -> None:
     x = torch.randn(4, 48)
     quant = _quantize(_mlp(48, bias=True), SPECS["int4 sym"](group), x)
-    with caplog.at_level(logging.INFO, logger="quark_brevitas.export.passes.nbits"):
+    with caplog.at_level(logging.INFO, logger="quark_brevitas.export.onnx.passes.nbits"):
         report = export_onnx_qcdq(quant, x, tmp_path / "m.onnx")
     assert not _nodes(report.path, "MatMulNBits") and len(_nodes(report.path, "DequantizeLinear")) == 2
     assert f"group size {group} (MatMulNBits takes powers of two >= 16)" in caplog.text

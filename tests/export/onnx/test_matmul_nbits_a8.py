@@ -22,7 +22,7 @@ from torch import nn
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
 from quark_brevitas.brevitas_adapter import weight_quant_disabled
 from quark_brevitas.export import ExportError, export_onnx_qcdq, run_onnx
-from quark_brevitas.export.passes.nbits import INT8_ACCURACY_LEVEL, nbits_tensors
+from quark_brevitas.export.onnx.passes.nbits import INT8_ACCURACY_LEVEL, nbits_tensors
 from quark_brevitas.types import Dtype, QSchemeType
 
 PG = QSchemeType.per_group
@@ -242,7 +242,7 @@ def test_the_pinned_check_pins_the_per_group_codes(tmp_path: pathlib.Path, monke
     """A deep model whose outputs drift by rounding flips is accepted by pinning every quantizer's codes: the fused
     kernels get explicit code nodes for the pinned run, which are found and fed PyTorch's codes (an all-zero group,
     scale 0, included; first output comparison forced to fail)."""
-    from quark_brevitas.export import orchestrate
+    from quark_brevitas.export.onnx import orchestrate
 
     measure = orchestrate.measure
     calls = []

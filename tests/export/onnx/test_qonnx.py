@@ -1,4 +1,4 @@
-"""Tests of quark_brevitas.export.qonnx: QONNX files written by Brevitas and executed by the qonnx package.
+"""Tests of quark_brevitas.export.onnx.qonnx: QONNX files written by Brevitas and executed by the qonnx package.
 
 Done-when check: the QONNX export of the digits CNN (integer and fp8 formats) executes in qonnx and
 matches PyTorch, as the ONNX QCDQ export does in onnxruntime.
@@ -18,8 +18,8 @@ from torch import nn
 from quark_brevitas import Config, Container, ModelExporter, ModelQuantizer, QLayerConfig, QTensorConfig, QuantType
 from quark_brevitas.cli.digits import example_input
 from quark_brevitas.export import ExportArgumentError, ExportError, ExportMismatchError
-from quark_brevitas.export import qonnx as export_qonnx_mod
-from quark_brevitas.export.qonnx import QONNX_DOMAIN, export_qonnx, max_runtime_ir_version, run_qonnx
+from quark_brevitas.export.onnx import qonnx as export_qonnx_mod
+from quark_brevitas.export.onnx.qonnx import QONNX_DOMAIN, export_qonnx, max_runtime_ir_version, run_qonnx
 from quark_brevitas.extras import MissingExtraError
 from quark_brevitas.types import QSchemeType, ScaleType
 

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig
-from quark_brevitas.export import qonnx as export_qonnx_mod
-from quark_brevitas.export.qonnx import QONNXExportReport, export_qonnx, max_runtime_ir_version, run_qonnx
+from quark_brevitas.export.onnx import qonnx as export_qonnx_mod
+from quark_brevitas.export.onnx.qonnx import QONNXExportReport, export_qonnx, max_runtime_ir_version, run_qonnx
 
 OLD_IR = onnx.IR_VERSION - 1
 

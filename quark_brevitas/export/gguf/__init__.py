@@ -1,0 +1,28 @@
+"""GGUF files (llama.cpp): the writer, the K-quant packers, the plan check before calibration and the
+tokenizer part.
+
+:mod:`quark_brevitas.export.gguf` was one module before 0.3.0; its names stay importable from
+here (the writer is :mod:`quark_brevitas.export.gguf.writer`)."""
+
+from quark_brevitas.export.gguf.writer import (
+    GGUF_FAMILIES,
+    GGUF_FILE_NAME,
+    GGUF_WEIGHT_TYPES,
+    GGUFFamily,
+    GGUFPlan,
+    GGUFTensor,
+    check_gguf_blocks,
+    check_tokenizer_fits,
+    collect_checked,
+    collect_gguf_tensors,
+    export_gguf,
+    float16_weights,
+    plan_gguf,
+    refuse_activation_quantizers,
+    tokenizer_dir_of,
+    write_gguf,
+)
+
+__all__ = ["GGUF_FAMILIES", "GGUF_FILE_NAME", "GGUF_WEIGHT_TYPES", "GGUFFamily", "GGUFPlan", "GGUFTensor",
+           "check_gguf_blocks", "check_tokenizer_fits", "collect_checked", "collect_gguf_tensors", "export_gguf",
+           "float16_weights", "plan_gguf", "refuse_activation_quantizers", "tokenizer_dir_of", "write_gguf"]
