@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save  # noqa: E402
 from quark_brevitas import Config, QLayerConfig  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.export import export_gguf, export_safetensors, readback  # noqa: E402
-from quark_brevitas.export.gguf.writer import writer as gguf_export  # noqa: E402
+from quark_brevitas.export.gguf import writer as gguf_export  # noqa: E402
 from quark_brevitas.export.readback import ReadBackError  # noqa: E402
 from quark_brevitas.hf import export_streamed  # noqa: E402
 from quark_brevitas.hf.export_streamed import export_gguf_streamed, export_safetensors_streamed  # noqa: E402
@@ -316,7 +316,8 @@ def test_an_onnx_file_changed_on_disk_is_rejected_and_not_moved(small_w8a8, tmp_
     check, when the outputs differ, reads the file too (it ran the graph in memory before, which could accept a
     file whose bytes differ from it). A file that fails is kept as ``m.rejected.onnx``; an earlier ``m.onnx``
     stays."""
-    from quark_brevitas.export import ExportMismatchError, export_onnx_qcdq, orchestrate
+    from quark_brevitas.export import ExportMismatchError, export_onnx_qcdq
+    from quark_brevitas.export.onnx import orchestrate
 
     model, x = small_w8a8
     good = export_onnx_qcdq(model, x, tmp_path / "m.onnx").path

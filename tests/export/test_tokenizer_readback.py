@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 pytest.importorskip("compressed_tensors")
 
-from quark_brevitas.export import export_safetensors, hf_folder  # noqa: E402
+from quark_brevitas.export import export_safetensors  # noqa: E402
+from quark_brevitas.export.hf import folder as hf_folder  # noqa: E402
 from quark_brevitas.export.readback import ReadBackError  # noqa: E402
 from quark_brevitas.hf.export_streamed import export_safetensors_streamed  # noqa: E402
 from quark_brevitas.hf.streaming import load_pretrained_quantized  # noqa: E402
