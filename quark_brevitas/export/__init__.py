@@ -57,7 +57,8 @@ default session drops a ``Relu`` in front of a float8 ``QuantizeLinear`` (``Relu
 exporter writes such a Relu as ``Max(x, 0)`` (:mod:`~quark_brevitas.export.onnx.passes.float8`) and the file
 is right in ``onnxruntime.InferenceSession(path)``.
 
-The package is split by target (``onnx/``, ``hf/``, ``gguf/``) and concept: :mod:`~quark_brevitas.export.errors` (exceptions),
+The package is split by target (``onnx/``, ``hf/``, ``gguf/``) and concept:
+:mod:`~quark_brevitas.export.errors` (exceptions),
 :mod:`~quark_brevitas.export.args` (argument checks), :mod:`~quark_brevitas.export.onnx.orchestrate` (the one
 export procedure every format runs through), :mod:`~quark_brevitas.export.onnx.inspect` (quantizer inspection,
 format checks, opset choice), :mod:`~quark_brevitas.export.onnx.runtime` (onnxruntime sessions),
