@@ -49,6 +49,7 @@ from typing import Any
 
 from quark_brevitas.cli.parser import build_parser
 from quark_brevitas.errors import QuarkBrevitasError
+from quark_brevitas.outputs import FinalPaths
 
 __all__ = ["main", "run_order_lines"]
 
@@ -86,6 +87,7 @@ def _logging_setup(level: int) -> Iterator[None]:
     fmt = "%(asctime)s %(levelname)-7s %(name)s: %(message)s" if level <= logging.DEBUG else \
         "%(asctime)s %(levelname)-7s %(message)s"
     handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
+    handler.addFilter(FinalPaths())  # a path inside a temporary output folder is logged as its final place
     previous_level = root.level
     root.addHandler(handler)
     root.setLevel(level)

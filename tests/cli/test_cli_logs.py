@@ -66,3 +66,15 @@ def test_each_stage_is_logged_once_when_the_checkpoint_is_reloaded(llama_folder:
     assert main(["-v", *args, "--output", str(tmp_path / "verbose")]) == 0
     debug = [line for line in capsys.readouterr().err.splitlines() if " DEBUG " in line]
     assert sum("Applying Pre-Processing" in line for line in debug) >= 2, debug  # the reloads, at DEBUG
+
+
+def test_the_digits_run_logs_its_final_paths_not_the_temporary_folder(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """README's first command logged ``exported .quark_brevitas_output.partial-xxxx/digits_quant.onnx``: the ONNX
+    exporter names the file it wrote, inside the temporary folder the run is moved from. Every record through the
+    command line's handler now names the final folder."""
+    out = tmp_path / "out"
+    assert main(["quantize", "--output", str(out), "--epochs", "2"]) == 0
+    err = capsys.readouterr().err
+    assert ".partial-" not in err, [line for line in err.splitlines() if ".partial-" in line]
+    assert f"exported {out / 'digits_quant.onnx'}" in err
