@@ -48,8 +48,8 @@ try:
 except ImportError:  # Windows: no flock; the probe write still runs, the lock is not taken
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["MARKER_FILE", "OVERWRITE_HINT", "FinalPaths", "OutputBusyError", "OutputError", "OutputNotWritableError",
-           "add_file", "add_folder", "check_output_dir", "commit", "file_sha256", "foreign_entries", "lock_path",
+__all__ = ["MARKER_FILE", "OVERWRITE_HINT", "OutputBusyError", "OutputError", "OutputNotWritableError", "add_file",
+           "add_folder", "check_output_dir", "commit", "file_sha256", "final_paths", "foreign_entries", "lock_path",
            "open_work_dir", "output_dir", "reserve", "work_dir", "write_file"]
 
 logger = logging.getLogger(__name__)
@@ -109,32 +109,21 @@ def _make_temp_dir(parent: Path, prefix: str, suffix: str = "") -> Path:
     return work
 
 
-#: Temporary folders being filled -> the folder each becomes when it is moved into place (see :class:`FinalPaths`).
+#: Temporary folders being filled -> the folder each becomes when it is moved into place.
 _PENDING: dict[str, str] = {}
 
 
-class FinalPaths(logging.Filter):
-    """Makes log records name the folder the user asked for, not the temporary sibling it is written in.
-
-    Writers deep inside a run (the ONNX exporter, a GGUF writer) log the path they wrote, which is inside the
-    ``.NAME.partial-xxxx`` folder of :func:`output_dir` until the run moves it into place; a user reading the log
-    would look for a folder that no longer exists. The command line's handler carries this filter, so every record
-    passing through it has those prefixes replaced by the final folder, whichever module logged it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if _PENDING:
-            message = record.getMessage()
-            rewritten = message
-            for work in sorted(_PENDING, key=len, reverse=True):  # the absolute spelling before the relative one
-                rewritten = rewritten.replace(work, _PENDING[work])
-            if rewritten != message:
-                record.msg, record.args = rewritten, None
-        return True
+def final_paths(message: str) -> str:
+    """``message`` with every temporary output folder being filled named as the folder it will become: writers deep
+    inside a run log the paths they wrote, which a user would look for after the run has moved them into place
+    (the command line's log handler applies this to every record)."""
+    for work in sorted(_PENDING, key=len, reverse=True):  # the absolute spelling before the relative one
+        message = message.replace(work, _PENDING[work])
+    return message
 
 
 @contextlib.contextmanager
 def _pending(work: Path, directory: Path) -> Iterator[None]:
-    """While ``work`` is being filled, log records name ``directory`` instead (:class:`FinalPaths`)."""
     spellings = {str(work): str(directory), str(work.resolve()): str(directory.resolve())}
     _PENDING.update(spellings)
     try:

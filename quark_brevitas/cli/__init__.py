@@ -49,7 +49,7 @@ from typing import Any
 
 from quark_brevitas.cli.parser import build_parser
 from quark_brevitas.errors import QuarkBrevitasError
-from quark_brevitas.outputs import FinalPaths
+from quark_brevitas.outputs import final_paths
 
 __all__ = ["main", "run_order_lines"]
 
@@ -75,6 +75,18 @@ def _command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
     return getattr(importlib.import_module(module_name), attribute)
 
 
+class _FinalPaths(logging.Filter):
+    """Every record names the output folder the user asked for, not the temporary sibling a run is written in
+    (the ONNX exporter logs the file it wrote there): :func:`quark_brevitas.outputs.final_paths`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        rewritten = final_paths(message)
+        if rewritten != message:
+            record.msg, record.args = rewritten, None
+        return True
+
+
 #: Loggers of libraries that log routine progress at INFO.
 _CHATTY_LIBRARIES = ("gguf", "gguf.gguf_writer")
 
@@ -87,7 +99,7 @@ def _logging_setup(level: int) -> Iterator[None]:
     fmt = "%(asctime)s %(levelname)-7s %(name)s: %(message)s" if level <= logging.DEBUG else \
         "%(asctime)s %(levelname)-7s %(message)s"
     handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
-    handler.addFilter(FinalPaths())  # a path inside a temporary output folder is logged as its final place
+    handler.addFilter(_FinalPaths())  # a path inside a temporary output folder is logged as its final place
     previous_level = root.level
     root.addHandler(handler)
     root.setLevel(level)
