@@ -20,7 +20,7 @@ from torch import nn
 
 from quark_brevitas.export.errors import ExportError
 
-__all__ = ["add_tokenizer", "check_tokenizer_fits", "tokenizer_dir_of"]
+__all__ = ["add_tokenizer", "check_tokenizer_fits", "read_tokenizer_json", "tokenizer_dir_of"]
 
 logger = logging.getLogger("quark_brevitas.export.gguf.writer")
 
@@ -54,13 +54,14 @@ def _special_ids(path: Path, vocab: dict[str, int]) -> dict[str, int]:
     return found
 
 
-def _read_bpe_tokenizer(path: Path) -> tuple[dict[str, Any], dict[str, int], set[int]]:
-    """``tokenizer.json``'s BPE model, its vocabulary with the added tokens (token -> id) and the special ids."""
+def read_tokenizer_json(path: Path, model_type: str, holds: str) -> tuple[dict[str, Any], dict[str, int], set[int]]:
+    """``tokenizer.json``'s model (which must be of ``model_type``, else an :class:`ExportError` ending in
+    ``holds``: what the GGUF file can hold), its vocabulary with the added tokens (token -> id) and the special
+    ids. The BPE writer here and the WordPiece one of :mod:`~quark_brevitas.export.gguf.bert` both read it."""
     data = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
     model = data.get("model", {})
-    if model.get("type") != "BPE":
-        raise ExportError(f"tokenizer {str(path / 'tokenizer.json')!r} is a {model.get('type')} model; GGUF export "
-                          "writes byte-level BPE tokenizers (llama.cpp's 'gpt2' tokenizer)")
+    if model.get("type") != model_type:
+        raise ExportError(f"tokenizer {str(path / 'tokenizer.json')!r} is a {model.get('type')} model; {holds}")
     vocab: dict[str, int] = dict(model["vocab"])
     special = set()
     for added in data.get("added_tokens", []):
@@ -68,6 +69,11 @@ def _read_bpe_tokenizer(path: Path) -> tuple[dict[str, Any], dict[str, int], set
         if added.get("special"):
             special.add(added["id"])
     return model, vocab, special
+
+
+def _read_bpe_tokenizer(path: Path) -> tuple[dict[str, Any], dict[str, int], set[int]]:
+    return read_tokenizer_json(path, "BPE", "GGUF export writes byte-level BPE tokenizers (llama.cpp's 'gpt2' "
+                                            "tokenizer)")
 
 
 def check_tokenizer_fits(path: str | os.PathLike[str], vocab_size: int | None) -> int:
