@@ -75,14 +75,17 @@ def k_quant_bits_per_weight(path: Path) -> float:
     return bits / elements
 
 
-def llama_cpp_quantize(source: Path, out: Path, ftype: int, ggml_type: int | None) -> Path:
+def llama_cpp_quantize(source: Path, out: Path, ftype: int, ggml_type: int | None = None, *,
+                       embedding_f32: bool = True) -> Path:
     """llama.cpp's own quantizer (``llama_model_quantize``) of ``source`` at ``ftype``: with ``ggml_type``, every
-    tensor at that type (``pure``), else its mix's own per-tensor rules; the token embedding kept F32 as in ours."""
+    tensor at that type (``pure``), else its mix's own per-tensor rules; the token embedding kept F32 as in our
+    decoder files (``embedding_f32``), or typed by llama.cpp's rules (our BERT mixes quantize it as llama.cpp does)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
-    params.token_embedding_type = GGML_F32
+    if embedding_f32:
+        params.token_embedding_type = GGML_F32
     params.pure = ggml_type is not None
     if ggml_type is not None:
         params.output_tensor_type = ggml_type

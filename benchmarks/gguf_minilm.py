@@ -21,7 +21,6 @@ most half of llama.cpp's own at each mix, file within 1 % of its size.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import logging
 import os
@@ -36,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.gguf_kquants import llama_cpp_quantize  # noqa: E402
 from benchmarks.sentences import CALIBRATION, HELD_OUT  # noqa: E402
 from benchmarks.tables import format_table  # noqa: E402
 
@@ -69,20 +69,6 @@ def _recipes() -> dict[str, Callable[[Any], Any]]:
             "GPTQ mse": algo(GPTQConfig(damp_percent=0.01, desc_act=True), mse=True),
             "Qronos": algo(QronosConfig()),
             "AutoRound": algo(AutoRoundConfig(iters=200, batch_size=8))}
-
-
-def llama_cpp_quantize(source: Path, out: Path, ftype: int) -> Path:
-    """llama.cpp's own quantizer at ``ftype`` with its default per-tensor rules."""
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.nthread = 1
-    out.parent.mkdir(parents=True, exist_ok=True)
-    status = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
-    if status != 0:
-        raise RuntimeError(f"llama_model_quantize returned {status}")
-    return out
 
 
 def llama_cpp_embeddings(path: Path, sentences: Sequence[str]) -> np.ndarray:
@@ -160,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     measure("float (our F32 file)", "F32", float_file)
     for preset in args.mixes.split(","):
         qtype, ftype = MIXES[preset]
-        theirs = llama_cpp_quantize(float_file, work / f"llamacpp_{qtype}" / "model.gguf", ftype)
+        theirs = llama_cpp_quantize(float_file, work / f"llamacpp_{qtype}" / "model.gguf", ftype,
+                                    embedding_f32=False)  # llama.cpp's default rules, as our BERT mix
         errors[qtype] = {"llama.cpp quantize": measure("llama.cpp quantize", qtype, theirs)}
         for recipe in args.recipes.split(","):
             config = recipes[recipe](get_preset(preset, fresh().config))
