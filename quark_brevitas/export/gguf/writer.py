@@ -17,9 +17,11 @@ number: ``scale_type=gguf_k`` (presets ``gguf_q6_k`` / ``gguf_q3_k``) makes them
 256 the grid of the 32-channel type llama.cpp falls back to (:mod:`quark_brevitas.export.gguf.kquants`).
 
 Families: Llama, Mistral, Qwen2 and GPT-2 (whose Conv1D weights, stored ``[in, out]``, are written ``[out, in]`` as
-llama.cpp's converter writes them). A head tied to the embedding is written as its own tensor (``output``), with
-its quantized weight. A model GGUF cannot hold (another weight format, quantized activations, a layer with no GGUF
-tensor, a model family transformers' GGUF loader does not read) raises one :class:`ExportError` naming the layer
+llama.cpp's converter writes them), issue 30's families and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE
+(experts stacked as llama.cpp stores them: :mod:`quark_brevitas.export.gguf.experts`). A head tied to the
+embedding is written as its own tensor (``output``), with its quantized weight. A model GGUF cannot hold (another
+weight format, quantized activations, a layer with no GGUF tensor, a family llama.cpp's graph does not compute as
+configured) raises one :class:`ExportError` naming the layer
 and what fits.
 The output folder is written through :mod:`quark_brevitas.outputs` (complete or untouched).
 """
@@ -390,7 +392,7 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
 
     Args:
         quant_model: A weight-only quantized Hugging Face decoder (Llama incl. 3.x, Mistral, Qwen2, Qwen3, Gemma 2,
-            Gemma 3 text, Phi-3, GPT-2) whose quantized
+            Gemma 3 text, Phi-3, GPT-2; Mixtral, Qwen2-MoE, Qwen3-MoE with unfused experts) whose quantized
             Linear weights are int8/int4 symmetric or uint4 asymmetric per group of 32 with float16 scales
             (presets ``gguf_q8_0``, ``gguf_q4_0``, ``gguf_q4_1``; GPTQ/AWQ may choose the codes). GPT-2's
             projections are Conv1D layers, which the presets do not quantize: give ``"Conv1D"`` the preset's layer
