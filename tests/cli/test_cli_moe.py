@@ -83,3 +83,38 @@ def test_the_gguf_of_a_moe_folder_holds_every_experts_codes(mixtral: dict[str, P
             for expert_index, expert in enumerate(block.mlp.experts):
                 expected = getattr(expert, f"{proj}_proj").quant_weight().value.detach().numpy()
                 assert np.array_equal(decoded[expert_index], expected), (index, proj, expert_index)
+
+
+#: The consumer: transformers (and compressed-tensors) in a fresh process that cannot import quark_brevitas.
+_CT_LOAD = """
+    for folder in sys.argv[3:]:
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        result["experts"] = type(model.model.layers[0].mlp.experts).__name__
+        with torch.no_grad():
+            result["logits"] = model(tokens).logits
+"""
+
+
+@pytest.mark.slow
+def test_the_compressed_tensors_folder_of_a_moe_folder_reloads_with_our_logits(mixtral: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """``--export compressed-tensors`` of the Mixtral folder (block by block; experts under Mixtral's checkpoint
+    names): transformers in a fresh process fuses them back and computes the quantized checkpoint's logits."""
+    import sys
+
+    import transformers
+    from helpers.consumer import run_consumer
+
+    out = tmp_path / "ct"
+    calib = mixtral["folder"].parent / "calib.txt"
+    assert main(["quantize", "--model", str(mixtral["folder"]), "--calib-text", str(calib), "--output", str(out),
+                 "--preset", "w4_weight_only", "--export", "compressed-tensors", *FAST]) == 0
+    quant = load_pretrained_quantized(out)
+    assert all(type(e.down_proj).__name__ == "QuantLinear" for b in quant.model.layers for e in b.mlp.experts)
+    tokens = torch.randint(0, quant.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    site_packages = str(Path(transformers.__file__).resolve().parents[1])
+    theirs = run_consumer(_CT_LOAD, [out / "compressed-tensors"], tokens, tmp_path, python=sys.executable,
+                          pythonpath=site_packages)
+    assert theirs["experts"] == "MixtralExperts"
+    with torch.no_grad():
+        torch.testing.assert_close(theirs["logits"], quant(tokens).logits, rtol=0, atol=1e-5)
