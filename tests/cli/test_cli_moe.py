@@ -85,16 +85,6 @@ def test_the_gguf_of_a_moe_folder_holds_every_experts_codes(mixtral: dict[str, P
                 assert np.array_equal(decoded[expert_index], expected), (index, proj, expert_index)
 
 
-#: The consumer: transformers (and compressed-tensors) in a fresh process that cannot import quark_brevitas.
-_CT_LOAD = """
-    for folder in sys.argv[3:]:
-        model = AutoModelForCausalLM.from_pretrained(folder).eval()
-        result["experts"] = type(model.model.layers[0].mlp.experts).__name__
-        with torch.no_grad():
-            result["logits"] = model(tokens).logits
-"""
-
-
 @pytest.mark.slow
 def test_the_compressed_tensors_folder_of_a_moe_folder_reloads_with_our_logits(mixtral: dict[str, Path],
                                                                               tmp_path: Path) -> None:
@@ -103,7 +93,7 @@ def test_the_compressed_tensors_folder_of_a_moe_folder_reloads_with_our_logits(m
     import sys
 
     import transformers
-    from helpers.consumer import run_consumer
+    from helpers.consumer import MOE_LOGITS, run_consumer
 
     out = tmp_path / "ct"
     calib = mixtral["folder"].parent / "calib.txt"
@@ -113,7 +103,7 @@ def test_the_compressed_tensors_folder_of_a_moe_folder_reloads_with_our_logits(m
     assert all(type(e.down_proj).__name__ == "QuantLinear" for b in quant.model.layers for e in b.mlp.experts)
     tokens = torch.randint(0, quant.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     site_packages = str(Path(transformers.__file__).resolve().parents[1])
-    theirs = run_consumer(_CT_LOAD, [out / "compressed-tensors"], tokens, tmp_path, python=sys.executable,
+    theirs = run_consumer(MOE_LOGITS, [out / "compressed-tensors"], tokens, tmp_path, python=sys.executable,
                           pythonpath=site_packages)
     assert theirs["experts"] == "MixtralExperts"
     with torch.no_grad():

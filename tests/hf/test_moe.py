@@ -159,16 +159,6 @@ def test_moe_calibration_fields_are_checked(field: str, value: object) -> None:
         verify_config(Config(QuantizationConfig(weight=INT4_G32), **{field: value}))
 
 
-#: The consumer: transformers (and compressed-tensors) in a fresh process that cannot import quark_brevitas.
-_CT_LOAD = """
-    for folder in sys.argv[3:]:
-        model = AutoModelForCausalLM.from_pretrained(folder).eval()
-        result["experts"] = type(model.model.layers[0].mlp.experts).__name__
-        with torch.no_grad():
-            result["logits"] = model(tokens).logits
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_family_templates_quantize_generate_and_reload_from_compressed_tensors(family: str,
@@ -178,7 +168,7 @@ def test_moe_family_templates_quantize_generate_and_reload_from_compressed_tenso
     compressed-tensors folder (Mixtral's experts under its checkpoints' ``w1``/``w3``/``w2`` names) loads in
     transformers, in a fresh process that cannot import quark_brevitas, into the fused experts modules with our
     logits."""
-    from helpers.consumer import run_consumer
+    from helpers.consumer import MOE_LOGITS, run_consumer
 
     from quark_brevitas.config.template import LLMTemplate
     from quark_brevitas.export import export_safetensors
@@ -198,7 +188,7 @@ def test_moe_family_templates_quantize_generate_and_reload_from_compressed_tenso
     folder = export_safetensors(quant, tmp_path / family)
     tokens = token_batches(1, batch=1, length=16, seed=9)[0]
     site_packages = str(Path(transformers.__file__).resolve().parents[1])
-    theirs = run_consumer(_CT_LOAD, [folder], tokens, tmp_path, python=sys.executable, pythonpath=site_packages)
+    theirs = run_consumer(MOE_LOGITS, [folder], tokens, tmp_path, python=sys.executable, pythonpath=site_packages)
     assert theirs["experts"].endswith("Experts")  # transformers' fused module, filled from the per-expert tensors
     ours = logits(quant, tokens)
     torch.testing.assert_close(theirs["logits"], ours, rtol=0, atol=1e-5)
