@@ -36,7 +36,7 @@ from torch import nn
 from quark_brevitas.export.errors import ExportError
 
 __all__ = ["MOE_FAMILIES", "ExpertStacks", "add_moe_metadata", "check_moe_config", "fused_expert_tensors",
-           "squeeze_shared_gate"]
+           "refuse_quantized_router", "squeeze_shared_gate"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,16 @@ def add_moe_metadata(writer: Any, config: Any, family_name: str) -> None:
         writer.add_expert_feed_forward_length(int(config.moe_intermediate_size))
     if family_name == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(int(config.shared_expert_intermediate_size))
+
+
+def refuse_quantized_router(name: str, layer: str) -> None:
+    """A quantized router (Qwen2-MoE's ``shared_expert_gate`` is a Linear layer the gguf_* presets quantize) has no
+    place in a llama.cpp file: its converter keeps ``ffn_gate_inp*`` in F32 (the shared gate a vector), and
+    transformers' loader reshapes the shared gate as such."""
+    if ".ffn_gate_inp" in name:
+        raise ExportError(f"layer '{layer}' is quantized, but llama.cpp's router tensor '{name}' is float (F32): "
+                          f"keep the router in float (exclude '{layer}', or '*shared_expert_gate' as the qwen2_moe "
+                          "template does)")
 
 
 def squeeze_shared_gate(name: str, data: np.ndarray) -> np.ndarray:

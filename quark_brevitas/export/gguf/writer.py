@@ -49,6 +49,7 @@ from quark_brevitas.export.gguf.experts import (
     add_moe_metadata,
     check_moe_config,
     fused_expert_tensors,
+    refuse_quantized_router,
     squeeze_shared_gate,
 )
 from quark_brevitas.export.gguf.families import add_family_metadata, rope_freqs, rope_theta
@@ -337,6 +338,7 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
         name = _required_name(name_map, hf_name, family, layer in weights)
         rows_heads = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else None
         if layer in weights and leaf == "weight":
+            refuse_quantized_router(name, prefix + layer)
             entry = weights[layer]
             qtype = gguf_type(prefix + layer, entry, is_kquant_layer(model.get_submodule(layer)))
             if qtype in KQUANT_FALLBACK and entry.int_weight.shape[1] % KQUANT_SUPER_BLOCK:

@@ -161,6 +161,22 @@ def test_experts_of_one_projection_quantized_to_two_types_are_refused(tmp_path: 
         export_gguf(quant, tmp_path / "out")
 
 
+def test_a_quantized_router_is_refused(tmp_path: Path) -> None:
+    """The gguf_* presets quantize every Linear layer, Qwen2-MoE's shared-expert gate too; llama.cpp's router
+    tensors are float, so the layer is named with the exclude that keeps it float, by the plan check before
+    calibration and by the writer."""
+    model = build_moe("qwen2_moe")
+    unfuse_experts(model)
+    config = get_preset("gguf_q8_0")
+    config.exclude = ["lm_head"]
+    refusal = r"model.layers.0.mlp.shared_expert_gate' is quantized.*ffn_gate_inp_shexp"
+    with pytest.raises(ExportError, match=refusal):  # before calibration, as quantize --export gguf checks it
+        check_gguf_plan(ModelQuantizer(config).plan(model), model, model.config, None)
+    quant = ModelQuantizer(config).quantize_model(model)
+    with pytest.raises(ExportError, match=refusal):
+        export_gguf(quant, tmp_path / "out")
+
+
 def test_fused_float_experts_are_written_as_float_stacks(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A model whose experts were not unfused (transformers' fused 3-D parameters, float): its F16 file holds the
     stacks in F16 (gate_up_proj split into gate and up) with a warning that they are not quantized, and
