@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark_brevitas.blocks.disk import register_skeleton_conversion
 from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,11 @@ def unfuse_experts(model: nn.Module) -> int:
         setattr(parent, child, UnfusedExperts(experts))
         count += 1
     return count
+
+
+# A model folder quantized, evaluated or rebuilt block by block (the command line's --model) has its experts unfused
+# as a model given to the API after unfuse_experts: every expert quantized with scales of its own.
+register_skeleton_conversion(unfuse_experts)
 
 
 def expert_coverage(model: nn.Module) -> dict[str, list[int]]:

@@ -48,12 +48,14 @@ def _try_layer(name: str, layer_config: Any, width: int) -> None:
 def check_gguf_plan(rows: list[Any], skeleton: nn.Module, hf_config: Any,
                     tokenizer_dir: str | os.PathLike[str] | None) -> None:
     """Raise the :class:`ExportError` the GGUF export of this plan would raise at its end, now: a family GGUF does
-    not hold, a layer with quantized activations or a weight layout no GGUF type holds (named), a tokenizer with ids
+    not hold, a layer with quantized activations or a weight layout no GGUF type holds (named), a quantized MoE
+    router, a tokenizer with ids
     beyond the embedding. ``rows``: ``ModelQuantizer(config).plan(skeleton)``; ``skeleton``: the model, on the
     ``meta`` device (no weights needed); ``tokenizer_dir``: the tokenizer folder that will be written with it."""
+    from quark_brevitas.export.gguf.experts import refuse_quantized_router
     from quark_brevitas.export.gguf.writer import check_tokenizer_fits, plan_gguf
 
-    plan_gguf(hf_config, None, None)
+    plan = plan_gguf(hf_config, None, None)
     tried: dict[tuple[str, int], None] = {}
     for row in rows:
         layer = row.layer_config
@@ -66,6 +68,7 @@ def check_gguf_plan(rows: list[Any], skeleton: nn.Module, hf_config: Any,
         width = input_width(skeleton.get_submodule(row.name))
         if layer.weight is None or width is None:
             continue
+        refuse_quantized_router(str(plan.name_map.get_name(row.name)), row.name)
         key = (repr(layer.weight), width)
         if key not in tried:
             _try_layer(row.name, layer, width)
