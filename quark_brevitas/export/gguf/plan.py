@@ -53,7 +53,7 @@ def check_gguf_plan(rows: list[Any], skeleton: nn.Module, hf_config: Any,
     ``meta`` device (no weights needed); ``tokenizer_dir``: the tokenizer folder that will be written with it."""
     from quark_brevitas.export.gguf.writer import check_tokenizer_fits, plan_gguf
 
-    plan_gguf(hf_config, None, None)
+    plan = plan_gguf(hf_config, None, None)
     tried: dict[tuple[str, int], None] = {}
     for row in rows:
         layer = row.layer_config
@@ -71,4 +71,5 @@ def check_gguf_plan(rows: list[Any], skeleton: nn.Module, hf_config: Any,
             _try_layer(row.name, layer, width)
             tried[key] = None
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
-        check_tokenizer_fits(tokenizer_dir, getattr(hf_config, "vocab_size", None))
+        check_tokenizer_fits(tokenizer_dir, getattr(hf_config, "vocab_size", None),
+                             wordpiece=plan.family.metadata == "bert")

@@ -185,3 +185,24 @@ def test_mix_block_types_put_each_groups_largest_magnitude_weight_on_the_lowest_
     tensor = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.0.attn_q.weight"]
     assert tensor.tensor_type.name == qtype
     assert np.array_equal(gguf.quants.dequantize(tensor.data, tensor.tensor_type), expected.numpy())
+
+
+@pytest.mark.slow
+def test_cli_quantizes_minilm_with_the_q4_k_m_preset_to_a_gguf_file_llama_cpp_embeds_with(tmp_path: Path) -> None:
+    """``quark-brevitas quantize --model <BERT folder> --preset gguf_q4_k_m --export gguf``: the early tokenizer check
+    takes the WordPiece tokenizer a BERT GGUF holds (it accepted byte-level BPE only, refusing before quantizing)."""
+    from quark_brevitas.cli import main
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(SENTENCES * 4) + "\n")
+    out = tmp_path / "out"
+    assert main(["quantize", "--model", str(FOLDER), "--calib-text", str(calib), "--output", str(out),
+                 "--seq-len", "16", "--batch-size", "2", "--calib-sequences", "4", "--eval-sequences", "2",
+                 "--preset", "gguf_q4_k_m",
+                 "--export", "gguf"]) == 0
+    path = out / "gguf" / "model.gguf"
+    types = set(_types(path).values())
+    assert {"Q5_0", "Q4_K", "Q6_K", "Q8_0"} <= types
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the extra [llamacpp])")
+    runner = llama_cpp.Llama(model_path=str(path), embedding=True, n_ctx=64, n_threads=1, verbose=False)
+    assert np.isfinite(runner.embed(SENTENCES[0])).all()
