@@ -88,7 +88,8 @@ def _recipes() -> dict[str, Callable[[Any], Any]]:
             "GPTQ": algo(GPTQConfig(damp_percent=0.01, desc_act=True)),
             "GPTQ mse": algo(GPTQConfig(damp_percent=0.01, desc_act=True), mse=True),
             "Qronos": algo(QronosConfig()),
-            "AutoRound": algo(AutoRoundConfig(iters=200, batch_size=8))}
+            "AutoRound": algo(AutoRoundConfig(iters=200, batch_size=8)),
+            "AutoRound mse clip": algo(AutoRoundConfig(iters=200, batch_size=8, clip_init="mse"))}
 
 
 def llama_cpp_embeddings(path: Path, sentences: Sequence[str]) -> np.ndarray:
