@@ -43,6 +43,9 @@ from benchmarks.gguf_kquants import llama_cpp_quantize  # noqa: E402
 from benchmarks.sentences import CALIBRATION, HELD_OUT  # noqa: E402
 from benchmarks.tables import format_table  # noqa: E402
 
+#: First lines of the standard library's docstrings (:func:`benchmarks.llm.sentences`) calibrating beside the 64
+#: topic sentences.
+DOCSTRING_LINES = 128
 #: mix preset -> (llama.cpp's name, its ftype).
 MIXES = {"gguf_q4_k_m": ("Q4_K_M", 15), "gguf_q3_k_m": ("Q3_K_M", 12)}
 
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", default=",".join(recipes), help="comma-separated, of: " + ", ".join(recipes))
     parser.add_argument("--mixes", default=",".join(MIXES), help="comma-separated presets")
+    parser.add_argument("--docstring-lines", type=int, default=DOCSTRING_LINES,
+                        help="calibration lines of benchmarks.llm.sentences added to the 64 calibration sentences")
     args = parser.parse_args(argv)
     if llamacpp.missing() is not None:
         sys.exit(f"this benchmark needs llama.cpp: {llamacpp.missing()}")
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reference = float_embeddings(fresh(), tokenizer, HELD_OUT)
     reference_nn = nearest_neighbours(reference)
-    calibration = calibration_batches(tokenizer, [*CALIBRATION, *docstring_sentences()[0]])
+    calibration = calibration_batches(tokenizer, [*CALIBRATION, *docstring_sentences(args.docstring_lines)[0]])
     tokens = sum(int(batch["attention_mask"].sum()) for batch in calibration)
     print(f"calibration: {tokens} tokens in {sum(len(batch['input_ids']) for batch in calibration)} sentences",
           file=sys.stderr, flush=True)
