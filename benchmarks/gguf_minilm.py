@@ -25,7 +25,6 @@ most half of llama.cpp's own at each mix, file within 1 % of its size.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -39,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.gguf_kquants import llama_cpp_quantize  # noqa: E402
+from benchmarks.gguf_kquants import llama_cpp_quantize, with_mse_scales  # noqa: E402
 from benchmarks.sentences import CALIBRATION, HELD_OUT  # noqa: E402
 from benchmarks.tables import format_table  # noqa: E402
 
@@ -48,18 +47,6 @@ from benchmarks.tables import format_table  # noqa: E402
 DOCSTRING_LINES = 128
 #: mix preset -> (llama.cpp's name, its ftype).
 MIXES = {"gguf_q4_k_m": ("Q4_K_M", 15), "gguf_q3_k_m": ("Q3_K_M", 12)}
-
-
-def _with_mse_scales(config: Any) -> Any:
-    """MSE-searched scales where the grid has one to search (not the signed Q5_0 / Q4_0 scale, ``gguf_0``)."""
-    from quark_brevitas import QLayerConfig
-    from quark_brevitas.types import ParamType, ScaleType
-
-    for level in (config.layer_type_quant_config, config.layer_quant_config):
-        for key, layer in level.items():
-            if layer.weight.scale_type is not ScaleType.gguf_0:
-                level[key] = QLayerConfig(weight=dataclasses.replace(layer.weight, param_type=ParamType.mse))
-    return config
 
 
 def calibration_batches(tokenizer: Any, sentences: Sequence[str], batch: int = 16) -> list[dict[str, torch.Tensor]]:
@@ -84,7 +71,7 @@ def _recipes() -> dict[str, Callable[[Any], Any]]:
     def algo(*algorithms: Any, mse: bool = False) -> Callable[[Any], Any]:
         def change(config: Any) -> Any:
             config.algo_config = list(algorithms)
-            return _with_mse_scales(config) if mse else config
+            return with_mse_scales(config) if mse else config
         return change
 
     return {"RTN": algo(), "RTN mse": algo(mse=True),
