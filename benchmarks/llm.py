@@ -145,11 +145,12 @@ def windows(ids: torch.Tensor, count: int, batch: int, seq: int = SEQ) -> list[d
     return [{"input_ids": chunk} for chunk in rows.split(batch)]
 
 
-def sentences() -> tuple[list[str], list[str]]:
-    """(calibration, held-out) English sentences: first lines of docstrings, from the two ends of the corpus."""
+def sentences(calibration: int = 128) -> tuple[list[str], list[str]]:
+    """(calibration, held-out) English sentences: first lines of docstrings, from the two ends of the corpus (the
+    first ``calibration``, the last 256; about 9000 lines in all)."""
     lines = [doc.split("\n", 1)[0].strip() for doc in corpus_text().split("\n\n")]
     lines = [line for line in dict.fromkeys(lines) if 30 <= len(line) <= 200 and line[0].isupper()]
-    return lines[:128], lines[-256:]
+    return lines[:min(calibration, len(lines) - 256)], lines[-256:]
 
 
 # ===================================================================== models

@@ -126,7 +126,7 @@ SUPPORTED_QUANTIZERS: tuple[QuantizerKey, ...] = (
 #: Integer bias widths (Brevitas's Int8/16/24/32 bias quantizers).
 BIAS_BIT_WIDTHS = (8, 16, 24, 32)
 #: Scale types the translation table honours (the other ScaleType members are Quark's, without a Brevitas rule).
-SUPPORTED_SCALE_TYPES = (ScaleType.float, ScaleType.pof2, ScaleType.float16, ScaleType.gguf_k)
+SUPPORTED_SCALE_TYPES = (ScaleType.float, ScaleType.pof2, ScaleType.float16, ScaleType.gguf_k, ScaleType.gguf_0)
 #: Significant bits of a float16 number (10 stored mantissa bits and the implicit one).
 FLOAT16_SIGNIFICANT_BITS = 11
 
@@ -284,6 +284,8 @@ def _verify_options(spec: QuantizationSpec, kind: str, scheme: str, path: str) -
                           "points (the scales GGUF files store); use scale_type=float here")
     if spec.scale_type is ScaleType.gguf_k:
         _verify_kquant(spec, kind, scheme, path)
+    if spec.scale_type is ScaleType.gguf_0:
+        _verify_gguf_0(spec, kind, scheme, path)
     if spec.narrow_range is not None and (kind != "weight" or spec.quant_type is not INT or not spec.symmetric
                                           or scheme == MX):
         raise ConfigError(f"{path}.narrow_range", "only used by symmetric int_quant weights (per_tensor, per_channel, "
@@ -308,6 +310,22 @@ def _verify_kquant(spec: QuantizationSpec, kind: str, scheme: str, path: str) ->
             or kquant is None or spec.group_size != kquant.group_size):
         raise ConfigError(f"{path}.scale_type", f"gguf_k scales are GGUF K-quant super-blocks of weights; allowed: "
                           f"{fits} (presets gguf_q2_k .. gguf_q6_k)")
+
+
+#: Bit widths of ``scale_type=gguf_0`` (GGUF Q4_0 and Q5_0) and its group size.
+GGUF_0_BIT_WIDTHS = (4, 5)
+GGUF_0_GROUP_SIZE = 32
+
+
+def _verify_gguf_0(spec: QuantizationSpec, kind: str, scheme: str, path: str) -> None:
+    """``scale_type=gguf_0``: int4 / int5 symmetric weights per group of 32 on the full code range, scales from
+    the statistic (the signed largest-magnitude weight; an MSE search has no sign to keep)."""
+    if (kind != "weight" or spec.quant_type is not QuantType.int_quant or scheme != PER_GROUP or not spec.symmetric
+            or spec.bit_width not in GGUF_0_BIT_WIDTHS or spec.group_size != GGUF_0_GROUP_SIZE
+            or spec.narrow_range or spec.param_type is not ParamType.stats):
+        raise ConfigError(f"{path}.scale_type", "gguf_0 scales are GGUF Q4_0 / Q5_0 blocks as llama.cpp fills them; "
+                          "allowed: int4 or int5 symmetric per_group group_size=32 weights, narrow_range not True, "
+                          "param_type=stats")
 
 
 def verify_spec(spec: QuantizationSpec, role: str, path: str) -> None:

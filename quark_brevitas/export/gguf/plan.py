@@ -74,4 +74,5 @@ def check_gguf_plan(rows: list[Any], skeleton: nn.Module, hf_config: Any,
             _try_layer(row.name, layer, width)
             tried[key] = None
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
-        check_tokenizer_fits(tokenizer_dir, getattr(hf_config, "vocab_size", None))
+        check_tokenizer_fits(tokenizer_dir, getattr(hf_config, "vocab_size", None),
+                             wordpiece=plan.family.metadata == "bert")
