@@ -24,7 +24,7 @@ import copy
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -40,8 +40,8 @@ from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["blockwise_obstacle", "choose_block_stack", "named_decoder_layers", "prepare_streamed", "quantize_blocks",
-           "run_blocks"]
+__all__ = ["WholeModelQuantizer", "blockwise_obstacle", "choose_block_stack", "named_decoder_layers",
+           "prepare_streamed", "quantize_blocks", "run_blocks"]
 
 
 def _algorithm_name(algo: Any) -> str:
@@ -80,18 +80,18 @@ def choose_block_stack(model: nn.Module, config: Any, blocks: str | bool | None,
     :func:`~quark_brevitas.blocks.stack.detect_block_stack`), ``True`` (detect, and fail if nothing is found),
     ``False`` (whole model), or the qualified name of the ``nn.ModuleList`` of blocks. A named or required stack
     that ``config`` cannot walk is an error."""
-    if blocks is None and not needs_data:
-        return None  # nothing runs on data: the whole model is converted in one step anyway
     stack = resolve_block_stack(model, blocks, named_decoder_layers(config))
     if stack is None:
         return None
+    verb = "calibrate" if needs_data else "quantize"
     obstacle = blockwise_obstacle(config)
     if obstacle is not None:
         if isinstance(blocks, str) or blocks is True:
-            raise ModelError(f"blocks={blocks!r}: cannot calibrate block by block: {obstacle}")
-        logger.info("Calibrating the whole model at once: %s", obstacle)
+            raise ModelError(f"blocks={blocks!r}: cannot {verb} block by block: {obstacle}")
+        logger.info("%s the whole model at once: %s", verb.capitalize()[:-1] + "ing", obstacle)
         return None
-    logger.info("Calibrating block by block (%d blocks in %s)", len(model.get_submodule(stack)), stack)
+    logger.info("%s block by block (%d blocks in %s)", verb.capitalize()[:-1] + "ing",
+                len(model.get_submodule(stack)), stack)
     return stack
 
 
@@ -103,13 +103,30 @@ def _has_submodule(model: nn.Module, name: str) -> bool:
     return True
 
 
-def quantize_blocks(quantizer: UnitQuantizer, model: nn.Module, stack: str, data: CalibrationData | None, *,
-                    inplace: bool, offload: str | os.PathLike[str] | None,
+class WholeModelQuantizer(UnitQuantizer, Protocol):
+    """A :class:`~quark_brevitas.blocks.protocol.UnitQuantizer` that can also take a model without a block stack as
+    its one unit (the pipeline: its stages in list order on the whole model, each algorithm's whole-model path)."""
+
+    def quantize_whole(self, model: nn.Module, data: CalibrationData | None) -> nn.Module:
+        """Every stage of the run on ``model`` at once, fed by ``data`` (``None`` when nothing needs data)."""
+        ...
+
+
+def quantize_blocks(quantizer: WholeModelQuantizer, model: nn.Module, stack: str | None,
+                    data: CalibrationData | None, *, inplace: bool, offload: str | os.PathLike[str] | None,
                     prepare: Callable[[nn.Module], nn.Module] | None = None, prepared_by: str = "") -> nn.Module:
-    """The block-by-block path: ``prepare`` (the data-free steps that need the whole model, named
-    ``prepared_by``) on the whole model (on a copy unless ``inplace``), then the engine; without such steps
-    the blocks of the caller's model are copied one at a time."""
+    """A run of a model in memory (:meth:`~quark_brevitas.pipeline.Pipeline.quantize`, with or without data): on a
+    copy of ``model`` unless ``inplace``, through :func:`run_blocks`.
+
+    With a block stack: ``prepare`` (the data-free steps that need the whole model, named ``prepared_by``) on the
+    whole model, then the engine; without such steps the blocks of the caller's model are copied one at a time.
+    Without one (``stack`` is ``None``: a model that is not made of repeated blocks, ``blocks=False``, or a config
+    that needs the whole model in every pass), the whole model is the one block, and ``prepare`` is not used: the
+    quantizer's whole-model stages run every step in list order."""
     source: BlockSource
+    if stack is None:
+        work = model if inplace else copy.deepcopy(model)
+        return run_blocks(quantizer, work, None, data, BlockSource())  # nothing is cached: ``offload`` has no use
     if inplace or prepare is not None:
         work = model if inplace else copy.deepcopy(model)
         if prepare is not None:
@@ -124,22 +141,42 @@ def quantize_blocks(quantizer: UnitQuantizer, model: nn.Module, stack: str, data
     return run_blocks(quantizer, work, stack, data, source, stores=StoreFactory.for_offload(offload))
 
 
-def run_blocks(quantizer: UnitQuantizer, model: nn.Module, stack: str, data: CalibrationData | None,
+def run_blocks(quantizer: WholeModelQuantizer, model: nn.Module, stack: str | None, data: CalibrationData | None,
                source: BlockSource, *, sink: BlockSink | None = None, stores: StoreFactory | None = None,
                on_block: Callable[[int, int], None] | None = None, start: int = 0,
                hidden: ActivationStore | None = None, on_captured: Callable[[str], None] | None = None) -> nn.Module:
-    """The one block-by-block run: each block of ``stack`` taken from ``source``, quantized by ``quantizer`` on its
+    """The one run of a recipe: each block of ``stack`` taken from ``source``, quantized by ``quantizer`` on its
     cached inputs (from ``data``, kept by ``stores``), handed to ``sink`` (default: kept in the model), then the
     layers outside the blocks; returns the model. ``start``/``hidden``: resume at block ``start`` with its cached
     inputs; ``on_block(index, count)`` after each block; ``on_captured(digest)`` once the first block's inputs are
-    captured. The stores are cleaned up however the run ends."""
+    captured. The stores are cleaned up however the run ends.
+
+    ``stack`` ``None``: the whole model is the one block (the quantizer's
+    :meth:`WholeModelQuantizer.quantize_whole` on ``data`` itself, nothing is cached); only the model's own source
+    and the in-memory sink take it, since a folder's source or a checkpoint sink address the blocks of a stack."""
     stores = stores if stores is not None else StoreFactory()
-    engine = BlockwiseEngine(quantizer, model, stack, data, source, sink=sink, stores=stores, on_block=on_block)
-    engine.on_captured = on_captured
     try:
+        if stack is None:
+            return _run_whole(quantizer, model, data, source, sink, on_block)
+        engine = BlockwiseEngine(quantizer, model, stack, data, source, sink=sink, stores=stores, on_block=on_block)
+        engine.on_captured = on_captured
         return engine.run(start=start, hidden=hidden)
     finally:
         stores.cleanup()
+
+
+def _run_whole(quantizer: WholeModelQuantizer, model: nn.Module, data: CalibrationData | None, source: BlockSource,
+               sink: BlockSink | None, on_block: Callable[[int, int], None] | None) -> nn.Module:
+    """:func:`run_blocks` on a model that is its own one block."""
+    others = [type(part).__name__ for part in (source, sink) if type(part) not in (BlockSource, BlockSink, type(None))]
+    if others:
+        raise ModelError(f"a run without a block stack quantizes the model in memory as one block; {', '.join(others)} "
+                         "takes or writes the blocks of a stack: name the stack (blocks=)")
+    model = quantizer.quantize_whole(source.load(0, model), data)
+    model = source.finish(0, (sink or BlockSink()).finish(0, model))
+    if on_block is not None:
+        on_block(0, 1)
+    return model
 
 
 def prepare_streamed(config: Any, model: nn.Module, stack: str, *,
