@@ -44,9 +44,9 @@ from quark_brevitas.config import Config, verify_config
 from quark_brevitas.config.algorithms import BiasCorrection
 from quark_brevitas.container import Container
 from quark_brevitas.errors import CalibrationDataError, ModelError
-from quark_brevitas.hf.kv_cache import attach_kv_quantizers, finish_kv_calibration, kv_targets
-from quark_brevitas.hf.moe import log_expert_coverage
-from quark_brevitas.hf.moe_calibration import all_expert_calibration
+from quark_brevitas.model_parts.kv_cache import attach_kv_quantizers, finish_kv_calibration, kv_targets
+from quark_brevitas.model_parts.moe import log_expert_coverage
+from quark_brevitas.model_parts.moe_calibration import all_expert_calibration
 from quark_brevitas.orchestration.block_runs import (
     blockwise_obstacle,
     choose_block_stack,
@@ -57,10 +57,21 @@ from quark_brevitas.resolve import Resolver
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CONFIG_ATTRIBUTE", "DataPlan", "Pipeline", "SavedStructure", "restrict_structure"]
+__all__ = ["CONFIG_ATTRIBUTE", "DataPlan", "Pipeline", "SavedStructure", "require_quantized", "restrict_structure"]
 
 #: Attribute under which the pipeline leaves the Config on the quantized model (read by save_quantized).
 CONFIG_ATTRIBUTE = "quark_brevitas_config"
+
+
+def require_quantized(model: Any, function: str) -> nn.Module:
+    """``model`` if it is a model the pipeline quantized (it carries :data:`CONFIG_ATTRIBUTE`; so do the models the
+    checkpoint loaders return), else a :class:`ModelError` naming ``function``."""
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"{function}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, CONFIG_ATTRIBUTE, None) is None:
+        raise ModelError(f"{function}: {type(model).__name__} was not quantized by quark_brevitas (it carries no "
+                         "quark_brevitas config); pass the model ModelQuantizer(config).quantize_model returned")
+    return model
 
 
 

@@ -37,9 +37,9 @@ def _plan_model(args: argparse.Namespace) -> int:
     from quark_brevitas.algorithms import describe_algorithms
     from quark_brevitas.backend import plan_table
     from quark_brevitas.blocks.stack import detect_block_stack
-    from quark_brevitas.hf.kv_cache import kv_plan_lines
     from quark_brevitas.hf.lm import default_llm_config
     from quark_brevitas.hf.streaming import load_skeleton
+    from quark_brevitas.model_parts.kv_cache import kv_plan_lines
 
     if not (Path(args.model) / "config.json").is_file():
         raise CLIError(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
