@@ -37,6 +37,7 @@ from torch import nn
 from quark_brevitas.algorithms import SavedStructure, handler_for
 from quark_brevitas.algorithms.ties import run_untied
 from quark_brevitas.backend import PlannedLayer
+from quark_brevitas.blocks.stack import RUN_STACK, find_block_stack
 from quark_brevitas.brevitas_adapter import current_shard, discard_handed_over_outputs, require_equal_shares
 from quark_brevitas.calibration.data import BatchToInputs, CalibrationData, model_device_dtype
 from quark_brevitas.calibration.threads import threads_per_process
@@ -47,12 +48,7 @@ from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.model_parts.kv_cache import attach_kv_quantizers, finish_kv_calibration, kv_targets
 from quark_brevitas.model_parts.moe import log_expert_coverage
 from quark_brevitas.model_parts.moe_calibration import all_expert_calibration
-from quark_brevitas.orchestration.block_runs import (
-    blockwise_obstacle,
-    choose_block_stack,
-    named_decoder_layers,
-    quantize_blocks,
-)
+from quark_brevitas.orchestration.block_runs import blockwise_obstacle, named_decoder_layers, quantize_blocks
 from quark_brevitas.resolve import Resolver
 
 logger = logging.getLogger(__name__)
@@ -311,8 +307,9 @@ class Pipeline:
         if offload is not None and offload != "disk" and not isinstance(offload, str | os.PathLike):
             raise TypeError(f"offload must be None, 'disk' or a directory path, got {type(offload).__name__}")
         plan = self.prepare(model, calib_loader, batch_to_inputs=batch_to_inputs, distributed=distributed)
-        data, needs_data = plan.data, plan.needs_data
-        stack = choose_block_stack(model, self.config, blocks, needs_data)
+        data = plan.data
+        stack = find_block_stack(model, blocks, self.decoder_layers(), policy=RUN_STACK,
+                                 obstacle=self.blockwise_obstacle())
         start = time.perf_counter()
         with threads_per_process(data.shard if data is not None else None):
             try:

@@ -8,11 +8,11 @@ block-by-block checkpoint), see :mod:`quark_brevitas.blocks.sources`.
 
 :mod:`quark_brevitas.blocks` is the engine (capture, replay, activation stores, block sources, the stack finder)
 and knows nothing of configs or algorithms; :class:`~quark_brevitas.pipeline.Pipeline` keeps the stages. What
-ties a config to the engine lives here: which stack a run walks (:func:`choose_block_stack`, from the user's
-``blocks=`` and the algorithms' ``model_decoder_layers``, through the one finder
-:func:`~quark_brevitas.blocks.stack.find_block_stack`), why a config cannot run block by block
-(:func:`blockwise_obstacle`, asked of the algorithm handlers), the run with the right block source and activation
-stores (:func:`quantize_blocks`) and the data-free steps of a run whose blocks load one at a time
+ties a config to the engine lives here: what the one stack finder
+(:func:`~quark_brevitas.blocks.stack.find_block_stack`) is told of a config (the algorithms' ``model_decoder_layers``,
+:func:`named_decoder_layers`, and why the config cannot run block by block, :func:`blockwise_obstacle`, asked of the
+algorithm handlers), the run with the right block source and activation stores (:func:`quantize_blocks`; a model
+without a block stack is its own one block) and the data-free steps of a run whose blocks load one at a time
 (:func:`prepare_streamed`). The pipeline is reached only through
 :class:`~quark_brevitas.blocks.protocol.UnitQuantizer` and a ``prepare`` callable, so this module does not import
 it (the pipeline imports this one).
@@ -33,15 +33,14 @@ from quark_brevitas.algorithms.ties import run_untied
 from quark_brevitas.blocks.engine import BlockwiseEngine
 from quark_brevitas.blocks.protocol import UnitQuantizer
 from quark_brevitas.blocks.sources import BlockSink, BlockSource, CopiedBlocks, copy_without_blocks
-from quark_brevitas.blocks.stack import resolve_block_stack
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WholeModelQuantizer", "blockwise_obstacle", "choose_block_stack", "named_decoder_layers",
-           "prepare_streamed", "quantize_blocks", "run_blocks"]
+__all__ = ["WholeModelQuantizer", "blockwise_obstacle", "named_decoder_layers", "prepare_streamed", "quantize_blocks",
+           "run_blocks"]
 
 
 def _algorithm_name(algo: Any) -> str:
@@ -71,28 +70,6 @@ def blockwise_obstacle(config: Any) -> str | None:
             return (f"the data-free pre-quantization step {_algorithm_name(algo)} comes after a data-driven one "
                     "(block by block, data-free steps run on the whole model first)")
     return None
-
-
-def choose_block_stack(model: nn.Module, config: Any, blocks: str | bool | None, needs_data: bool) -> str | None:
-    """The block stack for the block-by-block data phase, or ``None`` for the whole-model path.
-
-    ``blocks``: ``None`` (detect: Quark's ``model_decoder_layers`` of an algorithm config if one names it, else
-    :func:`~quark_brevitas.blocks.stack.detect_block_stack`), ``True`` (detect, and fail if nothing is found),
-    ``False`` (whole model), or the qualified name of the ``nn.ModuleList`` of blocks. A named or required stack
-    that ``config`` cannot walk is an error."""
-    stack = resolve_block_stack(model, blocks, named_decoder_layers(config))
-    if stack is None:
-        return None
-    verb = "calibrate" if needs_data else "quantize"
-    obstacle = blockwise_obstacle(config)
-    if obstacle is not None:
-        if isinstance(blocks, str) or blocks is True:
-            raise ModelError(f"blocks={blocks!r}: cannot {verb} block by block: {obstacle}")
-        logger.info("%s the whole model at once: %s", verb.capitalize()[:-1] + "ing", obstacle)
-        return None
-    logger.info("%s block by block (%d blocks in %s)", verb.capitalize()[:-1] + "ing",
-                len(model.get_submodule(stack)), stack)
-    return stack
 
 
 def _has_submodule(model: nn.Module, name: str) -> bool:
@@ -158,6 +135,8 @@ def run_blocks(quantizer: WholeModelQuantizer, model: nn.Module, stack: str | No
     try:
         if stack is None:
             return _run_whole(quantizer, model, data, source, sink, on_block)
+        logger.info("%s block by block (%d blocks in %s)", "Calibrating" if data is not None else "Quantizing",
+                    len(model.get_submodule(stack)), stack)
         engine = BlockwiseEngine(quantizer, model, stack, data, source, sink=sink, stores=stores, on_block=on_block)
         engine.on_captured = on_captured
         return engine.run(start=start, hidden=hidden)
