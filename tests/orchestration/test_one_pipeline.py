@@ -1,8 +1,9 @@
 """One pipeline (issue 28): a model in memory and a Hugging Face folder quantized block by block go through the same
 orchestrator (:func:`quark_brevitas.orchestration.block_runs.run_blocks`, which builds the engine), the same
 checkpoint writer (:class:`quark_brevitas.checkpoint.writer.CheckpointWriter`) and the same export entry
-(:meth:`quark_brevitas.export.registry.ExportFormat.export`); only the block source and sink differ. The results
-are compared bit for bit with the recorded snapshot in ``test_one_pipeline_snapshot.py``."""
+(:meth:`quark_brevitas.export.registry.ExportFormat.export`); only the block source and sink differ. A run without
+calibration data takes the same orchestrator, and a model without a block stack goes through it as its one block.
+The results are compared bit for bit with the recorded snapshot in ``test_one_pipeline_snapshot.py``."""
 
 from __future__ import annotations
 
