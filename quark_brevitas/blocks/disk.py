@@ -25,9 +25,10 @@ from quark_brevitas.blocks.protocol import BlockStep
 from quark_brevitas.blocks.sources import BlockPlaceholder, BlockSource
 from quark_brevitas.errors import CheckpointError
 from quark_brevitas.extras import require
+from quark_brevitas.model_parts.moe import unfuse_experts
 
 __all__ = ["SAFETENSORS_DTYPES", "FolderBlocks", "FolderWeights", "block_file", "load_skeleton", "materialise",
-           "materialise_outside", "meta_parameters", "random_fill", "register_skeleton_conversion",
+           "materialise_outside", "meta_parameters", "random_fill",
            "safetensors_header", "tie_embeddings"]
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -52,9 +53,10 @@ def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
 
 #: Other spellings of a model's tensor names in checkpoints on disk, tried when a folder lacks the name itself:
 #: transformers 5.x renames a checkpoint's tensors as it loads them, and a skeleton whose experts were unfused
-#: (quark_brevitas.hf.moe) names them as the unfused layers do (``mlp.experts.3.gate_proj.weight``), which is the
-#: spelling of Qwen2/3-MoE checkpoints; Mixtral's checkpoints (and ``save_pretrained``'s folders of a Mixtral) say
-#: ``block_sparse_moe`` for the MLP and ``w1`` / ``w3`` / ``w2`` for an expert's gate / up / down projections.
+#: (quark_brevitas.model_parts.moe) names them as the unfused layers do (``mlp.experts.3.gate_proj.weight``), which
+#: is the spelling of Qwen2/3-MoE checkpoints; Mixtral's checkpoints (and ``save_pretrained``'s folders of a
+#: Mixtral) say ``block_sparse_moe`` for the MLP and ``w1`` / ``w3`` / ``w2`` for an expert's gate / up / down
+#: projections.
 _CHECKPOINT_SPELLINGS: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...] = (
     (re.compile(r"\.mlp\.(experts\.\d+)\.(gate_proj|up_proj|down_proj)\."),
      lambda m: f".block_sparse_moe.{m[1]}.{ {'gate_proj': 'w1', 'up_proj': 'w3', 'down_proj': 'w2'}[m[2]]}."),
@@ -153,24 +155,13 @@ def meta_parameters(module: nn.Module, skip: str | None = None) -> list[str]:
 
 
 
-#: Conversions of a skeleton's structure applied by :func:`load_skeleton`, registered by the rooms that own them
-#: (quark_brevitas.hf.moe: unfuse_experts, so that every expert is a layer of its own), in order.
-_SKELETON_CONVERSIONS: list[Callable[[nn.Module], Any]] = []
-
-
-def register_skeleton_conversion(convert: Callable[[nn.Module], Any]) -> None:
-    """Apply ``convert(model)`` (in place, on the ``meta`` device) to every skeleton :func:`load_skeleton` builds,
-    so that the model quantized from a folder, the float model evaluated from it and the model rebuilt from its
-    block-by-block checkpoint have one structure. Registering twice is a no-op."""
-    if convert not in _SKELETON_CONVERSIONS:
-        _SKELETON_CONVERSIONS.append(convert)
-
-
 def load_skeleton(folder: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
     """The model of a Hugging Face folder without its weights (parameters on ``meta``) and its config.
 
-    The class is the config's first ``architectures`` entry (``AutoModel`` if it names none); the registered
-    structure conversions (:func:`register_skeleton_conversion`) are applied to it.
+    The class is the config's first ``architectures`` entry (``AutoModel`` if it names none); fused
+    mixture-of-experts experts are unfused (:func:`quark_brevitas.model_parts.moe.unfuse_experts`), so that the model
+    quantized from a folder, the float model evaluated from it and the model rebuilt from its block-by-block
+    checkpoint have one structure, each expert a layer of its own as for a model given to the API.
     """
     transformers = require("transformers", "a Hugging Face model folder")
     init_empty_weights = require("accelerate", "a Hugging Face model folder").init_empty_weights
@@ -183,8 +174,7 @@ def load_skeleton(folder: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
     model_class = getattr(transformers, architectures[0], None) if architectures else None
     with init_empty_weights():
         model = transformers.AutoModel.from_config(hf_config) if model_class is None else model_class(hf_config)
-    for convert in _SKELETON_CONVERSIONS:
-        convert(model)
+    unfuse_experts(model)
     return model.eval(), hf_config
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from quark_brevitas.config import algorithms
 from quark_brevitas.config.enums import DeviceType, ParamType, QSchemeType, QuantType, ScaleType, ZeroPointType
-from quark_brevitas.config.kquants import KQUANT_BY_BITS, KQUANT_TYPES
+from quark_brevitas.config.kquants import verify_gguf_scales
 from quark_brevitas.config.serialization import check_fields
 from quark_brevitas.config.specs import (
     TENSOR_ROLES,
@@ -282,10 +282,8 @@ def _verify_options(spec: QuantizationSpec, kind: str, scheme: str, path: str) -
                                                  or spec.zero_point_type is ZeroPointType.float32):
         raise ConfigError(f"{path}.scale_type", "float16 scales are supported for integer weights with integer zero "
                           "points (the scales GGUF files store); use scale_type=float here")
-    if spec.scale_type is ScaleType.gguf_k:
-        _verify_kquant(spec, kind, scheme, path)
-    if spec.scale_type is ScaleType.gguf_0:
-        _verify_gguf_0(spec, kind, scheme, path)
+    if spec.scale_type in (ScaleType.gguf_k, ScaleType.gguf_0):
+        verify_gguf_scales(spec, kind, scheme == PER_GROUP, path)
     if spec.narrow_range is not None and (kind != "weight" or spec.quant_type is not INT or not spec.symmetric
                                           or scheme == MX):
         raise ConfigError(f"{path}.narrow_range", "only used by symmetric int_quant weights (per_tensor, per_channel, "
@@ -299,33 +297,6 @@ def _verify_options(spec: QuantizationSpec, kind: str, scheme: str, path: str) -
         if dynamic or scheme == PER_GROUP:
             raise ConfigError(f"{path}.zero_point_type", f"float32 zero points are supported for per_tensor and "
                               f"per_channel weights and static activations, not {scheme} {kind}s; use int32")
-
-
-def _verify_kquant(spec: QuantizationSpec, kind: str, scheme: str, path: str) -> None:
-    """``scale_type=gguf_k``: symmetric integer weights per group of 16 with the bits of a K-quant type."""
-    kquant = KQUANT_BY_BITS.get(spec.bit_width)
-    fits = ", ".join(f"{t.name}: int{t.bit_width} symmetric per_group group_size={t.group_size}"
-                     for t in KQUANT_TYPES.values())
-    if (kind != "weight" or spec.quant_type is not QuantType.int_quant or scheme != PER_GROUP or not spec.symmetric
-            or kquant is None or spec.group_size != kquant.group_size):
-        raise ConfigError(f"{path}.scale_type", f"gguf_k scales are GGUF K-quant super-blocks of weights; allowed: "
-                          f"{fits} (presets gguf_q2_k .. gguf_q6_k)")
-
-
-#: Bit widths of ``scale_type=gguf_0`` (GGUF Q4_0 and Q5_0) and its group size.
-GGUF_0_BIT_WIDTHS = (4, 5)
-GGUF_0_GROUP_SIZE = 32
-
-
-def _verify_gguf_0(spec: QuantizationSpec, kind: str, scheme: str, path: str) -> None:
-    """``scale_type=gguf_0``: int4 / int5 symmetric weights per group of 32 on the full code range, scales from
-    the statistic (the signed largest-magnitude weight; an MSE search has no sign to keep)."""
-    if (kind != "weight" or spec.quant_type is not QuantType.int_quant or scheme != PER_GROUP or not spec.symmetric
-            or spec.bit_width not in GGUF_0_BIT_WIDTHS or spec.group_size != GGUF_0_GROUP_SIZE
-            or spec.narrow_range or spec.param_type is not ParamType.stats):
-        raise ConfigError(f"{path}.scale_type", "gguf_0 scales are GGUF Q4_0 / Q5_0 blocks as llama.cpp fills them; "
-                          "allowed: int4 or int5 symmetric per_group group_size=32 weights, narrow_range not True, "
-                          "param_type=stats")
 
 
 def verify_spec(spec: QuantizationSpec, role: str, path: str) -> None:

@@ -22,8 +22,8 @@ from helpers.llm_models import bpe_tokenizer  # noqa: E402
 from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.cli import main  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
-from quark_brevitas.hf.moe import unfuse_experts  # noqa: E402
 from quark_brevitas.hf.streaming import load_pretrained_quantized  # noqa: E402
+from quark_brevitas.model_parts.moe import unfuse_experts  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ Linear weight; transformers' GGUF loader adds the 1 back). Mixtral is llama.cpp'
 ``expert_count`` / ``expert_used_count``; ``qwen2moe`` and ``qwen3moe`` add ``expert_feed_forward_length`` (and
 ``qwen2moe`` ``expert_shared_feed_forward_length``).
 
-Our quantized experts are :func:`~quark_brevitas.hf.moe.unfuse_experts`'s per-expert Linear layers, each with
+Our quantized experts are :func:`~quark_brevitas.model_parts.moe.unfuse_experts`'s per-expert Linear layers, each with
 scales of its own: each is packed on its own (the writer's block packers, never re-quantized) and the experts of one
 projection are stacked along a new first axis, so the stacked tensor's blocks are the experts' blocks, in order.
 One GGUF tensor has one type: experts of one projection quantized differently are refused by name. Fused experts
@@ -162,7 +162,7 @@ def fused_expert_tensors(local_name: str, param: nn.Parameter, prefix: str) -> l
     if match is None or param.dim() != 3:
         return None
     logger.warning("export_gguf: '%s%s' is a fused experts parameter, written in float (not quantized): call "
-                   "quark_brevitas.hf.moe.unfuse_experts before quantizing to quantize every expert",
+                   "quark_brevitas.model_parts.moe.unfuse_experts before quantizing to quantize every expert",
                    prefix, local_name)
     data = param.detach().float().cpu().numpy()
     if match["param"] == "down_proj":

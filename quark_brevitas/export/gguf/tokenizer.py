@@ -3,9 +3,8 @@
 model's ``vocab_size`` with unused ``[PAD<id>]`` tokens as llama.cpp's converter writes them).
 
 Why its own module: it is one concept (the vocabulary), checked before calibration by
-:mod:`quark_brevitas.export.gguf.plan` and written by :mod:`quark_brevitas.export.gguf.writer`, and it does not
-depend on
-how the weights are packed.
+:func:`quark_brevitas.hf.plan_checks.check_gguf_plan` and written by :mod:`quark_brevitas.export.gguf.writer`, and it
+does not depend on how the weights are packed.
 """
 
 from __future__ import annotations

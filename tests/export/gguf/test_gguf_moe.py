@@ -21,8 +21,8 @@ from helpers.llm_models import bpe_tokenizer, token_batches  # noqa: E402
 from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.export import ExportError, export_gguf  # noqa: E402
-from quark_brevitas.export.gguf.plan import check_gguf_plan  # noqa: E402
-from quark_brevitas.hf.moe import unfuse_experts  # noqa: E402
+from quark_brevitas.hf.plan_checks import check_gguf_plan  # noqa: E402
+from quark_brevitas.model_parts.moe import unfuse_experts  # noqa: E402
 
 ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 #: llama.cpp's graph renormalises the top-k weights for qwen3moe (transformers' Qwen3MoeConfig default is False).

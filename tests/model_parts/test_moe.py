@@ -21,7 +21,7 @@ from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.config import Config, QuantizationConfig, QuantizationSpec, verify_config  # noqa: E402
 from quark_brevitas.config.algorithms import GPTQConfig  # noqa: E402
 from quark_brevitas.errors import ConfigError  # noqa: E402
-from quark_brevitas.hf.moe import UnfusedExperts, unfuse_experts  # noqa: E402
+from quark_brevitas.model_parts.moe import UnfusedExperts, unfuse_experts  # noqa: E402
 
 
 def _build(family: str) -> torch.nn.Module:
@@ -50,7 +50,7 @@ def test_every_expert_is_quantized_block_by_block_and_coverage_is_logged(family:
     # Routers stay in float (Mixtral's is not a Linear layer; Qwen2-MoE's shared-expert gate is, so it is excluded).
     exclude = ("lm_head", "*shared_expert_gate") if family == "qwen2_moe" else ("lm_head",)
     config = weight_only_config(INT4_G32, GPTQConfig(), exclude=exclude)
-    with caplog.at_level(logging.INFO, logger="quark_brevitas.hf.moe"):
+    with caplog.at_level(logging.INFO, logger="quark_brevitas.model_parts.moe"):
         quant = ModelQuantizer(config).quantize_model(model, token_batches(4), blocks=True)
     lines = [r.getMessage() for r in caplog.records if "token routings per expert" in r.getMessage()]
     assert [line.split(":")[0] for line in lines] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
@@ -109,7 +109,7 @@ def test_all_expert_calibration_gives_an_unrouted_expert_gptq_weights(caplog: py
     batches = token_batches(4)
     tokens_per_block = sum(int(b.numel()) for b in batches)
     config = weight_only_config(INT4_G32, GPTQConfig(), exclude=("lm_head",))
-    with caplog.at_level(logging.INFO, logger="quark_brevitas.hf.moe"):
+    with caplog.at_level(logging.INFO, logger="quark_brevitas.model_parts.moe"):
         quant = ModelQuantizer(config).quantize_model(model, batches, blocks=True)
     lines = _coverage_lines(caplog)
     assert len(lines) == 2
@@ -146,7 +146,7 @@ def test_all_expert_calibration_calibrates_an_unrouted_experts_input_range(caplo
         assert scales[3] >= max(scales[:3]) * 0.999, scales
         assert scales[3] == float(block.mlp.experts[3].up_proj.input_quant.scale())
     off = Config(spec, pre_quant_opt_config=[], exclude=["lm_head"], moe_calibrate_all_experts=False)
-    with caplog.at_level(logging.INFO, logger="quark_brevitas.hf.moe"):
+    with caplog.at_level(logging.INFO, logger="quark_brevitas.model_parts.moe"):
         ModelQuantizer(off).quantize_model(model, token_batches(4), blocks=True)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("experts [3] saw no calibration token" in w for w in warnings), warnings
