@@ -192,4 +192,7 @@ def points_table(points: Sequence[QuantPoint]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GraphBackend", "QuantPoint", "plan_points", "points_table"]
+from quark_brevitas.backend.graph.recipes import FINN_QAT_RECIPE, end_layers, finn_config  # noqa: E402 - uses the above
+
+__all__ = ["FINN_QAT_RECIPE", "GraphBackend", "QuantPoint", "end_layers", "finn_config", "plan_points",
+           "points_table"]
