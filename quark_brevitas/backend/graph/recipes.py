@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from quark_brevitas.backend.graph.ops import COMPUTE, classify, tensor_args
+from quark_brevitas.backend.graph.trace import trace
 from quark_brevitas.config import Config, QTensorConfig
 from quark_brevitas.config.enums import QSchemeType
 from quark_brevitas.config.presets import get_preset
@@ -43,9 +44,8 @@ def end_layers(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(first, last)``: the compute layers reading a model input, and those whose output is the model's output
     (through non-compute ops), as qualified module names, in graph order. Untraceable model: ``ModelError``."""
     from quark_brevitas.backend import DEFAULT_LAYER_MAP
-    from quark_brevitas.backend.graph import GraphBackend
 
-    traced = GraphBackend(DEFAULT_LAYER_MAP).trace(model)
+    traced = trace(model)
     modules = dict(traced.named_modules())
     nodes = list(traced.graph.nodes)
     compute = {node.name for node in nodes
