@@ -39,7 +39,8 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "export_gguf", "export_onnx", "export_safetensors", "import_model_from_safetensors", "load_params",
         "save_params",
     ),
-    "quark_brevitas.backend.graph": ("GraphBackend", "plan_points", "points_table"),
+    "quark_brevitas.backend.graph": ("FINN_QAT_RECIPE", "GraphBackend", "end_layers", "finn_config", "plan_points",
+                                     "points_table"),
     "quark_brevitas.model_parts.kv_cache": ("kv_quantization_disabled", "kv_scales"),
     "quark_brevitas.model_parts.moe": ("unfuse_experts",),
     "quark_brevitas.quark_compat": (
