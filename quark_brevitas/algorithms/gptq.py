@@ -40,6 +40,7 @@ from torch import nn
 
 from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
+from quark_brevitas.algorithms.column_kernel import round_columns
 from quark_brevitas.algorithms.magr import magnitude_reduced
 from quark_brevitas.algorithms.scaling import layer_inputs, linear_weight, set_linear_weight
 from quark_brevitas.algorithms.structure import is_linear
@@ -120,12 +121,18 @@ class ColumnRounding:
     quantized: torch.Tensor
     losses: torch.Tensor
     groups_started: set[int] = field(default_factory=set)
+    #: Dynamic groups: the grid ``grid_for`` last returned, which it computed from ``scale_source`` as it still is
+    #: (each group's start writes the group's values there and re-initialises the grid from it).
+    last_grid: WeightGrid | None = None
 
     @classmethod
     def start(cls, weight: torch.Tensor, hessian: torch.Tensor, grid_for: Any, *, act_order: bool, group_size: int,
               static_groups: bool) -> tuple[ColumnRounding, torch.Tensor]:
         """The state for ``weight`` (``[out, in]``) and the Hessian of its inputs (returned permuted, with dead
-        inputs' diagonal set to 1 and their weight columns to 0)."""
+        inputs' diagonal set to 1 and their weight columns to 0).
+
+        With dynamic groups the group of the first column in processing order counts as started: its grid from
+        the weight as updated so far is this first grid (nothing is updated before that column)."""
         work = weight.detach().float().clone()
         hessian = hessian.detach().float().clone()
         dead = torch.diag(hessian) == 0
@@ -136,9 +143,10 @@ class ColumnRounding:
         columns = work.shape[1]
         perm = torch.argsort(torch.diag(hessian), descending=True) if act_order else torch.arange(columns)
         grid = first._replace(scale=first.scale[:, perm].clone(), zero_point=first.zero_point[:, perm].clone())
-        state = cls(work[:, perm], grid, perm, torch.argsort(perm), scale_source, grid_for, group_size,
-                    group_size > 0 and not static_groups, torch.zeros_like(work),
-                    torch.zeros(work.shape[0], dtype=work.dtype, device=work.device))
+        dynamic = group_size > 0 and not static_groups
+        state = cls(work[:, perm], grid, perm, torch.argsort(perm), scale_source, grid_for, group_size, dynamic,
+                    torch.zeros_like(work), torch.zeros(work.shape[0], dtype=work.dtype, device=work.device),
+                    {int(perm[0]) // group_size} if dynamic else set(), first)
         return state, hessian[perm][:, perm]
 
     def group_starts(self) -> set[int]:
@@ -153,60 +161,110 @@ class ColumnRounding:
                 starts.add(column)
         return starts
 
-    def _start_group(self, column: int, block: torch.Tensor, offset: int, stop: int) -> None:
-        """Dynamic groups: the grid of ``column``'s group from the weight as updated so far."""
+    def _start_group(self, column: int, block: torch.Tensor, offset: int, stop: int) -> bool:
+        """Dynamic groups: the grid of ``column``'s group from the weight as updated so far (``block``: the
+        current block's columns, ``offset`` the column's place in it); whether the group started here.
+
+        The group's columns (all at ``column`` or later in processing order: ``column`` is the first of them)
+        take their current values, from the block or, past it, from the weight; they are written into
+        ``scale_source`` and the quantizer is re-initialised from that, its other groups holding the values they
+        started with (a group's scale depends on its own values; :meth:`result` checks that the final grid is
+        the one the columns were rounded on). The last group's start thus leaves the quantizer initialised from
+        the final ``scale_source``."""
         group = int(self.perm[column]) // self.group_size
         if group in self.groups_started:
-            return
+            return False
         self.groups_started.add(group)
-        current = self.work.clone()
-        current[:, column:stop] = block[:, offset:]
-        current = current[:, self.inverse_perm]
-        fresh = self.grid_for(current)
-        members = torch.arange(group * self.group_size, min((group + 1) * self.group_size, current.shape[1]))
-        self.grid.scale[:, self.inverse_perm[members]] = fresh.scale[:, members]
-        self.grid.zero_point[:, self.inverse_perm[members]] = fresh.zero_point[:, members]
-        self.scale_source[:, members] = current[:, members]
+        members = torch.arange(group * self.group_size, min((group + 1) * self.group_size, self.work.shape[1]))
+        positions = self.inverse_perm[members]
+        values = self.work[:, positions]
+        inside = positions < stop
+        values[:, inside] = block[:, positions[inside] - (column - offset)]
+        self.scale_source[:, members] = values
+        fresh = self.grid_for(self.scale_source)
+        self.grid.scale[:, positions] = fresh.scale[:, members]
+        self.grid.zero_point[:, positions] = fresh.zero_point[:, members]
+        self.last_grid = fresh
+        return True
 
     def round_from(self, first_column: int, factor: torch.Tensor, block_size: int) -> None:
         """Round columns ``first_column:`` (in processing order), compensating each column's error on the
         columns not yet rounded with ``factor`` (:func:`inverse_hessian_factor`): rank-1 updates inside blocks of
-        ``block_size`` columns, one matrix product between blocks (AutoGPTQ's lazy batch)."""
+        ``block_size`` columns, one matrix product between blocks (AutoGPTQ's lazy batch). Inside a block the
+        columns go through :func:`~quark_brevitas.algorithms.column_kernel.round_columns` (NumPy, the same
+        operations) when the grid rounds and clamps as Brevitas's plain quantizer does and everything is float32
+        on the CPU; otherwise through torch."""
         columns = self.work.shape[1]
         starts = self.group_starts()
-        quantize = self.grid.column_quantizer()
+        numpy_loop = self._numpy_loop(factor)
         for start in range(first_column, columns, block_size):
             stop = min(start + block_size, columns)
-            block = self.work[:, start:stop].clone()
-            block_error = torch.zeros_like(block)
-            block_delta = torch.empty_like(block)
-            block_factor = factor[start:stop, start:stop]
-            diagonal = block_factor.diagonal()
-            # Views into the grid, sliced once per block: a dynamic group's fresh scale written into the grid by
-            # _start_group shows through them.
-            scale, zero_point = self.grid.scale[:, start:stop], self.grid.zero_point[:, start:stop]
-            rounded_block = self.quantized[:, start:stop]
-            width = stop - start
-            for offset in range(width):
-                column = start + offset
-                if column in starts:
-                    self._start_group(column, block, offset, stop)
-                values = block[:, offset]
-                rounded = quantize(values, scale[:, offset], zero_point[:, offset])
-                rounded_block[:, offset] = rounded
-                delta = torch.sub(values, rounded, out=block_delta[:, offset])
-                error = torch.div(delta, diagonal[offset], out=block_error[:, offset])
-                if offset + 1 < width:  # the rounded column itself is not read again: only the later ones
-                    block[:, offset + 1:].sub_(error[:, None] * block_factor[offset, offset + 1:][None, :])
+            if numpy_loop:
+                block_error, block_delta = self._round_block_numpy(start, stop, factor, starts)
+            else:
+                block_error, block_delta = self._round_block_torch(start, stop, factor, starts)
+            diagonal = factor[start:stop, start:stop].diagonal()
             self.losses += (block_delta ** 2 / diagonal[None, :] ** 2 / 2).sum(dim=1)
             self.work[:, stop:] -= block_error @ factor[start:stop, stop:]
+
+    def _numpy_loop(self, factor: torch.Tensor) -> bool:
+        tensors = (self.work, self.grid.scale, self.grid.zero_point, factor, self.grid.min_int, self.grid.max_int)
+        return self.grid.plain_rounding() and all(t.dtype == torch.float32 and t.device.type == "cpu"
+                                                  for t in tensors)
+
+    def _round_block_torch(self, start: int, stop: int, factor: torch.Tensor, starts: set[int]
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Columns ``start:stop`` with torch operations: the block's errors and rounding deltas ``[out, width]``."""
+        quantize = self.grid.column_quantizer()
+        block = self.work[:, start:stop].clone()
+        block_error = torch.zeros_like(block)
+        block_delta = torch.empty_like(block)
+        block_factor = factor[start:stop, start:stop]
+        diagonal = block_factor.diagonal()
+        # Views into the grid, sliced once per block: a dynamic group's fresh scale written into the grid by
+        # _start_group shows through them.
+        scale, zero_point = self.grid.scale[:, start:stop], self.grid.zero_point[:, start:stop]
+        rounded_block = self.quantized[:, start:stop]
+        width = stop - start
+        for offset in range(width):
+            column = start + offset
+            if column in starts:
+                self._start_group(column, block, offset, stop)
+            values = block[:, offset]
+            rounded = quantize(values, scale[:, offset], zero_point[:, offset])
+            rounded_block[:, offset] = rounded
+            delta = torch.sub(values, rounded, out=block_delta[:, offset])
+            error = torch.div(delta, diagonal[offset], out=block_error[:, offset])
+            if offset + 1 < width:  # the rounded column itself is not read again: only the later ones
+                block[:, offset + 1:].sub_(error[:, None] * block_factor[offset, offset + 1:][None, :])
+        return block_error, block_delta
+
+    def _round_block_numpy(self, start: int, stop: int, factor: torch.Tensor, starts: set[int]
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_round_block_torch` through :func:`round_columns` on transposed copies (``[width, out]``),
+        stopping where a dynamic group starts to take its grid from the block as updated so far."""
+        values = self.work[:, start:stop].t().contiguous()
+        scale = self.grid.scale[:, start:stop].t().contiguous()
+        zero_point = self.grid.zero_point[:, start:stop].t().contiguous()
+        rounded, delta, error = (torch.empty_like(values) for _ in range(3))
+        block_factor = factor[start:stop, start:stop]
+        low, high = float(self.grid.min_int), float(self.grid.max_int)
+        width = stop - start
+        cuts = sorted({0, width, *(column - start for column in starts if start <= column < stop)})
+        for first, last in zip(cuts, cuts[1:]):
+            if start + first in starts and self._start_group(start + first, values.t(), first, stop):
+                scale[first:] = self.grid.scale[:, start + first:stop].t()
+                zero_point[first:] = self.grid.zero_point[:, start + first:stop].t()
+            round_columns(values, scale, zero_point, low, high, block_factor, rounded, delta, error, first, last)
+        self.quantized[:, start:stop] = rounded.t()
+        return error.t().contiguous(), delta.t().contiguous()
 
     def result(self) -> GPTQResult:
         """The rounded weight in the original column order; with dynamic groups, whether the quantizer keeps the
         grid the groups were rounded on (it does if groups' scales are independent of each other)."""
         on_grid = True
         if self.dynamic:
-            final = self.grid_for(self.scale_source)
+            final = self.last_grid if self.last_grid is not None else self.grid_for(self.scale_source)
             on_grid = torch.equal(final.scale[:, self.perm], self.grid.scale) and \
                 torch.equal(final.zero_point[:, self.perm], self.grid.zero_point)
         return GPTQResult(self.quantized[:, self.inverse_perm], self.scale_source, float(self.losses.sum()), on_grid)

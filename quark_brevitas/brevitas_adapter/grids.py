@@ -107,6 +107,12 @@ class WeightGrid(NamedTuple):
         """``weight`` (the weight, or its ``columns``) quantized and dequantized on this grid."""
         return self.quantize_values(weight, self.scale[:, columns], self.zero_point[:, columns])
 
+    def plain_rounding(self) -> bool:
+        """Whether this grid rounds half to even and clamps as Brevitas's plain ``RoundSte`` / ``TensorClamp`` do
+        (:func:`plain_round_and_clamp`): then :meth:`quantize_values` is a fixed sequence of element-wise operations
+        that code outside torch (GPTQ's NumPy column loop) can repeat exactly."""
+        return plain_round_and_clamp(self.to_int, self.clamp)
+
     def column_quantizer(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         """:meth:`quantize_values` as a function whose rounding path is chosen once, for a loop over columns."""
         return _column_quantizer(self)
