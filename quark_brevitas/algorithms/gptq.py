@@ -272,15 +272,25 @@ class ColumnRounding:
 
 def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, grid_for: Any, *, damp_percent: float,
                  act_order: bool, group_size: int, static_groups: bool, block_size: int = BLOCK_SIZE,
-                 damp: float | None = None) -> GPTQResult:
+                 damp: float | None = None, factors: dict[Any, Any] | None = None) -> GPTQResult:
     """GPTQ on one ``[out, in]`` weight with the Hessian of its inputs; ``grid_for(tensor) -> WeightGrid``
     initialises the layer's quantizer from ``tensor`` and returns its grid (see the module docstring). The
-    dampening is ``damp_percent * mean(diag H)``, or ``damp`` when given (an absolute value)."""
-    state, hessian = ColumnRounding.start(weight, hessian, grid_for, act_order=act_order, group_size=group_size,
-                                          static_groups=static_groups)
+    dampening is ``damp_percent * mean(diag H)``, or ``damp`` when given (an absolute value).
+
+    ``factors``: a dict shared by the layers of one group, which remembers the factor of the inverse Hessian per
+    Hessian *object*: layers reading one input (q/k/v, gate/up) get the same Hessian tensor
+    (:meth:`HessianPass.averaged`), hence the same factor, computed once."""
+    state, permuted = ColumnRounding.start(weight, hessian, grid_for, act_order=act_order, group_size=group_size,
+                                           static_groups=static_groups)
     if damp is None:
-        damp = damp_percent * torch.mean(torch.diag(hessian))
-    state.round_from(0, inverse_hessian_factor(hessian, damp), block_size)
+        damp = damp_percent * torch.mean(torch.diag(permuted))
+    key = (id(hessian), act_order, float(damp))
+    cached = factors.get(key) if factors is not None else None
+    if cached is None or cached[0] is not hessian:
+        cached = (hessian, inverse_hessian_factor(permuted, damp))
+        if factors is not None:
+            factors[key] = cached  # the Hessian is kept with it, so that its id is not reused meanwhile
+    state.round_from(0, cached[1], block_size)
     return state.result()
 
 
@@ -328,6 +338,10 @@ class HessianPass:
     shortcut: bool = True
     one_input: bool = False
     last_product: tuple[Any, int, torch.Tensor] | None = None
+    #: In ``one_input`` mode: the layer whose sum stands for each other layer of the group (the sums would be the
+    #: same additions of the same products), and the averages already worked out per such layer.
+    aliases: dict[str, str] = field(default_factory=dict)
+    averages: dict[str, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
 
     def _product(self, rows: torch.Tensor, raw: Any) -> torch.Tensor:
         """``rows^T rows``, computed once for consecutive calls with the same object (not modified in between)."""
@@ -362,8 +376,7 @@ class HessianPass:
             return
         product = self._product(rows, raw)
         if self.one_input:
-            for member in self.group:
-                self._accumulate(member, product, rows.shape[0])
+            self._accumulate(self.group[0], product, rows.shape[0])
             self.last_product = None
             raise StopFwdException
         self._accumulate(name, product, rows.shape[0])
@@ -374,10 +387,17 @@ class HessianPass:
     def averaged(self, data: CalibrationData, name: str, *sums: dict[str, torch.Tensor]
                  ) -> tuple[int, list[torch.Tensor]]:
         """``(samples, [Hessian, *sums])`` of layer ``name`` over every process (summed, then divided by the samples
-        of all processes): ``sums`` are further per-layer sums collected alongside (Qronos's cross products)."""
-        count = torch.tensor(float(self.counts[name]))
+        of all processes): ``sums`` are further per-layer sums collected alongside (Qronos's cross products).
+        Layers sharing one sum (``aliases``) get the very same tensors."""
+        owner = self.aliases.get(name, name)
+        if not sums and owner in self.averages:
+            return self.averages[owner]
+        count = torch.tensor(float(self.counts[owner]))
         data.all_reduce(count, "sum")
-        return int(count), [data.all_reduce(tensors[name], "sum") / count for tensors in (self.hessians, *sums)]
+        averaged = int(count), [data.all_reduce(tensors[owner], "sum") / count for tensors in (self.hessians, *sums)]
+        if not sums:
+            self.averages[owner] = averaged
+        return averaged
 
     def batch_done(self, _index: int, _output: Any) -> None:
         if self.group is None and self.first_calls:
@@ -388,6 +408,10 @@ class HessianPass:
                 del self.hessians[name], self.counts[name]
             self.calls_per_batch = {name: self.this_batch[name] for name in self.group}
             self.one_input = self.shortcut and self.sequential and set(self.calls_per_batch.values()) == {1}
+            if self.one_input:  # the first batch added one product of one input to each: one sum stands for all
+                for name in self.group[1:]:
+                    self.aliases[name] = self.group[0]
+                    del self.hessians[name], self.counts[name]
         self.this_batch = {}
         self.last_product = None
 
@@ -410,7 +434,8 @@ class GPTQConfigHandler(BlockwiseHandler):
             "all at once"
         return [*lines, f"layers per block ({how}; {order}): {', '.join(layers) or '-'}"]
 
-    def _quantize(self, algo: Any, name: str, layer: nn.Module, hessian: torch.Tensor) -> float:
+    def _quantize(self, algo: Any, name: str, layer: nn.Module, hessian: torch.Tensor,
+                  factors: dict[Any, Any] | None = None) -> float:
         weight = linear_weight(layer).detach().clone()
         group_size = int_weight_format(layer).group_size  # the layer's own (algo.group_size only restates it)
         if algo.magr_alpha is not None:  # rounded (and its grid chosen) from the magnitude-reduced weight
@@ -419,7 +444,7 @@ class GPTQConfigHandler(BlockwiseHandler):
         def run(static_groups: bool) -> GPTQResult:
             return gptq_columns(weight, hessian, lambda tensor: weight_grid(layer, tensor),
                                 damp_percent=algo.damp_percent, act_order=algo.desc_act, group_size=group_size,
-                                static_groups=static_groups, block_size=algo.block_size)
+                                static_groups=static_groups, block_size=algo.block_size, factors=factors)
 
         result = run(algo.static_groups)
         if not result.on_grid:
@@ -447,9 +472,10 @@ class GPTQConfigHandler(BlockwiseHandler):
                 if not collected.group:
                     raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
                 memo.forget([remaining[layer_name] for layer_name in collected.group])
+                factors: dict[Any, Any] = {}  # layers reading one input share one Hessian and its factor
                 for layer_name in collected.group:
                     samples[layer_name], (hessian,) = collected.averaged(data, layer_name)
-                    loss = self._quantize(algo, layer_name, remaining.pop(layer_name), hessian)
+                    loss = self._quantize(algo, layer_name, remaining.pop(layer_name), hessian, factors)
                     logger.debug("GPTQConfig %s.%s: loss %.4g", name, layer_name, loss)
                 if remaining and not algo.true_sequential:
                     raise ModelError(f"GPTQConfig on {where}: {', '.join(remaining)} was not called by the block")
