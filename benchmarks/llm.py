@@ -408,8 +408,9 @@ class Breakdown:
             setattr(owner, name, self.wrap(getattr(owner, name), category))
 
 
-def speed_config(recipe: str) -> Any:
-    """Issue 20's recipes, written as a Quark user writes them (lm_head kept in float, as Quark's templates do)."""
+def speed_config(recipe: str, exclude: list[str] | None = None) -> Any:
+    """Issue 20's recipes, written as a Quark user writes them (lm_head kept in float, as Quark's templates do;
+    ``exclude``: further layers kept in float, on both sides of a side-by-side run)."""
     from quark_brevitas import Config, QLayerConfig, QTensorConfig, algos
     from quark_brevitas.types import QSchemeType
 
@@ -418,13 +419,14 @@ def speed_config(recipe: str) -> Any:
     algo = {"gptqconfig": [algos.GPTQConfig(bit=4, sym=True, group_size=128)],
             "awq": [algos.AWQConfig(bit=4, sym=True, group_size=128)], "gptq_whole": [algos.GPTQ()],
             "qronos": [algos.QronosConfig()], "smoothquant": []}[recipe]
+    excluded = ["lm_head", *(exclude or [])]
     if recipe == "qronos":  # ANCHORS.md's low-bit recipe: int3 per group of 128
         w3 = QTensorConfig(qscheme=QSchemeType.per_group, group_size=128, bit_width=3)
-        return Config(QLayerConfig(weight=w3), pre_quant_opt_config=[], algo_config=algo, exclude=["lm_head"])
+        return Config(QLayerConfig(weight=w3), pre_quant_opt_config=[], algo_config=algo, exclude=excluded)
     if recipe == "smoothquant":
-        return Config(QLayerConfig(weight=w8, input_tensors=QTensorConfig()), exclude=["lm_head"],
+        return Config(QLayerConfig(weight=w8, input_tensors=QTensorConfig()), exclude=excluded,
                       pre_quant_opt_config=[algos.SmoothQuantConfig(alpha=0.5)])
-    return Config(QLayerConfig(weight=w4), pre_quant_opt_config=[], algo_config=algo, exclude=["lm_head"])
+    return Config(QLayerConfig(weight=w4), pre_quant_opt_config=[], algo_config=algo, exclude=excluded)
 
 
 def task_speed(args: dict[str, Any]) -> dict[str, Any]:
@@ -448,7 +450,7 @@ def task_speed(args: dict[str, Any]) -> dict[str, Any]:
     rows = [torch.randint(0, vocab, (1, SEQ), generator=generator) for _ in range(args["rows"])]
     if args.get("calib") == "docstrings":  # ANCHORS.md's low-bit data: 128 sequences of 128 tokens, batches of 4
         rows = windows(token_splits()["calib"], 128, 4)
-    _, seconds = _quantize(model, speed_config(args["recipe"]), rows)
+    _, seconds = _quantize(model, speed_config(args["recipe"], args.get("exclude")), rows)
     total = _CPU["seconds"]
     parts = dict(breakdown.seconds)
     parts["overhead"] = total - sum(parts.values())
