@@ -54,6 +54,7 @@ from quark_brevitas.brevitas_adapter import (
     weight_grid,
 )
 from quark_brevitas.calibration.data import CalibrationData
+from quark_brevitas.calibration.stacking import Stacked, stacked_batches
 from quark_brevitas.config.algorithms import GPTQConfig
 from quark_brevitas.errors import ModelError
 
@@ -342,25 +343,46 @@ class HessianPass:
     #: same additions of the same products), and the averages already worked out per such layer.
     aliases: dict[str, str] = field(default_factory=dict)
     averages: dict[str, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
+    #: Stacked data (:func:`~quark_brevitas.calibration.stacking.stacked_batches`): the rows of the original
+    #: batches in each call, the hidden state's number of dimensions, which call this is, and whether a layer of
+    #: the group was called with rows that are not the call's (the pass must then run unstacked).
+    parts: list[list[int]] | None = None
+    stacked_dims: int = 0
+    batch_index: int = 0
+    unstackable: bool = False
 
-    def _product(self, rows: torch.Tensor, raw: Any) -> torch.Tensor:
-        """``rows^T rows``, computed once for consecutive calls with the same object (not modified in between)."""
+    def _product(self, rows: torch.Tensor, raw: Any) -> list[torch.Tensor]:
+        """``rows^T rows`` (one per original batch of a stacked call, see ``parts``), computed once for
+        consecutive calls with the same object (not modified in between)."""
         version = getattr(raw, "_version", None)
         if self.last_product is not None and self.last_product[0] is raw and self.last_product[1] == version:
             return self.last_product[2]
-        product = rows.t() @ rows
-        self.last_product = (raw, version, product)
-        return product
-
-    def _accumulate(self, name: str, product: torch.Tensor, samples: int) -> None:
-        if name in self.hessians:
-            self.hessians[name] += product
+        parts = self.parts[self.batch_index] if self.parts is not None else [0]
+        if len(parts) == 1:
+            products = [rows.t() @ rows]
         else:
-            self.hessians[name] = product.clone()
+            total = sum(parts)
+            if not isinstance(raw, torch.Tensor) or raw.dim() != self.stacked_dims or raw.shape[0] != total:
+                self.unstackable = True  # this layer's rows are not the batch's rows (routed tokens, ...)
+                raise StopFwdException
+            per_row = rows.shape[0] // total
+            products = [chunk.t() @ chunk for chunk in rows.split([part * per_row for part in parts])]
+        self.last_product = (raw, version, products)
+        return products
+
+    def _accumulate(self, name: str, products: list[torch.Tensor], samples: int) -> None:
+        # One sum per original batch, in order: a stacked call sums exactly what its batches would have.
+        for product in products:
+            if name in self.hessians:
+                self.hessians[name] += product
+            else:
+                self.hessians[name] = product.clone()
         self.counts[name] = self.counts.get(name, 0) + samples
         self.this_batch[name] = self.this_batch.get(name, 0) + 1
 
     def add(self, name: str, rows: torch.Tensor, raw: Any) -> None:
+        if self.unstackable:
+            raise StopFwdException  # the pass runs again, unstacked: nothing more to do in this one
         if self.group is None:
             recorded = next((r for n, r in self.first_calls if n == name), None)
             if recorded is None:
@@ -414,6 +436,7 @@ class HessianPass:
                     del self.hessians[name], self.counts[name]
         self.this_batch = {}
         self.last_product = None
+        self.batch_index += 1
 
 
 @register(GPTQConfig)
@@ -463,12 +486,14 @@ class GPTQConfigHandler(BlockwiseHandler):
         # the block's outputs only the last group), the others returning what they computed then.
         with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False), \
                 layer_outputs_remembered(block, hand_over=True) as memo:
+            # Batches stacked into a few calls (same Hessians, summed per batch): not when the user asked for
+            # memory (no memo), nor for the whole-model path's single block.
+            stacked = stacked_batches(data) if memo.budget > 0 else None
             while remaining:
-                collected = HessianPass(algo.true_sequential)
-                memo.new_pass()
-                with layer_inputs(remaining, collected.add):
-                    data.forward(UntilStopped(block), f"{algo.name}: Hessians of {name or where}",
-                                 on_output=collected.batch_done)
+                collected = self._hessians(algo, block, data, stacked, remaining, memo, name or where)
+                if collected.unstackable:  # a layer reads rows that are not the batch's (e.g. routed tokens)
+                    stacked = None
+                    collected = self._hessians(algo, block, data, None, remaining, memo, name or where)
                 if not collected.group:
                     raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
                 memo.forget([remaining[layer_name] for layer_name in collected.group])
@@ -482,3 +507,16 @@ class GPTQConfigHandler(BlockwiseHandler):
         warn_few_samples("GPTQConfig", where, samples, features)
         logger.info("GPTQConfig: %s done in %.2f s", name or where, time.perf_counter() - start)
         return block
+
+    @staticmethod
+    def _hessians(algo: Any, block: nn.Module, data: CalibrationData, stacked: Stacked | None,
+                  remaining: dict[str, nn.Module], memo: Any, where: str) -> HessianPass:
+        """One pass over the block's inputs (stacked, when given) collecting the next group's Hessians."""
+        collected = HessianPass(algo.true_sequential)
+        if stacked is not None:
+            collected.parts, collected.stacked_dims = stacked.parts, stacked.dims
+        memo.new_pass()
+        with layer_inputs(remaining, collected.add):
+            (stacked.data if stacked is not None else data).forward(
+                UntilStopped(block), f"{algo.name}: Hessians of {where}", on_output=collected.batch_done)
+        return collected
