@@ -85,7 +85,8 @@ def stacked_batches(data: CalibrationData, budget_bytes: int | None = None) -> S
     ``budget_bytes`` of hidden state (default :data:`STACK_BYTES`), or ``None`` when nothing would be stacked or
     the batches cannot be (see the module docstring)."""
     budget = STACK_BYTES if budget_bytes is None else budget_bytes
-    if not isinstance(data, BlockInputs) or len(data) < 3 or budget <= 0:
+    # Exactly the block engine's cached inputs: a subclass may do more per pass than run its batches.
+    if type(data) is not BlockInputs or len(data) < 3 or budget <= 0:
         return None
     calls = list(data.loader)
     hidden = [args[0] if args else None for args, _ in calls]
