@@ -17,6 +17,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from helpers.families import FAMILIES, build_family  # noqa: E402
+from helpers.llama_cpp_runs import llama_cpp_logits  # noqa: E402
 from helpers.llm_models import bpe_tokenizer, token_batches  # noqa: E402
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
@@ -121,12 +122,7 @@ def test_llama_cpp_computes_the_quantized_family(family: str, tmp_path: Path) ->
     computes the unscaled RoPE)."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the extra [llamacpp])")
     quant = _quantize(family)
-    bpe_tokenizer(tmp_path / "tok", pad=True)
-    path = export_gguf(quant, tmp_path / "out", tokenizer_path=tmp_path / "tok")
-    tokens = token_batches(1, batch=1, length=64, seed=3)[0][0]
-    runner = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, n_threads=1, verbose=False)
-    runner.eval(tokens.tolist())
-    theirs = torch.tensor(np.asarray(runner.scores[:len(tokens)]), dtype=torch.float32)
+    theirs, tokens = llama_cpp_logits(llama_cpp, quant, tmp_path)
     with torch.no_grad():
         ours = quant(tokens[None]).logits[0]
     error = float((theirs - ours).norm() / ours.norm())
