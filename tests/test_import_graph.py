@@ -30,9 +30,9 @@ nothing inside imports: ``__main__``, the package ``__init__`` (the public API, 
 shims ``algos`` and ``types`` (public for users; internal code imports :mod:`quark_brevitas.config` instead).
 
 ``export`` sits below ``pipeline`` because the dependency-injection ``container`` (which the pipeline holds) makes
-the exporters; ``blocks`` imports no algorithm, checkpoint or pipeline module. The one import that still runs
-upward (``config.schema`` -> ``backend``, lazy) is listed, with the reason, in :data:`UPWARD_EXCEPTIONS`; a listed
-exception that is no longer needed fails the test too, so the list only shrinks.
+the exporters; ``blocks`` imports no algorithm, checkpoint or pipeline module. No import runs upward:
+:data:`UPWARD_EXCEPTIONS` (an import that would, with its reason) is empty; a listed exception that is no longer
+needed fails the test too, so the list only shrinks.
 """
 
 from __future__ import annotations
@@ -237,10 +237,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 #: Imports that run upward: ``(importer, imported module) -> why``; the importer is a module or a package (then
 #: every module in it). Each must still occur.
 UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
-    (f"{PACKAGE}.config.schema", f"{PACKAGE}.backend"):
-        "the JSON schema for editors lists the layer types of the library's layer map; the import is inside "
-        "config_json_schema(), so loading a config never imports the backend (and torch); the documented module "
-        "(and `python -m quark_brevitas.config.schema`) keeps its place in config",
 }
 
 

@@ -14,8 +14,9 @@ The schema covers structure, types and allowed names. What depends on combinatio
 tensor role, bias needing input and weight quantization, layer names existing in the model) is
 checked by :func:`~quark_brevitas.config.verify_config` and :mod:`quark_brevitas.resolve`.
 
-The layer types editors complete come from the library's layer map (:mod:`quark_brevitas.backend`, which
-needs torch); it is imported only when the schema is generated, so the config package stays torch-free.
+The layer types editors complete are :data:`LAYER_TYPE_EXAMPLES`, the type names of the library's layer map
+(:mod:`quark_brevitas.backend`). They are written out here because the config package sits below the backend and
+loads without torch; a backend test checks that the list and the layer map name the same types.
 """
 
 from __future__ import annotations
@@ -27,13 +28,21 @@ from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
-from quark_brevitas.config.model_config import READABLE_FORMAT_VERSIONS, Config, type_name
+from quark_brevitas.config.model_config import READABLE_FORMAT_VERSIONS, Config
 from quark_brevitas.config.serialization import VERSION_KEY, Hint, field_hints, tag_default, tag_names, to_plain
 
-__all__ = ["SCHEMA_PATH", "config_json_schema", "write_schema"]
+__all__ = ["LAYER_TYPE_EXAMPLES", "SCHEMA_PATH", "config_json_schema", "write_schema"]
 
 #: The schema file shipped inside the package.
 SCHEMA_PATH = Path(__file__).parent.with_name("config.schema.json")
+
+#: The layer types of the library's layer map as ``layer_type_quant_config`` keys name them: the default map's
+#: classes by ``model_config.type_name``, the optional packages' layers by module path and class (listed whether
+#: or not the package is installed where the schema is generated). tests/backend checks it against the layer map.
+LAYER_TYPE_EXAMPLES: tuple[str, ...] = (
+    "Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d", "Embedding", "Linear", "MultiheadAttention",
+    "transformers.pytorch_utils.Conv1D",
+)
 
 _JSON_TYPES = {"bool": "boolean", "int": "integer", "float": "number", "str": "string"}
 #: The package whose algorithms the shipped schema lists.
@@ -152,8 +161,6 @@ def config_json_schema() -> dict[str, Any]:
     It lists the library's algorithms only; a config using an algorithm class defined elsewhere still
     loads with :meth:`Config.from_dict`, but an editor will flag it.
     """
-    from quark_brevitas.backend import DEFAULT_LAYER_MAP, OPTIONAL_LAYER_MAP
-
     defs: dict[str, Any] = {}
     root = _object_schema(Config, defs)
     versions = list(READABLE_FORMAT_VERSIONS)
@@ -165,9 +172,7 @@ def config_json_schema() -> dict[str, Any]:
     }
     # Editors complete layer types from the layers the library knows how to quantize.
     type_keys = root["properties"]["layer_type_quant_config"]["propertyNames"]
-    # Optional packages' layers are listed whether or not the package is installed where the schema is generated.
-    optional = {".".join(key) for key in OPTIONAL_LAYER_MAP}
-    type_keys["examples"] = sorted({type_name(cls) for cls in DEFAULT_LAYER_MAP} | optional)
+    type_keys["examples"] = sorted(LAYER_TYPE_EXAMPLES)
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "quark_brevitas Config",
