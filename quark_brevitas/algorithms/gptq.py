@@ -41,6 +41,7 @@ from torch import nn
 from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.magr import magnitude_reduced
+from quark_brevitas.algorithms.narrowing import Narrowing
 from quark_brevitas.algorithms.scaling import layer_inputs, linear_weight, set_linear_weight
 from quark_brevitas.algorithms.structure import is_linear
 from quark_brevitas.blocks.capture import UntilStopped
@@ -86,12 +87,14 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float | torch.Tensor, *,
     ``(H + damp I)[k:, k:]``, which is what lets an update start at any column."""
     eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
     for attempt in range(4):
-        factor, info = torch.linalg.cholesky_ex(hessian + damp * eye)
+        # H + damp * I without the matrix damp * I (exact: the identity's entries are 0 and 1)
+        factor, info = torch.linalg.cholesky_ex(torch.add(hessian, eye, alpha=float(damp)))
         if int(info) == 0:
             inverse = torch.cholesky_inverse(factor)
-            upper, info = torch.linalg.cholesky_ex(inverse * stabilise, upper=True)
+            del factor  # matrices of the Hessian's size held at once: the largest of GPTQ's working set
+            upper, info = torch.linalg.cholesky_ex(inverse * stabilise if stabilise != 1.0 else inverse, upper=True)
             if int(info) == 0:
-                return upper / stabilise ** 0.5
+                return upper / stabilise ** 0.5 if stabilise != 1.0 else upper  # x * 1.0 and x / 1.0 are x
         logger.warning("%s: the dampened Hessian is not positive definite (damp %.3g); retrying with %.3g", what,
                        float(damp), float(damp * 10))
         damp = damp * 10 if attempt < 3 else damp
@@ -136,10 +139,12 @@ class ColumnRounding:
         columns = work.shape[1]
         perm = torch.argsort(torch.diag(hessian), descending=True) if act_order else torch.arange(columns)
         grid = first._replace(scale=first.scale[:, perm].clone(), zero_point=first.zero_point[:, perm].clone())
-        state = cls(work[:, perm], grid, perm, torch.argsort(perm), scale_source, grid_for, group_size,
+        if act_order:  # in processing order (without act_order that is the order they are in: no copies)
+            work, hessian = work[:, perm], hessian[perm][:, perm]
+        state = cls(work, grid, perm, torch.argsort(perm), scale_source, grid_for, group_size,
                     group_size > 0 and not static_groups, torch.zeros_like(work),
                     torch.zeros(work.shape[0], dtype=work.dtype, device=work.device))
-        return state, hessian[perm][:, perm]
+        return state, hessian
 
     def group_starts(self) -> set[int]:
         """Dynamic groups: the columns (processing order) at which a group is first reached, worked out once from
@@ -261,7 +266,10 @@ class HessianPass:
     sequential: bool
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
-    first_calls: list[tuple[str, Any]] = field(default_factory=list)
+    #: On the first batch, for each layer in the order of their first calls: whether that call read the object
+    #: the first layer was called with (``first_object``, the one input kept alive until the group is known).
+    first_calls: dict[str, bool] = field(default_factory=dict)
+    first_object: Any = None
     group: list[str] | None = None
     calls_per_batch: dict[str, int] = field(default_factory=dict)
     this_batch: dict[str, int] = field(default_factory=dict)
@@ -270,6 +278,8 @@ class HessianPass:
     shortcut: bool = True
     one_input: bool = False
     last_product: tuple[Any, int, torch.Tensor] | None = None
+    #: Called with the group once it is known (after the first batch that called a layer of it).
+    on_group: Any = None
 
     def _product(self, rows: torch.Tensor, raw: Any) -> torch.Tensor:
         """``rows^T rows``, computed once for consecutive calls with the same object (not modified in between)."""
@@ -290,14 +300,13 @@ class HessianPass:
 
     def add(self, name: str, rows: torch.Tensor, raw: Any) -> None:
         if self.group is None:
-            recorded = next((r for n, r in self.first_calls if n == name), None)
-            if recorded is None:
-                self.first_calls.append((name, raw))
-                recorded = raw
+            if not self.first_calls:
+                self.first_object = raw
+            shares = self.first_calls.setdefault(name, raw is self.first_object)
             # Sequential: the group is the layers first called with the first layer's input object, known at once;
             # the other layers' Hessians (every expert's, in a mixture-of-experts block) are not computed only to
             # be dropped after the batch, which held about one block's worth of Hessians at a time.
-            if self.sequential and recorded is not self.first_calls[0][1]:
+            if self.sequential and not shares:
                 self.this_batch[name] = self.this_batch.get(name, 0) + 1
                 return
         elif name not in self.group:
@@ -323,13 +332,15 @@ class HessianPass:
 
     def batch_done(self, _index: int, _output: Any) -> None:
         if self.group is None and self.first_calls:
-            first = self.first_calls[0][1]
-            self.group = [name for name, raw in self.first_calls if raw is first or not self.sequential]
-            self.first_calls.clear()  # the inputs of the first batch need not be kept alive any longer
+            self.group = [name for name, shares in self.first_calls.items() if shares or not self.sequential]
+            self.first_calls.clear()
+            self.first_object = None  # the first batch's input need not be kept alive any longer
             for name in [n for n in self.hessians if n not in self.group]:
                 del self.hessians[name], self.counts[name]
             self.calls_per_batch = {name: self.this_batch[name] for name in self.group}
             self.one_input = self.shortcut and self.sequential and set(self.calls_per_batch.values()) == {1}
+            if self.on_group is not None:
+                self.on_group(self.group)
         self.this_batch = {}
         self.last_product = None
 
@@ -377,24 +388,36 @@ class GPTQConfigHandler(BlockwiseHandler):
         start = time.perf_counter()
         samples: dict[str, int] = {}
         # The memo: a pass recomputes only the layers rounded since the last one (and the block engine's pass for
-        # the block's outputs only the last group), the others returning what they computed then.
+        # the block's outputs only the last group), the others returning what they computed then. Once the layers
+        # left lie in one part of the block (its MLP, one expert), the passes run on that part alone, on its
+        # inputs captured once (Narrowing): nothing before it is computed again, or kept to be reused.
+        narrowing = Narrowing(block, data, name)
         with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False), \
                 layer_outputs_remembered(block, hand_over=True) as memo:
             while remaining:
-                collected = HessianPass(algo.true_sequential)
-                memo.new_pass()
+                unit = narrowing.unit
+
+                def group_known(group: list[str]) -> None:
+                    if not narrowing.outputs_reused([layer for layer in remaining if layer not in group]):
+                        memo.keep_new = False  # nothing later would reuse what this pass computes
+
+                collected = HessianPass(algo.true_sequential, on_group=group_known)
+                memo.new_pass(unfinished=remaining.values())
                 with layer_inputs(remaining, collected.add):
-                    data.forward(UntilStopped(block), f"{algo.name}: Hessians of {name or where}",
-                                 on_output=collected.batch_done)
+                    unit.data.forward(UntilStopped(unit.module), f"{algo.name}: Hessians of "
+                                      f"{name or where}{'.' + unit.path if unit.path else ''}",
+                                      on_output=collected.batch_done)
                 if not collected.group:
                     raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
                 memo.forget([remaining[layer_name] for layer_name in collected.group])
                 for layer_name in collected.group:
-                    samples[layer_name], (hessian,) = collected.averaged(data, layer_name)
+                    samples[layer_name], (hessian,) = collected.averaged(unit.data, layer_name)
+                    del collected.hessians[layer_name]  # the sum, averaged: not held while the columns are rounded
                     loss = self._quantize(algo, layer_name, remaining.pop(layer_name), hessian)
                     logger.debug("GPTQConfig %s.%s: loss %.4g", name, layer_name, loss)
                 if remaining and not algo.true_sequential:
                     raise ModelError(f"GPTQConfig on {where}: {', '.join(remaining)} was not called by the block")
+                narrowing.narrow(remaining, memo)
         warn_few_samples("GPTQConfig", where, samples, features)
         logger.info("GPTQConfig: %s done in %.2f s", name or where, time.perf_counter() - start)
         return block

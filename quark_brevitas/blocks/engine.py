@@ -37,11 +37,11 @@ import torch
 from torch import nn
 
 from quark_brevitas.blocks.capture import BlockCapture, Clock, CountingRunner, Replay, main_output
-from quark_brevitas.blocks.protocol import UnitQuantizer
+from quark_brevitas.blocks.protocol import Branches, UnitQuantizer
 from quark_brevitas.blocks.sources import BlockSink, BlockSource, SoloLayer
 from quark_brevitas.blocks.stack import outside_layers
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory, detached
-from quark_brevitas.brevitas_adapter import layer_output_budget, outputs_handed_over
+from quark_brevitas.brevitas_adapter import layer_output_budget, outputs_handed_over, weight_cache_budget
 from quark_brevitas.calibration.data import BlockInputs, CalibrationData
 from quark_brevitas.errors import ModelError
 
@@ -278,7 +278,7 @@ class BlockwiseEngine:
         budget = layer_output_budget(0) if self.stores.directory is not None else contextlib.nullcontext()
         # An algorithm may hand over the outputs its last passes computed (the layers it finished): the pass that
         # computes the block's outputs then recomputes only what changed since.
-        with budget, outputs_handed_over() as handoff:
+        with budget, weight_cache_budget(working_weight_bytes(block)), outputs_handed_over() as handoff:
             block = self._quantizer().quantize_unit(block, name, self._block_inputs(hidden, name))
             self.stack[index] = block
             with handoff.replaying():
@@ -364,6 +364,23 @@ class BlockwiseEngine:
         setattr(parent, attribute, getattr(solo, attribute))
         if store is not None:
             store.close()
+
+
+def working_weight_bytes(block: nn.Module) -> int:
+    """A block's weights without the children of its containers of branches (experts) but the largest one: the
+    quantized weights a pass over the block keeps (:func:`~quark_brevitas.brevitas_adapter.weight_cache_budget`).
+    A dense block's are all of them; a mixture-of-experts block's are one expert's and the rest of the block
+    (the other experts quantize their weights at each call of the pass that computes the block's outputs, rather
+    than be held twice, float and quantized)."""
+    def nbytes(module: nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    total = nbytes(block)
+    for module in block.modules():
+        if isinstance(module, Branches) and len(module):
+            sizes = [nbytes(child) for child in module.children()]
+            total -= sum(sizes) - max(sizes)
+    return total
 
 
 @contextlib.contextmanager
