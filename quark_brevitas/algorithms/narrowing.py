@@ -80,6 +80,11 @@ class Narrowing:
         self.parent = data
         self.stack = [PassUnit("", block, data)]
         self.modules = dict(block.named_modules())
+        #: A block with experts runs in bounded memory: what the layers outside the part being worked on computed
+        #: is dropped (recomputed once by the pass that captures the part's inputs and by the block engine's
+        #: outputs pass). A dense block keeps it, for those two passes (its passes after narrowing are few, and
+        #: the reuse saves computing the attention's projections twice more).
+        self.bounded = any(isinstance(module, Branches) for module in self.modules.values())
 
     @property
     def unit(self) -> PassUnit:
@@ -90,6 +95,8 @@ class Narrowing:
         when :meth:`narrow` would then leave the current part (the next pass runs elsewhere), nor after an
         expert's last pass (the block's outputs pass would reuse one expert's outputs out of many: recomputing
         them is cheaper than holding them, which for an expert fed every token is a whole calibration set's)."""
+        if not self.bounded:
+            return True
         if not remaining:
             return not any(isinstance(unit.module, Branches) for unit in self.stack)
         return holder(remaining) == self.unit.path and not isinstance(self.unit.module, Branches)
@@ -116,7 +123,8 @@ class Narrowing:
             if point is None or not self._capture(unit, point, memo):
                 break
         if self.unit is not before:
-            memo.keep_only(module for _, module in self.unit.module.named_modules())
+            if self.bounded:
+                memo.keep_only(module for _, module in self.unit.module.named_modules())
             logger.debug("GPTQConfig %s: passes run on %s", self.name, self.unit.path or "the block")
 
     def _entry_point(self, path: str, target: str) -> str | None:
@@ -151,7 +159,7 @@ class Narrowing:
         def batch_done(_index: int, _output: Any) -> None:
             batches[0] += 1
 
-        memo.new_pass(keep_new=False)  # the layers before ``point`` are not run again after this pass
+        memo.new_pass(keep_new=not self.bounded)  # reused by the block's outputs pass only (see bounded)
         handle = module.register_forward_pre_hook(record, with_kwargs=True)
         try:
             unit.data.forward(UntilStopped(unit.module), f"GPTQConfig: inputs of {self._label(point)}",

@@ -366,20 +366,22 @@ class BlockwiseEngine:
             store.close()
 
 
-def working_weight_bytes(block: nn.Module) -> int:
-    """A block's weights without the children of its containers of branches (experts) but the largest one: the
-    quantized weights a pass over the block keeps (:func:`~quark_brevitas.brevitas_adapter.weight_cache_budget`).
-    A dense block's are all of them; a mixture-of-experts block's are one expert's and the rest of the block
-    (the other experts quantize their weights at each call of the pass that computes the block's outputs, rather
-    than be held twice, float and quantized)."""
+def working_weight_bytes(block: nn.Module) -> int | None:
+    """The quantized weights a pass over ``block`` keeps (:func:`~quark_brevitas.brevitas_adapter.
+    weight_cache_budget`): a mixture-of-experts block's without the children of its containers of branches (the
+    experts) but the largest one, so that the other experts quantize their weights at each call of the pass that
+    computes the block's outputs rather than be held twice, float and quantized; ``None`` (all) for a block
+    without such containers."""
     def nbytes(module: nn.Module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
+    containers = [module for module in block.modules() if isinstance(module, Branches) and len(module)]
+    if not containers:
+        return None
     total = nbytes(block)
-    for module in block.modules():
-        if isinstance(module, Branches) and len(module):
-            sizes = [nbytes(child) for child in module.children()]
-            total -= sum(sizes) - max(sizes)
+    for module in containers:
+        sizes = [nbytes(child) for child in module.children()]
+        total -= sum(sizes) - max(sizes)
     return total
 
 

@@ -69,8 +69,9 @@ class _Budget:
 
 
 def _nbytes(value: Any) -> int:
-    tensors = value if isinstance(value, tuple) else (value,)
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    """The bytes of a quantized weight's values (its scales and zero points are a small fraction of them)."""
+    tensor = getattr(value, "value", value)
+    return tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
 
 
 class _CachedQuantWeight:
