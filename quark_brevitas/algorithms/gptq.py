@@ -85,10 +85,13 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float | torch.Tensor, *,
     factorisation and divides the factor by its square root (Qronos's ``beta``: the same factor, computed on
     larger numbers). Rows ``k:`` of ``U`` restricted to columns ``k:`` are the factor of the inverse of
     ``(H + damp I)[k:, k:]``, which is what lets an update start at any column."""
-    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
     for attempt in range(4):
-        # H + damp * I without the matrix damp * I (exact: the identity's entries are 0 and 1)
-        factor, info = torch.linalg.cholesky_ex(torch.add(hessian, eye, alpha=float(damp)))
+        # H + damp * I without an identity matrix, value for value: off the diagonal H + 0.0 (which turns -0.0
+        # into 0.0, as adding damp * 0 does), on it H + damp.
+        damped = hessian + 0.0
+        damped.diagonal().add_(damp)
+        factor, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if int(info) == 0:
             inverse = torch.cholesky_inverse(factor)
             del factor  # matrices of the Hessian's size held at once: the largest of GPTQ's working set
@@ -130,10 +133,12 @@ class ColumnRounding:
         """The state for ``weight`` (``[out, in]``) and the Hessian of its inputs (returned permuted, with dead
         inputs' diagonal set to 1 and their weight columns to 0)."""
         work = weight.detach().float().clone()
-        hessian = hessian.detach().float().clone()
+        hessian = hessian.detach().float()
         dead = torch.diag(hessian) == 0
-        hessian[dead, dead] = 1
-        work[:, dead] = 0
+        if bool(dead.any()):  # the caller's Hessian is not changed (nor copied when nothing needs changing)
+            hessian = hessian.clone()
+            hessian[dead, dead] = 1
+            work[:, dead] = 0
         first: WeightGrid = grid_for(work)
         scale_source = work.clone()
         columns = work.shape[1]
@@ -227,7 +232,9 @@ def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, grid_for: Any, *, 
                                           static_groups=static_groups)
     if damp is None:
         damp = damp_percent * torch.mean(torch.diag(hessian))
-    state.round_from(0, inverse_hessian_factor(hessian, damp), block_size)
+    factor = inverse_hessian_factor(hessian, damp)
+    del hessian  # its factor is all the columns need
+    state.round_from(0, factor, block_size)
     return state.result()
 
 
@@ -364,7 +371,7 @@ class GPTQConfigHandler(BlockwiseHandler):
         return [*lines, f"layers per block ({how}; {order}): {', '.join(layers) or '-'}"]
 
     def _quantize(self, algo: Any, name: str, layer: nn.Module, hessian: torch.Tensor) -> float:
-        weight = linear_weight(layer).detach().clone()
+        weight = linear_weight(layer).detach()  # gptq_columns rounds a copy (and magnitude_reduced returns one)
         group_size = int_weight_format(layer).group_size  # the layer's own (algo.group_size only restates it)
         if algo.magr_alpha is not None:  # rounded (and its grid chosen) from the magnitude-reduced weight
             weight = magnitude_reduced(weight, hessian, algo.magr_alpha, group_size)
@@ -398,11 +405,14 @@ class GPTQConfigHandler(BlockwiseHandler):
                 unit = narrowing.unit
 
                 def group_known(group: list[str]) -> None:
-                    if not narrowing.outputs_reused([layer for layer in remaining if layer not in group]):
-                        memo.keep_new = False  # nothing later would reuse what this pass computes
+                    memo.keep_new = narrowing.outputs_reused([layer for layer in remaining if layer not in group])
+                    if not memo.keep_new:  # nothing later reuses what the memo holds (the next pass runs elsewhere)
+                        memo.keep_only(())
 
                 collected = HessianPass(algo.true_sequential, on_group=group_known)
-                memo.new_pass(unfinished=remaining.values())
+                # Bounded memory (experts): the first batch, which runs the whole part, keeps nothing (not knowing yet
+                # whether a later pass reuses it); group_known decides for the others.
+                memo.new_pass(keep_new=not narrowing.bounded, unfinished=remaining.values())
                 with layer_inputs(remaining, collected.add):
                     unit.data.forward(UntilStopped(unit.module), f"{algo.name}: Hessians of "
                                       f"{name or where}{'.' + unit.path if unit.path else ''}",

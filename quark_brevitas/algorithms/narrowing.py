@@ -171,6 +171,9 @@ class Narrowing:
                          point, len(first), unit.path or "the block")
             return False
         calls = first + later
+        # The layers left all lie in ``point`` from now on (they only get fewer): the parts between the block and
+        # it are not run again, and their inputs are dropped; a container of branches stays, for its next child.
+        self.stack[1:] = [unit for unit in self.stack[1:] if isinstance(unit.module, Branches)]
         self.stack.append(PassUnit(point, module, BlockInputs.of(calls, self.parent, self._label(point)),
                                    calls.__getitem__))
         return True

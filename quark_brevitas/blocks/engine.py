@@ -368,21 +368,17 @@ class BlockwiseEngine:
 
 def working_weight_bytes(block: nn.Module) -> int | None:
     """The quantized weights a pass over ``block`` keeps (:func:`~quark_brevitas.brevitas_adapter.
-    weight_cache_budget`): a mixture-of-experts block's without the children of its containers of branches (the
-    experts) but the largest one, so that the other experts quantize their weights at each call of the pass that
-    computes the block's outputs rather than be held twice, float and quantized; ``None`` (all) for a block
-    without such containers."""
+    weight_cache_budget`): a mixture-of-experts block's without its containers of branches (the experts), so that
+    a pass over the whole block quantizes the experts' weights at each call rather than hold them twice, float and
+    quantized (a pass over one expert still keeps that expert's: it is smaller than the rest of the block);
+    ``None`` (all) for a block without such containers."""
     def nbytes(module: nn.Module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
     containers = [module for module in block.modules() if isinstance(module, Branches) and len(module)]
     if not containers:
         return None
-    total = nbytes(block)
-    for module in containers:
-        sizes = [nbytes(child) for child in module.children()]
-        total -= sum(sizes) - max(sizes)
-    return total
+    return nbytes(block) - sum(nbytes(module) for module in containers)
 
 
 @contextlib.contextmanager

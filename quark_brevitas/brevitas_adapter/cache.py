@@ -35,7 +35,7 @@ from torch import nn
 
 from quark_brevitas.brevitas_adapter.grids import fixed_weight_grid
 
-__all__ = ["gptq_class_checking_once", "quant_layers", "shared_input_gptq_mode", "weight_cache_budget",
+__all__ = ["PassWeights", "gptq_class_checking_once", "quant_layers", "shared_input_gptq_mode", "weight_cache_budget",
            "weights_quantized_once"]
 
 #: The instance attribute that shadows the class's ``quant_weight`` while a cache is active.
@@ -81,11 +81,16 @@ class _CachedQuantWeight:
         self.layer = layer
         self.budget = budget
         self.nbytes = 0
+        self.called = False
         self.state = [*layer.weight_quant.parameters(), *layer.weight_quant.buffers()]
         self.weight: torch.Tensor | None = None
         self.versions: list[int] = []
         self.training = False
         self.value: Any = None
+
+    def drop(self) -> None:
+        self.budget.used -= self.nbytes
+        self.value, self.nbytes = None, 0
 
     def _valid(self, weight: torch.Tensor) -> bool:
         return (weight is self.weight and self.training == self.layer.training
@@ -99,10 +104,10 @@ class _CachedQuantWeight:
                 or proxy.requires_quant_input):  # nothing to save (float weight), or not cacheable
             return original(layer, quant_input, subtensor_slice_list)
         weight = layer.weight
+        self.called = True
         if self.value is not None and self._valid(weight):
             return self.value
-        self.budget.used -= self.nbytes
-        self.value, self.nbytes = None, 0
+        self.drop()
         value = original(layer, quant_input)
         size = _nbytes(value)
         if self.budget.limit is None or self.budget.used + size <= self.budget.limit:
@@ -125,18 +130,38 @@ def quant_layers(model: nn.Module) -> Iterator[QuantWeightBiasInputOutputLayer]:
             stack.extend(child for child in module._modules.values() if child is not None)
 
 
+class PassWeights:
+    """The quantized weights one :func:`weights_quantized_once` context keeps."""
+
+    def __init__(self, caches: list[_CachedQuantWeight]) -> None:
+        self.caches = caches
+
+    def batch_done(self) -> None:
+        """Drop the weights of the layers the batch just done did not call: a pass that stops early (GPTQ's,
+        from its second batch on) calls the layers after its stop only in its first batch, and a mixture-of-experts
+        block leaves an expert out of a batch that routes no token to it."""
+        for cache in self.caches:
+            if not cache.called and cache.value is not None:
+                cache.drop()
+            cache.called = False
+
+
 @contextlib.contextmanager
-def weights_quantized_once(model: nn.Module) -> Iterator[None]:
+def weights_quantized_once(model: nn.Module) -> Iterator[PassWeights]:
     """While the context lasts (one calibration pass), each quantized layer of ``model`` quantizes its weight
-    once and reuses it until the weight or its quantizer changes. Nested contexts share the outer cache."""
+    once and reuses it until the weight or its quantizer changes (or a batch does not call it:
+    :meth:`PassWeights.batch_done`). Nested contexts share the outer cache."""
     installed = []
+    caches = []
     budget = _Budget(_BUDGET.get())
     for module in quant_layers(model):
         if _ATTRIBUTE not in module.__dict__:
-            object.__setattr__(module, _ATTRIBUTE, _CachedQuantWeight(module, budget))
+            cache = _CachedQuantWeight(module, budget)
+            object.__setattr__(module, _ATTRIBUTE, cache)
             installed.append(module)
+            caches.append(cache)
     try:
-        yield
+        yield PassWeights(caches)
     finally:
         for module in installed:
             module.__dict__.pop(_ATTRIBUTE, None)
