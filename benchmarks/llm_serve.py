@@ -24,8 +24,9 @@ rows, with KV bytes per token (keys and values of every layer, one token, at the
 MoE (``--moe``, also in the default run): a random Mixtral and a random Qwen2-MoE (4 blocks, 256 wide, 8 experts of
 512, top-2; Qwen2-MoE's shared expert 512 wide) from their configs, experts unfused
 (:func:`quark_brevitas.hf.moe.unfuse_experts`), GPTQ int4 per group of 128 block by block on 32 random sequences of
-128 tokens, in place, after a small warm-up quantization (imports and first uses are not the engine's memory): the coverage line the pipeline logs for each block (tokens, routings
-per expert, the experts all-expert calibration fed), the wall seconds per block GPTQ logs (the machine is shared:
+128 tokens, in place, after a small warm-up quantization (imports and first uses are not the engine's memory): the
+coverage line the pipeline logs for each block (tokens, routings per expert, the experts all-expert calibration fed),
+the wall seconds per block GPTQ logs (the machine is shared:
 the CPU seconds of the whole call are printed too), one block's weights in bytes and the peak resident memory of the
 process above its level before the call, as allocated-and-alive bytes and as resident memory (:class:`_PeakMemory`),
 against the issue's bound of twice one block; the allocated-and-alive bytes still held after the run (the
