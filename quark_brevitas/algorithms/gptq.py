@@ -421,7 +421,7 @@ class GPTQConfigHandler(BlockwiseHandler):
                     raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
                 memo.forget([remaining[layer_name] for layer_name in collected.group])
                 for layer_name in collected.group:
-                    samples[layer_name], (hessian,) = collected.averaged(unit.data, layer_name)
+                    samples[layer_name], (hessian,) = collected.averaged(data, layer_name)  # the caller's shard
                     del collected.hessians[layer_name]  # the sum, averaged: not held while the columns are rounded
                     loss = self._quantize(algo, layer_name, remaining.pop(layer_name), hessian)
                     logger.debug("GPTQConfig %s.%s: loss %.4g", name, layer_name, loss)
