@@ -7,8 +7,9 @@ block's experts), everything the block computes before that submodule is final: 
 later pass. :class:`Narrowing` then captures those inputs in one pass and runs the later passes on the submodule
 alone. The layers see the very same inputs (the same computation, done once), so the Hessians and the rounded
 weights are those of passes over the whole block, bit for bit; what changes is that nothing before the submodule
-is computed again, nor kept in memory to be reused (:func:`~quark_brevitas.brevitas_adapter.
-layer_outputs_remembered` drops what the layers outside computed).
+is computed again. In a block with experts, nothing the layers outside computed is kept in memory either
+(:func:`~quark_brevitas.brevitas_adapter.layer_outputs_remembered` drops it; the capture pass and the block
+engine's outputs pass compute it again); a dense block keeps it for those two passes (:attr:`Narrowing.bounded`).
 
 A container of independent branches (:class:`~quark_brevitas.blocks.protocol.Branches`: the experts of
 :class:`~quark_brevitas.hf.moe.UnfusedExperts`) is entered one child at a time: each expert runs alone on the
