@@ -43,13 +43,24 @@ TYPES = {"gguf_q6_k": ("Q6_K", 18, 14), "gguf_q5_k": ("Q5_K", 16, 13), "gguf_q4_
 GGML_F32 = 0
 
 
-def _config(preset: str, recipe: str, model_config: Any) -> Any:
+def with_mse_scales(config: Any) -> Any:
+    """``config`` with MSE-searched scales in every layer config that has one to search (not the signed Q5_0 / Q4_0
+    block scale, ``scale_type=gguf_0``, of the mixes' 32-channel fallback types)."""
     import dataclasses
 
     from quark_brevitas import QLayerConfig
+    from quark_brevitas.types import ParamType, ScaleType
+
+    for level in (config.layer_type_quant_config, config.layer_quant_config):
+        for key, layer in level.items():
+            if layer.weight.scale_type is not ScaleType.gguf_0:
+                level[key] = QLayerConfig(weight=dataclasses.replace(layer.weight, param_type=ParamType.mse))
+    return config
+
+
+def _config(preset: str, recipe: str, model_config: Any) -> Any:
     from quark_brevitas.config import GPTQConfig
     from quark_brevitas.config.presets import get_preset
-    from quark_brevitas.types import ParamType
 
     config = get_preset(preset, model_config)
     config.exclude = ["*down_proj"]  # 688 input channels: no whole K-quant block (llama.cpp: F16)
@@ -57,9 +68,7 @@ def _config(preset: str, recipe: str, model_config: Any) -> Any:
     if recipe == "GPTQ":
         config.algo_config = [GPTQConfig(damp_percent=0.01, desc_act=True)]
     if recipe in ("RTN mse", "GPTQ"):  # MSE-searched group scales, in every layer config of the preset
-        for level in (config.layer_type_quant_config, config.layer_quant_config):
-            for key, layer in level.items():
-                level[key] = QLayerConfig(weight=dataclasses.replace(layer.weight, param_type=ParamType.mse))
+        with_mse_scales(config)
     return config
 
 

@@ -9,7 +9,11 @@ vocabulary, mean pooling); llama.cpp's ``llama_model_quantize`` turns it into it
 own per-tensor rules; MiniLM's 384-wide layers fall back to Q5_0 / Q5_1 / Q4_0 / Q8_0 there, see
 :mod:`quark_brevitas.config.gguf_mixes`). Ours: the presets ``gguf_q4_k_m`` / ``gguf_q3_k_m`` (the same type for
 every tensor) with each recipe: round to nearest (max|w| scales), round to nearest with MSE-searched scales, GPTQ,
-Qronos and AutoRound on that grid, calibrated on the 64 calibration sentences of :mod:`benchmarks.sentences`.
+Qronos and AutoRound on that grid, calibrated on the 64 calibration sentences of :mod:`benchmarks.sentences` and
+the 128 calibration lines of :func:`benchmarks.llm.sentences` (first lines of the standard library's docstrings),
+batches padded only to their longest sentence: llama.cpp embeds each sentence unpadded, and the 64-token padding
+of :func:`benchmarks.bert_deploy.batches` made 82 % of the calibration rows pad positions (730 real tokens, fewer
+than ``ffn_down``'s 1536 inputs).
 
 Every file's sentence embeddings are computed BY LLAMA.CPP (``Llama(..., embedding=True)``, its mean pooling) for
 the 256 held-out sentences (none of them calibrates) and compared with the float model's embeddings in PyTorch
@@ -21,7 +25,6 @@ most half of llama.cpp's own at each mix, file within 1 % of its size.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -35,22 +38,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.gguf_kquants import llama_cpp_quantize  # noqa: E402
+from benchmarks.gguf_kquants import llama_cpp_quantize, with_mse_scales  # noqa: E402
 from benchmarks.sentences import CALIBRATION, HELD_OUT  # noqa: E402
 from benchmarks.tables import format_table  # noqa: E402
 
+#: First lines of the standard library's docstrings (:func:`benchmarks.llm.sentences`) calibrating beside the 64
+#: topic sentences.
+DOCSTRING_LINES = 128
 #: mix preset -> (llama.cpp's name, its ftype).
 MIXES = {"gguf_q4_k_m": ("Q4_K_M", 15), "gguf_q3_k_m": ("Q3_K_M", 12)}
 
 
-def _with_mse_scales(config: Any) -> Any:
-    from quark_brevitas import QLayerConfig
-    from quark_brevitas.types import ParamType
+def calibration_batches(tokenizer: Any, sentences: Sequence[str], batch: int = 16) -> list[dict[str, torch.Tensor]]:
+    """Batches of ``batch`` sentences sorted by length, each padded to its longest sentence only (few pad
+    positions: llama.cpp embeds unpadded sentences, and pad rows would weigh in GPTQ's Hessians and AutoRound's
+    loss)."""
+    from benchmarks.bert_deploy import INPUTS
 
-    for level in (config.layer_type_quant_config, config.layer_quant_config):
-        for key, layer in level.items():
-            level[key] = QLayerConfig(weight=dataclasses.replace(layer.weight, param_type=ParamType.mse))
-    return config
+    ordered = sorted(sentences, key=lambda sentence: len(tokenizer(sentence)["input_ids"]))
+    out = []
+    for start in range(0, len(ordered), batch):
+        encoded = tokenizer(ordered[start:start + batch], padding="longest", return_tensors="pt")
+        out.append({name: encoded[name] for name in INPUTS})
+    return out
 
 
 def _recipes() -> dict[str, Callable[[Any], Any]]:
@@ -61,14 +71,15 @@ def _recipes() -> dict[str, Callable[[Any], Any]]:
     def algo(*algorithms: Any, mse: bool = False) -> Callable[[Any], Any]:
         def change(config: Any) -> Any:
             config.algo_config = list(algorithms)
-            return _with_mse_scales(config) if mse else config
+            return with_mse_scales(config) if mse else config
         return change
 
     return {"RTN": algo(), "RTN mse": algo(mse=True),
             "GPTQ": algo(GPTQConfig(damp_percent=0.01, desc_act=True)),
             "GPTQ mse": algo(GPTQConfig(damp_percent=0.01, desc_act=True), mse=True),
             "Qronos": algo(QronosConfig()),
-            "AutoRound": algo(AutoRoundConfig(iters=200, batch_size=8))}
+            "AutoRound": algo(AutoRoundConfig(iters=200, batch_size=8)),
+            "AutoRound mse clip": algo(AutoRoundConfig(iters=200, batch_size=8, clip_init="mse"))}
 
 
 def llama_cpp_embeddings(path: Path, sentences: Sequence[str]) -> np.ndarray:
@@ -104,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     from benchmarks import llamacpp
-    from benchmarks.bert_deploy import batches
+    from benchmarks.llm import sentences as docstring_sentences
     from quark_brevitas import ModelQuantizer
     from quark_brevitas.config.presets import get_preset
     from quark_brevitas.export import export_gguf
@@ -113,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", default=",".join(recipes), help="comma-separated, of: " + ", ".join(recipes))
     parser.add_argument("--mixes", default=",".join(MIXES), help="comma-separated presets")
+    parser.add_argument("--docstring-lines", type=int, default=DOCSTRING_LINES,
+                        help="calibration lines of benchmarks.llm.sentences added to the 64 calibration sentences")
     args = parser.parse_args(argv)
     if llamacpp.missing() is not None:
         sys.exit(f"this benchmark needs llama.cpp: {llamacpp.missing()}")
@@ -126,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
 
     reference = float_embeddings(fresh(), tokenizer, HELD_OUT)
     reference_nn = nearest_neighbours(reference)
-    calibration = batches(tokenizer, CALIBRATION)
+    calibration = calibration_batches(tokenizer, [*CALIBRATION, *docstring_sentences(args.docstring_lines)[0]])
+    tokens = sum(int(batch["attention_mask"].sum()) for batch in calibration)
+    print(f"calibration: {tokens} tokens in {sum(len(batch['input_ids']) for batch in calibration)} sentences",
+          file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix="gguf_minilm_"))
     rows: list[list[str]] = []
     errors: dict[str, dict[str, float]] = {}

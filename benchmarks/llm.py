@@ -145,11 +145,12 @@ def windows(ids: torch.Tensor, count: int, batch: int, seq: int = SEQ) -> list[d
     return [{"input_ids": chunk} for chunk in rows.split(batch)]
 
 
-def sentences() -> tuple[list[str], list[str]]:
-    """(calibration, held-out) English sentences: first lines of docstrings, from the two ends of the corpus."""
+def sentences(calibration: int = 128) -> tuple[list[str], list[str]]:
+    """(calibration, held-out) English sentences: first lines of docstrings, from the two ends of the corpus (the
+    first ``calibration``, the last 256; about 9000 lines in all)."""
     lines = [doc.split("\n", 1)[0].strip() for doc in corpus_text().split("\n\n")]
     lines = [line for line in dict.fromkeys(lines) if 30 <= len(line) <= 200 and line[0].isupper()]
-    return lines[:128], lines[-256:]
+    return lines[:min(calibration, len(lines) - 256)], lines[-256:]
 
 
 # ===================================================================== models
@@ -408,8 +409,9 @@ class Breakdown:
             setattr(owner, name, self.wrap(getattr(owner, name), category))
 
 
-def speed_config(recipe: str) -> Any:
-    """Issue 20's recipes, written as a Quark user writes them (lm_head kept in float, as Quark's templates do)."""
+def speed_config(recipe: str, exclude: list[str] | None = None) -> Any:
+    """Issue 20's recipes, written as a Quark user writes them (lm_head kept in float, as Quark's templates do;
+    ``exclude``: further layers kept in float, on both sides of a side-by-side run)."""
     from quark_brevitas import Config, QLayerConfig, QTensorConfig, algos
     from quark_brevitas.types import QSchemeType
 
@@ -418,13 +420,14 @@ def speed_config(recipe: str) -> Any:
     algo = {"gptqconfig": [algos.GPTQConfig(bit=4, sym=True, group_size=128)],
             "awq": [algos.AWQConfig(bit=4, sym=True, group_size=128)], "gptq_whole": [algos.GPTQ()],
             "qronos": [algos.QronosConfig()], "smoothquant": []}[recipe]
+    excluded = ["lm_head", *(exclude or [])]
     if recipe == "qronos":  # ANCHORS.md's low-bit recipe: int3 per group of 128
         w3 = QTensorConfig(qscheme=QSchemeType.per_group, group_size=128, bit_width=3)
-        return Config(QLayerConfig(weight=w3), pre_quant_opt_config=[], algo_config=algo, exclude=["lm_head"])
+        return Config(QLayerConfig(weight=w3), pre_quant_opt_config=[], algo_config=algo, exclude=excluded)
     if recipe == "smoothquant":
-        return Config(QLayerConfig(weight=w8, input_tensors=QTensorConfig()), exclude=["lm_head"],
+        return Config(QLayerConfig(weight=w8, input_tensors=QTensorConfig()), exclude=excluded,
                       pre_quant_opt_config=[algos.SmoothQuantConfig(alpha=0.5)])
-    return Config(QLayerConfig(weight=w4), pre_quant_opt_config=[], algo_config=algo, exclude=["lm_head"])
+    return Config(QLayerConfig(weight=w4), pre_quant_opt_config=[], algo_config=algo, exclude=excluded)
 
 
 def task_speed(args: dict[str, Any]) -> dict[str, Any]:
@@ -448,7 +451,7 @@ def task_speed(args: dict[str, Any]) -> dict[str, Any]:
     rows = [torch.randint(0, vocab, (1, SEQ), generator=generator) for _ in range(args["rows"])]
     if args.get("calib") == "docstrings":  # ANCHORS.md's low-bit data: 128 sequences of 128 tokens, batches of 4
         rows = windows(token_splits()["calib"], 128, 4)
-    _, seconds = _quantize(model, speed_config(args["recipe"]), rows)
+    _, seconds = _quantize(model, speed_config(args["recipe"], args.get("exclude")), rows)
     total = _CPU["seconds"]
     parts = dict(breakdown.seconds)
     parts["overhead"] = total - sum(parts.values())
@@ -494,15 +497,18 @@ def section_roofline(anchor_python: str | None, recipes: list[str], depths: list
     table = []
     for recipe in recipes:
         algorithm, label = SIDE_BY_SIDE[recipe]
+        # Quark 0.13's AWQ asserts that a layer's input width is a multiple of the group size (688 is not): both
+        # sides then keep down_proj in float, the same spec (ours refuses such groups too unless told to pad).
+        both = dict(extra, exclude=["*down_proj"]) if model and recipe == "awq" and INTERMEDIATE % 128 else extra
         for blocks in ([4] if model else depths):
             ours_s: list[float] = []
             quark_s: list[float] = []
             for _ in range(repeats):  # interleaved: the machine's load hits both alike
-                ours = run_child("speed", recipe=recipe, blocks=blocks, rows=rows_count, **extra)
+                ours = run_child("speed", recipe=recipe, blocks=blocks, rows=rows_count, **both)
                 ours_s.append(ours.get("cpu_seconds", float("nan")))
                 if anchor_python:
                     quark = run_anchor(anchor_python, task="speed", recipe=algorithm, blocks=blocks, rows=rows_count,
-                                       bits=3 if recipe == "qronos" else 4, **extra)
+                                       bits=3 if recipe == "qronos" else 4, **both)
                     quark_s.append(quark.get("cpu_seconds", float("nan")))
                     if "error" in quark:
                         print(f"Quark {recipe} {blocks}: {quark['error']}", file=sys.stderr)
@@ -513,7 +519,8 @@ def section_roofline(anchor_python: str | None, recipes: list[str], depths: list
             floor = roofline.floor_seconds(algorithm, block, blocks, rate)
             mine, theirs = _median(ours_s), _median(quark_s)
             gflop = roofline.flops(algorithm, block, blocks) / 1e9
-            table.append([label, f"{blocks}{' trained' if model else ''}", f"{gflop:.0f}",
+            table.append([label + (" (down_proj in float)" if "exclude" in both else ""),
+                          f"{blocks}{' trained' if model else ''}", f"{gflop:.0f}",
                           f"{floor:.2f}", _fmt(mine, ".2f"), _fmt(theirs, ".2f"),
                           f"{mine / theirs:.2f}x" if mine and theirs else "-",
                           f"{mine / floor:.2f}x" if mine else "-", f"{theirs / floor:.2f}x" if theirs else "-",

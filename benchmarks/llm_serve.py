@@ -15,22 +15,22 @@ Rows (each quantized with ``ModelQuantizer`` from the same calibration data):
 * ``KV fp8 / int8 (post-RoPE)``: the same after RoPE (``kv_cache_post_rope=True``, how vLLM applies k_scale).
 * ``fp8 weights+inputs, float KV`` / ``..., KV fp8``: ``LLMTemplate.get("llama").get_config(scheme="fp8",
   kv_cache_scheme="fp8")`` with ``kv_cache_post_rope=True``; the float-KV figure is the same quantized model with its
-  KV quantizers switched off (:func:`quark_brevitas.hf.kv_cache.kv_quantization_disabled`), so the difference is the
-  cache's alone.
+  KV quantizers switched off (:func:`quark_brevitas.model_parts.kv_cache.kv_quantization_disabled`), so the difference
+  is the cache's alone.
 
 The issue's targets (FP8 KV within 0.5 % of the float-KV model, int8 KV within 1 %) are printed from the run's
 rows, with KV bytes per token (keys and values of every layer, one token, at the cache's element size).
 
 MoE (``--moe``, also in the default run): a random Mixtral and a random Qwen2-MoE (4 blocks, 256 wide, 8 experts of
 512, top-2; Qwen2-MoE's shared expert 512 wide) from their configs, experts unfused
-(:func:`quark_brevitas.hf.moe.unfuse_experts`), GPTQ int4 per group of 128 block by block on 32 random sequences of
-128 tokens, in place, after a small warm-up quantization (imports and first uses are not the engine's memory): the
-coverage line the pipeline logs for each block (tokens, routings per expert, the experts all-expert calibration fed),
-the wall seconds per block GPTQ logs (the machine is shared:
-the CPU seconds of the whole call are printed too), one block's weights in bytes and the peak resident memory of the
-process above its level before the call, as allocated-and-alive bytes and as resident memory (:class:`_PeakMemory`),
-against the issue's bound of twice one block; the allocated-and-alive bytes still held after the run (the
-quantized blocks' Brevitas modules) are part of that peak and printed too.
+(:func:`quark_brevitas.model_parts.moe.unfuse_experts`), GPTQ int4 per group of 128 block by block on 32 random
+sequences of 128 tokens, in place, after a small warm-up quantization (imports and first uses are not the engine's
+memory): the coverage line the pipeline logs for each block (tokens, routings per expert, the experts all-expert
+calibration fed), the wall seconds per block GPTQ logs (the machine is shared: the CPU seconds of the whole call are
+printed too), one block's weights in bytes and the peak resident memory of the process above its level before the
+call, as allocated-and-alive bytes and as resident memory (:class:`_PeakMemory`), against the issue's bound of twice
+one block; the allocated-and-alive bytes still held after the run (the quantized blocks' Brevitas modules) are part
+of that peak and printed too.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def _moe_model(family: str, blocks: int = 4, width: int = 256) -> Any:
     expert is as wide as one expert."""
     import transformers
 
-    from quark_brevitas.hf.moe import unfuse_experts
+    from quark_brevitas.model_parts.moe import unfuse_experts
 
     torch.manual_seed(0)
     common = dict(vocab_size=4096, hidden_size=width, num_hidden_layers=blocks, num_attention_heads=4,
@@ -207,7 +207,7 @@ def moe() -> None:
     ModelQuantizer(quant_config).quantize_model(_moe_model("Mixtral", 2, 128), calib[:1], blocks=True, inplace=True)
     gptq_log.disabled = False
     handler = Collect(level=logging.INFO)
-    for name in ("quark_brevitas.hf.moe", "quark_brevitas.algorithms.gptq"):
+    for name in ("quark_brevitas.model_parts.moe", "quark_brevitas.algorithms.gptq"):
         logging.getLogger(name).addHandler(handler)
         logging.getLogger(name).setLevel(logging.INFO)
     for family in ("Mixtral", "Qwen2-MoE"):
@@ -242,7 +242,7 @@ def main() -> None:
 
     from quark_brevitas import ModelQuantizer
     from quark_brevitas.config.template import LLMTemplate
-    from quark_brevitas.hf.kv_cache import kv_quantization_disabled
+    from quark_brevitas.model_parts.kv_cache import kv_quantization_disabled
     from quark_brevitas.types import Dtype
 
     torch.set_num_threads(1)

@@ -17,18 +17,19 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from quark_brevitas.backend import PlannedLayer
 from quark_brevitas.calibration.data import BatchToInputs
 from quark_brevitas.config import Config
 from quark_brevitas.container import Container
-from quark_brevitas.pipeline import Pipeline
-from quark_brevitas.quark_compat.freezing import freeze as _freeze
+from quark_brevitas.errors import UnsupportedArgumentError
+from quark_brevitas.pipeline import Pipeline, require_quantized
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelExporter", "ModelQuantizer"]
+__all__ = ["ModelExporter", "ModelQuantizer", "freeze"]
 
 
 class ModelQuantizer:
@@ -87,8 +88,46 @@ class ModelQuantizer:
     def freeze(model: nn.Module, quantize: bool | None = None, runtime_options: Any = None) -> nn.Module:
         """Fix a quantized model for inference and export (Quark 0.13's ``quantizer.freeze(model)``): eval mode,
         no parameter requires a gradient; returns ``model``. ``layer.weight`` keeps the float weight (``quantize``:
-        ``None`` or ``False``); see :func:`quark_brevitas.quark_compat.freezing.freeze`."""
-        return _freeze(model, quantize, runtime_options)
+        ``None`` or ``False``); see :func:`freeze`."""
+        return freeze(model, quantize, runtime_options)
+
+
+def freeze(model: nn.Module, quantize: bool | None = None, runtime_options: Any = None) -> nn.Module:
+    """``ModelQuantizer.freeze(model)`` (Quark 0.13): fix the quantized ``model`` in place and return it.
+
+    In Quark, freezing replaces each fake quantizer by a frozen one that no longer observes, and by default writes
+    the fake-quantized weight into ``layer.weight``. Here calibration has ended when ``quantize_model`` returns, so
+    freezing fixes what can still move: the model leaves training mode (a QAT model's learned scales and weights
+    stop changing, Dropout and BatchNorm statistics too) and no parameter requires a gradient any more (the flags
+    are stored in a checkpoint and restored by ``load_quantized``).
+
+    - ``quantize``: Quark's "write the fake-quantized weight into ``layer.weight``". ``None`` (the default) and
+      ``False`` keep the float weight: Brevitas quantizes it in every forward call, and the exporters read the
+      integer codes from the layer's own quantizer (writing the rounded weight back would make a re-quantization of
+      it choose another scale for the full-range grids); the quantized weight is ``layer.quant_weight()``.
+      ``True`` is refused.
+    - ``runtime_options``: Quark's native inference kernels; only ``None``.
+    """
+    model = require_quantized(model, "ModelQuantizer.freeze")
+    if quantize is not None and not isinstance(quantize, bool):
+        raise UnsupportedArgumentError("ModelQuantizer.freeze", "quantize", quantize, "is not a bool",
+                                       "None or False")
+    if quantize:
+        raise UnsupportedArgumentError(
+            "ModelQuantizer.freeze", "quantize", quantize,
+            "asks for the fake-quantized weight in layer.weight; quark_brevitas keeps the float weight there "
+            "(Brevitas quantizes it in forward, the exporters read the codes from its quantizer) and gives the "
+            "quantized one as layer.quant_weight()", "None or False")
+    if runtime_options is not None:
+        raise UnsupportedArgumentError("ModelQuantizer.freeze", "runtime_options", type(runtime_options).__name__,
+                                       "selects Quark's native inference kernels, which quark_brevitas does not have "
+                                       "(its quantized model runs on plain PyTorch)", "None")
+    model.eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+    logger.info("Froze %s (eval mode, no gradients)", type(model).__name__)
+    return model
 
 
 class ModelExporter:

@@ -46,6 +46,16 @@ class CheckpointError(QuarkBrevitasError):
     :mod:`quark_brevitas.checkpoint` re-exports it)."""
 
 
+class UnsupportedArgumentError(ConfigError, TypeError):
+    """A Quark 0.13 argument value quark_brevitas cannot honour (a ``ValueError`` and a ``TypeError``, as a wrong
+    argument to the function would be). ``path`` is ``function(argument)``; the message says why and what is
+    allowed. Defined here, below every room, because ``ModelQuantizer.freeze`` (the api) raises it as well as the
+    Quark-compatibility functions."""
+
+    def __init__(self, function: str, argument: str, value: object, why: str, allowed: str) -> None:
+        super().__init__(f"{function}({argument})", f"{value!r} {why}; allowed: {allowed}")
+
+
 class UnsupportedAlgorithmError(QuarkBrevitasError):
     """The installed Brevitas cannot run the requested algorithm."""
 

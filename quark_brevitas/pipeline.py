@@ -37,6 +37,7 @@ from torch import nn
 from quark_brevitas.algorithms import SavedStructure, handler_for
 from quark_brevitas.algorithms.ties import run_untied
 from quark_brevitas.backend import PlannedLayer
+from quark_brevitas.blocks.stack import RUN_STACK, find_block_stack
 from quark_brevitas.brevitas_adapter import current_shard, discard_handed_over_outputs, require_equal_shares
 from quark_brevitas.calibration.data import BatchToInputs, CalibrationData, model_device_dtype
 from quark_brevitas.calibration.threads import threads_per_process
@@ -44,23 +45,29 @@ from quark_brevitas.config import Config, verify_config
 from quark_brevitas.config.algorithms import BiasCorrection
 from quark_brevitas.container import Container
 from quark_brevitas.errors import CalibrationDataError, ModelError
-from quark_brevitas.hf.kv_cache import attach_kv_quantizers, finish_kv_calibration, kv_targets
-from quark_brevitas.hf.moe import log_expert_coverage
-from quark_brevitas.hf.moe_calibration import all_expert_calibration
-from quark_brevitas.orchestration.block_runs import (
-    blockwise_obstacle,
-    choose_block_stack,
-    named_decoder_layers,
-    quantize_blocks,
-)
+from quark_brevitas.model_parts.kv_cache import attach_kv_quantizers, finish_kv_calibration, kv_targets
+from quark_brevitas.model_parts.moe import log_expert_coverage
+from quark_brevitas.model_parts.moe_calibration import all_expert_calibration
+from quark_brevitas.orchestration.block_runs import blockwise_obstacle, named_decoder_layers, quantize_blocks
 from quark_brevitas.resolve import Resolver
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CONFIG_ATTRIBUTE", "DataPlan", "Pipeline", "SavedStructure", "restrict_structure"]
+__all__ = ["CONFIG_ATTRIBUTE", "DataPlan", "Pipeline", "SavedStructure", "require_quantized", "restrict_structure"]
 
 #: Attribute under which the pipeline leaves the Config on the quantized model (read by save_quantized).
 CONFIG_ATTRIBUTE = "quark_brevitas_config"
+
+
+def require_quantized(model: Any, function: str) -> nn.Module:
+    """``model`` if it is a model the pipeline quantized (it carries :data:`CONFIG_ATTRIBUTE`; so do the models the
+    checkpoint loaders return), else a :class:`ModelError` naming ``function``."""
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"{function}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, CONFIG_ATTRIBUTE, None) is None:
+        raise ModelError(f"{function}: {type(model).__name__} was not quantized by quark_brevitas (it carries no "
+                         "quark_brevitas config); pass the model ModelQuantizer(config).quantize_model returned")
+    return model
 
 
 
@@ -300,26 +307,13 @@ class Pipeline:
         if offload is not None and offload != "disk" and not isinstance(offload, str | os.PathLike):
             raise TypeError(f"offload must be None, 'disk' or a directory path, got {type(offload).__name__}")
         plan = self.prepare(model, calib_loader, batch_to_inputs=batch_to_inputs, distributed=distributed)
-        data, activations, needs_data = plan.data, plan.activations, plan.needs_data
-        stack = choose_block_stack(model, self.config, blocks, needs_data)
+        data = plan.data
+        stack = find_block_stack(model, blocks, self.decoder_layers(), policy=RUN_STACK,
+                                 obstacle=self.blockwise_obstacle())
         start = time.perf_counter()
         with threads_per_process(data.shard if data is not None else None):
             try:
-                if stack is not None:
-                    work = self._quantize_blockwise(model, stack, data, inplace=inplace, offload=offload)
-                else:
-                    work = model if inplace else copy.deepcopy(model)
-                    with all_expert_calibration(work, data if needs_data else None, self.config):
-                        work = self._run_algorithms("pre_quant_opt_config", work, data)
-                        work = self.replace_layers(work)
-                        if self.config.kv_cache_quant_config:
-                            attach_kv_quantizers(work, self.config)
-                        if activations:
-                            logger.info("Applying calibration")
-                            work = self.container.calibrator()(work, data)
-                            finish_kv_calibration(work, self.config)
-                        work = self._run_algorithms("algo_config", work, data)
-                        log_expert_coverage(work)
+                work = self._quantize_blocks(model, stack, data, inplace=inplace, offload=offload)
             except CalibrationDataError as exc:
                 if exc.batch_index is not None and not inplace and data.accepted_by(model, exc.batch_index):
                     raise ModelError(
@@ -358,15 +352,36 @@ class Pipeline:
         if any(isinstance(a, BiasCorrection) for a in self.config.algo_config):
             require_equal_shares(data.loader, data.shard, "BiasCorrection")
 
-    def _quantize_blockwise(self, model: nn.Module, stack: str, data: CalibrationData | None, *, inplace: bool,
-                            offload: str | os.PathLike[str] | None) -> nn.Module:
-        """The block-by-block path (:func:`~quark_brevitas.orchestration.block_runs.quantize_blocks`): the
-        data-free pre-quantization steps first, on the whole model."""
+    def _quantize_blocks(self, model: nn.Module, stack: str | None, data: CalibrationData | None, *, inplace: bool,
+                         offload: str | os.PathLike[str] | None) -> nn.Module:
+        """The run through the one orchestrator (:func:`~quark_brevitas.orchestration.block_runs.quantize_blocks`):
+        with a block stack, the data-free pre-quantization steps first, on the whole model; without one, the whole
+        model is the one block (:meth:`quantize_whole`)."""
         data_free = [_algorithm_name(a) for a in self.config.pre_quant_algorithms() if not a.needs_data]
         prepare = functools.partial(self._run_algorithms, "pre_quant_opt_config", data=None, data_driven=False) \
-            if data_free else None
+            if data_free and stack is not None else None
         return quantize_blocks(self, model, stack, data, inplace=inplace, offload=offload, prepare=prepare,
                                prepared_by=str(data_free))
+
+    def quantize_whole(self, model: nn.Module, data: CalibrationData | None) -> nn.Module:
+        """The data phase and the structure phase on the whole model at once (a model without a block stack is its
+        own one block): every algorithm in list order on its whole-model path, the layers replaced in one step,
+        activations calibrated over the whole model (when the plan has static activation specs, or the KV cache
+        is quantized). ``model`` is changed in place; ``data``: ``None`` when no stage needs data."""
+        activations = data is not None and self._calibrates(self.plan(model),
+                                                            1 if self.config.kv_cache_quant_config else 0)
+        with all_expert_calibration(model, data, self.config):
+            model = self._run_algorithms("pre_quant_opt_config", model, data)
+            model = self.replace_layers(model)
+            if self.config.kv_cache_quant_config:
+                attach_kv_quantizers(model, self.config)
+            if activations:
+                logger.info("Applying calibration")
+                model = self.container.calibrator()(model, data)
+                finish_kv_calibration(model, self.config)
+            model = self._run_algorithms("algo_config", model, data)
+            log_expert_coverage(model)
+        return model
 
     def rebuild(self, float_model: nn.Module, saved: SavedStructure) -> nn.Module:
         """The structure phase alone, on a copy of ``float_model``: the quantized model's structure, for a

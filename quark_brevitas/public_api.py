@@ -39,9 +39,10 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "export_gguf", "export_onnx", "export_safetensors", "import_model_from_safetensors", "load_params",
         "save_params",
     ),
-    "quark_brevitas.backend.graph": ("GraphBackend", "plan_points", "points_table"),
-    "quark_brevitas.hf.kv_cache": ("kv_quantization_disabled", "kv_scales"),
-    "quark_brevitas.hf.moe": ("unfuse_experts",),
+    "quark_brevitas.backend.graph": ("FINN_QAT_RECIPE", "GraphBackend", "end_layers", "finn_config", "plan_points",
+                                     "points_table"),
+    "quark_brevitas.model_parts.kv_cache": ("kv_quantization_disabled", "kv_scales"),
+    "quark_brevitas.model_parts.moe": ("unfuse_experts",),
     "quark_brevitas.quark_compat": (
         "export_gguf", "export_onnx", "export_safetensors", "import_model_from_safetensors", "load_params",
         "save_params",
@@ -99,7 +100,8 @@ PUBLIC: dict[str, tuple[str, ...]] = {
 DEPRECATED_SINCE = "0.2.0"
 
 #: Old modules moved by a later release than :data:`DEPRECATED_SINCE` -> that release.
-MOVED_SINCE: dict[str, str] = {"quark_brevitas.export.qonnx": "0.3.0", "quark_brevitas.export.blocked": "0.3.0"}
+MOVED_SINCE: dict[str, str] = {"quark_brevitas.export.qonnx": "0.3.0", "quark_brevitas.export.blocked": "0.3.0",
+                               "quark_brevitas.hf.kv_cache": "0.4.0", "quark_brevitas.hf.moe": "0.4.0"}
 
 #: Old module (a shim now) -> {public name it had: the module it lives in now}. Each old module was documented
 #: (README, examples) before 0.2.0 and removed by a reorganisation.
@@ -139,6 +141,14 @@ MOVED: dict[str, dict[str, str]] = {
     "quark_brevitas.export.blocked": dict.fromkeys(
         ("BLOCKED_OPSET", "PlannedWeight", "float_weights", "insert_dequantize", "needs_plan", "plan_weights",
          "weight_format"), "quark_brevitas.export.onnx.blocked"),
+    # 0.4.0: the KV-cache and mixture-of-experts parts of a model moved below the pipeline (it attaches them).
+    "quark_brevitas.hf.kv_cache": dict.fromkeys(
+        ("KVCacheQuantizer", "KVScales", "QuantizingCache", "attach_kv_quantizers", "fake_quantize",
+         "finish_kv_calibration", "kv_plan_lines", "kv_quantization_disabled", "kv_scales", "kv_targets"),
+        "quark_brevitas.model_parts.kv_cache"),
+    "quark_brevitas.hf.moe": dict.fromkeys(
+        ("ExpertMLP", "UnfusedExperts", "expert_coverage", "log_expert_coverage", "unfuse_experts"),
+        "quark_brevitas.model_parts.moe"),
     "quark_brevitas.ties": dict.fromkeys(
         ("TiedGroup", "run_untied", "tied_groups", "untie_differing"), "quark_brevitas.algorithms.ties"),
     "quark_brevitas.dtypes": {

@@ -38,7 +38,14 @@ import torch
 from brevitas.core.function_wrapper.ops_ste import CeilSte, FloorSte, RoundSte
 from brevitas.core.restrict_val import RestrictValueType
 from brevitas.core.scaling import IntScaling, ScalingImplType
-from brevitas.core.stats import AbsMinMax, NegativeMinOrZero, NegativePercentileOrZero, PercentileInterval, StatsOp
+from brevitas.core.stats import (
+    AbsMinMax,
+    NegativeMinOrZero,
+    NegativePercentileOrZero,
+    PercentileInterval,
+    SignedAbsMax,
+    StatsOp,
+)
 from brevitas.core.zero_point import ParameterFromStatsFromParameterZeroPoint
 from brevitas.inject.enum import ScalingPerOutputType
 from brevitas.proxy.groupwise_float_parameter_quant import GroupwiseWeightFloatQuantProxyFromInjector
@@ -65,6 +72,7 @@ from quark_brevitas.config.checks import (
     DYNAMIC_PER_TENSOR,
     DYNAMIC_PER_TOKEN,
     FLOAT,
+    FLOAT16_SIGNIFICANT_BITS,
     INT,
     MX,
     PER_CHANNEL,
@@ -269,6 +277,15 @@ def _scale_lets(spec: QuantizationSpec) -> dict[str, Any]:
     if spec.scale_type is ScaleType.float16:
         return {"restrict_scale_threshold_impl": Float16ScaleRestrict,
                 "scale_significant_bits": float16_scale_bits(spec)}
+    if spec.scale_type is ScaleType.gguf_0:
+        # llama.cpp's Q4_0 / Q5_0 scale: d = (the group's signed largest-magnitude weight) / -2^(b-1), so that
+        # weight lands on the most negative code exactly and the step is max|w| / 2^(b-1) (finer than the full
+        # range's max|w| / (2^(b-1) - 1/2)); Brevitas's SignedAbsMax is that statistic negated, its IntScaling
+        # of the full range divides by 2^(b-1). Brevitas's signed-float restriction (not its default, which takes
+        # |scale|) and the float16 rounding keep the sign.
+        return {"restrict_scale_threshold_impl": Float16ScaleRestrict,
+                "scale_significant_bits": FLOAT16_SIGNIFICANT_BITS, "scaling_stats_impl": SignedAbsMax,
+                "restrict_scaling_type": RestrictValueType.SIGNED_FP}
     if spec.scale_type is ScaleType.gguf_k:
         kquant = KQUANT_BY_BITS[spec.bit_width]
         return {"restrict_scale_threshold_impl": KQuantScaleRestrict,
@@ -387,7 +404,7 @@ def _range_lets(spec: QuantizationSpec) -> dict[str, Any]:
     ``2^(b-1)`` keeps the scale a power of two."""
     if narrow_range_of(spec):
         return {"narrow_range": True}
-    if spec.scale_type is ScaleType.pof2:
+    if spec.scale_type in (ScaleType.pof2, ScaleType.gguf_0):  # their own divisor, 2^(b-1)
         return {"narrow_range": False}
     return {"narrow_range": False, "int_scaling_impl": HalfStepIntScaling}
 

@@ -7,6 +7,10 @@ import torch
 
 from quark_brevitas.cli.digits import DigitsData, load_digits_data, train_digits_cnn
 
+# Checks shared by several test modules live in tests/helpers/ (e.g. helpers.rounding_checks): their asserts report
+# the values compared, as a test module's do.
+pytest.register_assert_rewrite("helpers")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():

@@ -21,6 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers.llm_models import INT4_G32, logits, tiny_llama, token_batches, weight_only_config  # noqa: E402
+from helpers.llm_recipes import RECIPES  # noqa: E402
 
 from quark_brevitas import ModelExporter, ModelQuantizer, load_quantized, save_quantized  # noqa: E402
 from quark_brevitas.brevitas_adapter import QuantLayer  # noqa: E402
@@ -34,7 +35,6 @@ from quark_brevitas.config import (  # noqa: E402
     RotationConfig,
 )
 from quark_brevitas.config.presets import get_preset  # noqa: E402
-from tests.algorithms.test_llm_codes_snapshot import RECIPES  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 

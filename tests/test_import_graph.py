@@ -18,7 +18,9 @@ Rooms (the top-level modules and packages of ``quark_brevitas``) form layers, fr
 :data:`LAYERS`; rooms on one line are peers and import neither each other nor anything above):
 
 1. ``version``, ``errors`` -- 2. ``outputs``, ``extras`` -- 3. ``config`` (plain data) -- 4. ``brevitas_adapter``
-(the one door to Brevitas) -- 5. ``calibration`` (calibration data, activation statistics) -- 6. ``quantizers``,
+(the one door to Brevitas) -- 5. ``calibration`` (calibration data, activation statistics), ``model_parts`` (the
+KV-cache quantizers of attention modules, mixture-of-experts experts: what the data phase attaches beyond the layer
+map and the exporters read) -- 6. ``quantizers``,
 ``resolve`` -- 7. ``backend`` (the layer map, layer-wise quantization) -- 8. ``blocks`` (the block engine: capture,
 replay, stores, sources, the stack finder), ``export`` (writers of a quantized model), ``qat`` -- 9. ``container``
 (dependency injection of the layer map and exporters) -- 10. ``algorithms`` -- 11. ``orchestration`` (what a
@@ -28,10 +30,9 @@ nothing inside imports: ``__main__``, the package ``__init__`` (the public API, 
 shims ``algos`` and ``types`` (public for users; internal code imports :mod:`quark_brevitas.config` instead).
 
 ``export`` sits below ``pipeline`` because the dependency-injection ``container`` (which the pipeline holds) makes
-the exporters; ``blocks`` imports no algorithm, checkpoint or pipeline module. The imports that still run
-upward (``config.schema`` -> ``backend`` and the known debt of 0.2.0) are listed, with the reason, in
-:data:`UPWARD_EXCEPTIONS`; a listed exception that is no longer needed fails
-the test too, so the list only shrinks.
+the exporters; ``blocks`` imports no algorithm, checkpoint or pipeline module. The one import that still runs
+upward (``config.schema`` -> ``backend``, lazy) is listed, with the reason, in :data:`UPWARD_EXCEPTIONS`; a listed
+exception that is no longer needed fails the test too, so the list only shrinks.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("outputs", "extras"),
     ("config",),
     ("brevitas_adapter",),
-    ("calibration",),
+    ("calibration", "model_parts"),
     ("quantizers", "resolve"),
     ("backend",),
     ("blocks", "export", "qat"),
@@ -238,23 +239,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
     (f"{PACKAGE}.config.schema", f"{PACKAGE}.backend"):
         "the JSON schema for editors lists the layer types of the library's layer map; the import is inside "
-        "config_json_schema(), so loading a config never imports the backend (and torch)",
-    # Known debt of 0.2.0 (issue 28 stays open for them): no import cycle follows (test above), but these
-    # modules do not yet sit where the layer order puts them.
-    (f"{PACKAGE}.api", f"{PACKAGE}.quark_compat.freezing"):
-        "ModelQuantizer.freeze is Quark 0.13's name; its body lives with Quark's other functions in quark_compat",
-    (f"{PACKAGE}.export.gguf.plan", f"{PACKAGE}.api"):
-        "the GGUF early check quantizes a two-row stand-in layer per spec with the pipeline the run will use",
-    (f"{PACKAGE}.export.plan_checks", f"{PACKAGE}.api"):
-        "every format's early check quantizes a two-row stand-in layer per spec with the pipeline the run will use",
-    (f"{PACKAGE}.export.hf.kv_scales", f"{PACKAGE}.hf.kv_cache"):
-        "the KV-cache scales a Hugging Face folder records are read from the model's KV quantizers (hf/)",
-    (f"{PACKAGE}.pipeline", f"{PACKAGE}.hf.kv_cache"):
-        "the data phase attaches and calibrates the KV-cache quantizers of Hugging Face attention modules",
-    (f"{PACKAGE}.pipeline", f"{PACKAGE}.hf.moe"):
-        "the data phase logs how many tokens each mixture-of-experts expert saw",
-    (f"{PACKAGE}.pipeline", f"{PACKAGE}.hf.moe_calibration"):
-        "the data phase feeds every token to the experts routing leaves (nearly) unseen (all-expert calibration)",
+        "config_json_schema(), so loading a config never imports the backend (and torch); the documented module "
+        "(and `python -m quark_brevitas.config.schema`) keeps its place in config",
 }
 
 

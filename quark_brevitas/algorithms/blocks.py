@@ -37,7 +37,7 @@ from quark_brevitas.algorithms.structure import (
 )
 from quark_brevitas.blocks.capture import blocks_are_chained
 from quark_brevitas.blocks.engine import BlockwiseEngine
-from quark_brevitas.brevitas_adapter import int_weight_format
+from quark_brevitas.brevitas_adapter import int_weight_format, int_weight_formats_remembered
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ConfigError
 
@@ -137,7 +137,8 @@ class BlockwiseHandler(AlgorithmHandler):
         engine already chains the blocks); layers outside the blocks are left alone, as :meth:`apply` leaves
         them (these algorithms work on decoder layers)."""
         if block:
-            self.apply_block(algo, unit, data, name)
+            with int_weight_formats_remembered():  # each layer's format read once per block (see there)
+                self.apply_block(algo, unit, data, name)
         return unit
 
     def apply(self, algo: Any, model: nn.Module, data: CalibrationData | None) -> nn.Module:
@@ -148,7 +149,8 @@ class BlockwiseHandler(AlgorithmHandler):
         model.eval()
         structure = self.structure(algo, model)
         if structure.decoder_layers is None:
-            self.apply_block(algo, model, data, "")
+            with int_weight_formats_remembered():
+                self.apply_block(algo, model, data, "")
             return model
         stack = model.get_submodule(structure.decoder_layers)
         chained = len(stack) == 1 or blocks_are_chained(model, list(stack), data, f"{algo.name}: decoder layers")

@@ -40,13 +40,14 @@ from torch import nn
 
 from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
+from quark_brevitas.algorithms.column_kernel import round_columns
+from quark_brevitas.algorithms.hessians import HessianPass
 from quark_brevitas.algorithms.magr import magnitude_reduced
 from quark_brevitas.algorithms.narrowing import Narrowing
 from quark_brevitas.algorithms.scaling import layer_inputs, linear_weight, set_linear_weight
 from quark_brevitas.algorithms.structure import is_linear
 from quark_brevitas.blocks.capture import UntilStopped
 from quark_brevitas.brevitas_adapter import (
-    StopFwdException,
     WeightGrid,
     int_weight_format,
     layer_outputs_remembered,
@@ -54,6 +55,7 @@ from quark_brevitas.brevitas_adapter import (
     weight_grid,
 )
 from quark_brevitas.calibration.data import CalibrationData
+from quark_brevitas.calibration.stacking import Stacked, stacked_batches
 from quark_brevitas.config.algorithms import GPTQConfig
 from quark_brevitas.errors import ModelError
 
@@ -126,12 +128,18 @@ class ColumnRounding:
     quantized: torch.Tensor
     losses: torch.Tensor
     groups_started: set[int] = field(default_factory=set)
+    #: Dynamic groups: the grid ``grid_for`` last returned, which it computed from ``scale_source`` as it still is
+    #: (each group's start writes the group's values there and re-initialises the grid from it).
+    last_grid: WeightGrid | None = None
 
     @classmethod
     def start(cls, weight: torch.Tensor, hessian: torch.Tensor, grid_for: Any, *, act_order: bool, group_size: int,
               static_groups: bool) -> tuple[ColumnRounding, torch.Tensor]:
         """The state for ``weight`` (``[out, in]``) and the Hessian of its inputs (returned permuted, with dead
-        inputs' diagonal set to 1 and their weight columns to 0)."""
+        inputs' diagonal set to 1 and their weight columns to 0).
+
+        With dynamic groups the group of the first column in processing order counts as started: its grid from
+        the weight as updated so far is this first grid (nothing is updated before that column)."""
         work = weight.detach().float().clone()
         hessian = hessian.detach().float()
         dead = torch.diag(hessian) == 0
@@ -146,9 +154,10 @@ class ColumnRounding:
         grid = first._replace(scale=first.scale[:, perm].clone(), zero_point=first.zero_point[:, perm].clone())
         if act_order:  # in processing order (without act_order that is the order they are in: no copies)
             work, hessian = work[:, perm], hessian[perm][:, perm]
-        state = cls(work, grid, perm, torch.argsort(perm), scale_source, grid_for, group_size,
-                    group_size > 0 and not static_groups, torch.zeros_like(work),
-                    torch.zeros(work.shape[0], dtype=work.dtype, device=work.device))
+        dynamic = group_size > 0 and not static_groups
+        state = cls(work, grid, perm, torch.argsort(perm), scale_source, grid_for, group_size, dynamic,
+                    torch.zeros_like(work), torch.zeros(work.shape[0], dtype=work.dtype, device=work.device),
+                    {int(perm[0]) // group_size} if dynamic else set(), first)
         return state, hessian
 
     def group_starts(self) -> set[int]:
@@ -163,60 +172,110 @@ class ColumnRounding:
                 starts.add(column)
         return starts
 
-    def _start_group(self, column: int, block: torch.Tensor, offset: int, stop: int) -> None:
-        """Dynamic groups: the grid of ``column``'s group from the weight as updated so far."""
+    def _start_group(self, column: int, block: torch.Tensor, offset: int, stop: int) -> bool:
+        """Dynamic groups: the grid of ``column``'s group from the weight as updated so far (``block``: the
+        current block's columns, ``offset`` the column's place in it); whether the group started here.
+
+        The group's columns (all at ``column`` or later in processing order: ``column`` is the first of them)
+        take their current values, from the block or, past it, from the weight; they are written into
+        ``scale_source`` and the quantizer is re-initialised from that, its other groups holding the values they
+        started with (a group's scale depends on its own values; :meth:`result` checks that the final grid is
+        the one the columns were rounded on). The last group's start thus leaves the quantizer initialised from
+        the final ``scale_source``."""
         group = int(self.perm[column]) // self.group_size
         if group in self.groups_started:
-            return
+            return False
         self.groups_started.add(group)
-        current = self.work.clone()
-        current[:, column:stop] = block[:, offset:]
-        current = current[:, self.inverse_perm]
-        fresh = self.grid_for(current)
-        members = torch.arange(group * self.group_size, min((group + 1) * self.group_size, current.shape[1]))
-        self.grid.scale[:, self.inverse_perm[members]] = fresh.scale[:, members]
-        self.grid.zero_point[:, self.inverse_perm[members]] = fresh.zero_point[:, members]
-        self.scale_source[:, members] = current[:, members]
+        members = torch.arange(group * self.group_size, min((group + 1) * self.group_size, self.work.shape[1]))
+        positions = self.inverse_perm[members]
+        values = self.work[:, positions]
+        inside = positions < stop
+        values[:, inside] = block[:, positions[inside] - (column - offset)]
+        self.scale_source[:, members] = values
+        fresh = self.grid_for(self.scale_source)
+        self.grid.scale[:, positions] = fresh.scale[:, members]
+        self.grid.zero_point[:, positions] = fresh.zero_point[:, members]
+        self.last_grid = fresh
+        return True
 
     def round_from(self, first_column: int, factor: torch.Tensor, block_size: int) -> None:
         """Round columns ``first_column:`` (in processing order), compensating each column's error on the
         columns not yet rounded with ``factor`` (:func:`inverse_hessian_factor`): rank-1 updates inside blocks of
-        ``block_size`` columns, one matrix product between blocks (AutoGPTQ's lazy batch)."""
+        ``block_size`` columns, one matrix product between blocks (AutoGPTQ's lazy batch). Inside a block the
+        columns go through :func:`~quark_brevitas.algorithms.column_kernel.round_columns` (NumPy, the same
+        operations) when the grid rounds and clamps as Brevitas's plain quantizer does and everything is float32
+        on the CPU; otherwise through torch."""
         columns = self.work.shape[1]
         starts = self.group_starts()
-        quantize = self.grid.column_quantizer()
+        numpy_loop = self._numpy_loop(factor)
         for start in range(first_column, columns, block_size):
             stop = min(start + block_size, columns)
-            block = self.work[:, start:stop].clone()
-            block_error = torch.zeros_like(block)
-            block_delta = torch.empty_like(block)
-            block_factor = factor[start:stop, start:stop]
-            diagonal = block_factor.diagonal()
-            # Views into the grid, sliced once per block: a dynamic group's fresh scale written into the grid by
-            # _start_group shows through them.
-            scale, zero_point = self.grid.scale[:, start:stop], self.grid.zero_point[:, start:stop]
-            rounded_block = self.quantized[:, start:stop]
-            width = stop - start
-            for offset in range(width):
-                column = start + offset
-                if column in starts:
-                    self._start_group(column, block, offset, stop)
-                values = block[:, offset]
-                rounded = quantize(values, scale[:, offset], zero_point[:, offset])
-                rounded_block[:, offset] = rounded
-                delta = torch.sub(values, rounded, out=block_delta[:, offset])
-                error = torch.div(delta, diagonal[offset], out=block_error[:, offset])
-                if offset + 1 < width:  # the rounded column itself is not read again: only the later ones
-                    block[:, offset + 1:].sub_(error[:, None] * block_factor[offset, offset + 1:][None, :])
+            if numpy_loop:
+                block_error, block_delta = self._round_block_numpy(start, stop, factor, starts)
+            else:
+                block_error, block_delta = self._round_block_torch(start, stop, factor, starts)
+            diagonal = factor[start:stop, start:stop].diagonal()
             self.losses += (block_delta ** 2 / diagonal[None, :] ** 2 / 2).sum(dim=1)
             self.work[:, stop:] -= block_error @ factor[start:stop, stop:]
+
+    def _numpy_loop(self, factor: torch.Tensor) -> bool:
+        tensors = (self.work, self.grid.scale, self.grid.zero_point, factor, self.grid.min_int, self.grid.max_int)
+        return self.grid.plain_rounding() and all(t.dtype == torch.float32 and t.device.type == "cpu"
+                                                  for t in tensors)
+
+    def _round_block_torch(self, start: int, stop: int, factor: torch.Tensor, starts: set[int]
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Columns ``start:stop`` with torch operations: the block's errors and rounding deltas ``[out, width]``."""
+        quantize = self.grid.column_quantizer()
+        block = self.work[:, start:stop].clone()
+        block_error = torch.zeros_like(block)
+        block_delta = torch.empty_like(block)
+        block_factor = factor[start:stop, start:stop]
+        diagonal = block_factor.diagonal()
+        # Views into the grid, sliced once per block: a dynamic group's fresh scale written into the grid by
+        # _start_group shows through them.
+        scale, zero_point = self.grid.scale[:, start:stop], self.grid.zero_point[:, start:stop]
+        rounded_block = self.quantized[:, start:stop]
+        width = stop - start
+        for offset in range(width):
+            column = start + offset
+            if column in starts:
+                self._start_group(column, block, offset, stop)
+            values = block[:, offset]
+            rounded = quantize(values, scale[:, offset], zero_point[:, offset])
+            rounded_block[:, offset] = rounded
+            delta = torch.sub(values, rounded, out=block_delta[:, offset])
+            error = torch.div(delta, diagonal[offset], out=block_error[:, offset])
+            if offset + 1 < width:  # the rounded column itself is not read again: only the later ones
+                block[:, offset + 1:].sub_(error[:, None] * block_factor[offset, offset + 1:][None, :])
+        return block_error, block_delta
+
+    def _round_block_numpy(self, start: int, stop: int, factor: torch.Tensor, starts: set[int]
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_round_block_torch` through :func:`round_columns` on transposed copies (``[width, out]``),
+        stopping where a dynamic group starts to take its grid from the block as updated so far."""
+        values = self.work[:, start:stop].t().contiguous()
+        scale = self.grid.scale[:, start:stop].t().contiguous()
+        zero_point = self.grid.zero_point[:, start:stop].t().contiguous()
+        rounded, delta, error = (torch.empty_like(values) for _ in range(3))
+        block_factor = factor[start:stop, start:stop]
+        low, high = float(self.grid.min_int), float(self.grid.max_int)
+        width = stop - start
+        cuts = sorted({0, width, *(column - start for column in starts if start <= column < stop)})
+        for first, last in zip(cuts, cuts[1:]):
+            if start + first in starts and self._start_group(start + first, values.t(), first, stop):
+                scale[first:] = self.grid.scale[:, start + first:stop].t()
+                zero_point[first:] = self.grid.zero_point[:, start + first:stop].t()
+            round_columns(values, scale, zero_point, low, high, block_factor, rounded, delta, error, first, last)
+        self.quantized[:, start:stop] = rounded.t()
+        return error.t().contiguous(), delta.t().contiguous()
 
     def result(self) -> GPTQResult:
         """The rounded weight in the original column order; with dynamic groups, whether the quantizer keeps the
         grid the groups were rounded on (it does if groups' scales are independent of each other)."""
         on_grid = True
         if self.dynamic:
-            final = self.grid_for(self.scale_source)
+            final = self.last_grid if self.last_grid is not None else self.grid_for(self.scale_source)
             on_grid = torch.equal(final.scale[:, self.perm], self.grid.scale) and \
                 torch.equal(final.zero_point[:, self.perm], self.grid.zero_point)
         return GPTQResult(self.quantized[:, self.inverse_perm], self.scale_source, float(self.losses.sum()), on_grid)
@@ -224,17 +283,26 @@ class ColumnRounding:
 
 def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, grid_for: Any, *, damp_percent: float,
                  act_order: bool, group_size: int, static_groups: bool, block_size: int = BLOCK_SIZE,
-                 damp: float | None = None) -> GPTQResult:
+                 damp: float | None = None, factors: dict[Any, Any] | None = None) -> GPTQResult:
     """GPTQ on one ``[out, in]`` weight with the Hessian of its inputs; ``grid_for(tensor) -> WeightGrid``
     initialises the layer's quantizer from ``tensor`` and returns its grid (see the module docstring). The
-    dampening is ``damp_percent * mean(diag H)``, or ``damp`` when given (an absolute value)."""
-    state, hessian = ColumnRounding.start(weight, hessian, grid_for, act_order=act_order, group_size=group_size,
-                                          static_groups=static_groups)
+    dampening is ``damp_percent * mean(diag H)``, or ``damp`` when given (an absolute value).
+
+    ``factors``: a dict shared by the layers of one group, which remembers the factor of the inverse Hessian per
+    Hessian *object*: layers reading one input (q/k/v, gate/up) get the same Hessian tensor
+    (:meth:`HessianPass.averaged`), hence the same factor, computed once."""
+    state, permuted = ColumnRounding.start(weight, hessian, grid_for, act_order=act_order, group_size=group_size,
+                                           static_groups=static_groups)
     if damp is None:
-        damp = damp_percent * torch.mean(torch.diag(hessian))
-    factor = inverse_hessian_factor(hessian, damp)
-    del hessian  # its factor is all the columns need
-    state.round_from(0, factor, block_size)
+        damp = damp_percent * torch.mean(torch.diag(permuted))
+    key = (id(hessian), act_order, float(damp))
+    cached = factors.get(key) if factors is not None else None
+    if cached is None or cached[0] is not hessian:
+        cached = (hessian, inverse_hessian_factor(permuted, damp))
+        if factors is not None:
+            factors[key] = cached  # the Hessian is kept with it, so that its id is not reused meanwhile
+    del permuted  # (a copy, with act_order or dead inputs) its factor is all the columns need
+    state.round_from(0, cached[1], block_size)
     return state.result()
 
 
@@ -252,104 +320,6 @@ def warn_few_samples(algorithm: str, where: str, samples: dict[str, int], featur
                    "result may be worse than rounding to nearest; give at least %d samples (several times more is "
                    "better), e.g. more or longer calibration sequences", algorithm, f" on {where}" if where else "",
                    len(short), listed, more, need)
-
-
-@dataclass
-class HessianPass:
-    """What one pass over a block's inputs collects: per-layer Hessian sums and sample counts. On the first batch
-    it records the order in which layers are first called and the object each is called with, which decides the
-    group of layers this pass is for (``sequential``: the layers sharing the first layer's input; otherwise all);
-    from the second batch on only that group's Hessians are accumulated, and the batch stops (StopFwdException)
-    as soon as every layer of the group has had as many calls as in the first batch: the rest of the block
-    would compute nothing this pass uses (in a transformer block, the passes for q/k/v, o and the MLP's first
-    layer skip the MLP).
-
-    Layers called with the same object (q/k/v, gate/up) share one product ``X^T X``: it is computed once per
-    call and added to each layer's sum, the very same values as one product per layer. When the whole group
-    reads one input once per batch (``shortcut``, the sequential case of a transformer block), the batch stops
-    at the group's first call, crediting every layer of the group with that input: the other layers' calls would
-    only repeat the product, and their outputs are never used (the pass stops before anything reads them)."""
-
-    sequential: bool
-    hessians: dict[str, torch.Tensor] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
-    #: On the first batch, for each layer in the order of their first calls: whether that call read the object
-    #: the first layer was called with (``first_object``, the one input kept alive until the group is known).
-    first_calls: dict[str, bool] = field(default_factory=dict)
-    first_object: Any = None
-    group: list[str] | None = None
-    calls_per_batch: dict[str, int] = field(default_factory=dict)
-    this_batch: dict[str, int] = field(default_factory=dict)
-    #: Whether a batch may stop at the group's first call (see the class docstring; subclasses that need every
-    #: layer's own call, as Qronos's cross products do, turn it off).
-    shortcut: bool = True
-    one_input: bool = False
-    last_product: tuple[Any, int, torch.Tensor] | None = None
-    #: Called with the group once it is known (after the first batch that called a layer of it).
-    on_group: Any = None
-
-    def _product(self, rows: torch.Tensor, raw: Any) -> torch.Tensor:
-        """``rows^T rows``, computed once for consecutive calls with the same object (not modified in between)."""
-        version = getattr(raw, "_version", None)
-        if self.last_product is not None and self.last_product[0] is raw and self.last_product[1] == version:
-            return self.last_product[2]
-        product = rows.t() @ rows
-        self.last_product = (raw, version, product)
-        return product
-
-    def _accumulate(self, name: str, product: torch.Tensor, samples: int) -> None:
-        if name in self.hessians:
-            self.hessians[name] += product
-        else:
-            self.hessians[name] = product.clone()
-        self.counts[name] = self.counts.get(name, 0) + samples
-        self.this_batch[name] = self.this_batch.get(name, 0) + 1
-
-    def add(self, name: str, rows: torch.Tensor, raw: Any) -> None:
-        if self.group is None:
-            if not self.first_calls:
-                self.first_object = raw
-            shares = self.first_calls.setdefault(name, raw is self.first_object)
-            # Sequential: the group is the layers first called with the first layer's input object, known at once;
-            # the other layers' Hessians (every expert's, in a mixture-of-experts block) are not computed only to
-            # be dropped after the batch, which held about one block's worth of Hessians at a time.
-            if self.sequential and not shares:
-                self.this_batch[name] = self.this_batch.get(name, 0) + 1
-                return
-        elif name not in self.group:
-            return
-        product = self._product(rows, raw)
-        if self.one_input:
-            for member in self.group:
-                self._accumulate(member, product, rows.shape[0])
-            self.last_product = None
-            raise StopFwdException
-        self._accumulate(name, product, rows.shape[0])
-        if self.group is not None and all(self.this_batch.get(n, 0) >= c for n, c in self.calls_per_batch.items()):
-            self.last_product = None
-            raise StopFwdException
-
-    def averaged(self, data: CalibrationData, name: str, *sums: dict[str, torch.Tensor]
-                 ) -> tuple[int, list[torch.Tensor]]:
-        """``(samples, [Hessian, *sums])`` of layer ``name`` over every process (summed, then divided by the samples
-        of all processes): ``sums`` are further per-layer sums collected alongside (Qronos's cross products)."""
-        count = torch.tensor(float(self.counts[name]))
-        data.all_reduce(count, "sum")
-        return int(count), [data.all_reduce(tensors[name], "sum") / count for tensors in (self.hessians, *sums)]
-
-    def batch_done(self, _index: int, _output: Any) -> None:
-        if self.group is None and self.first_calls:
-            self.group = [name for name, shares in self.first_calls.items() if shares or not self.sequential]
-            self.first_calls.clear()
-            self.first_object = None  # the first batch's input need not be kept alive any longer
-            for name in [n for n in self.hessians if n not in self.group]:
-                del self.hessians[name], self.counts[name]
-            self.calls_per_batch = {name: self.this_batch[name] for name in self.group}
-            self.one_input = self.shortcut and self.sequential and set(self.calls_per_batch.values()) == {1}
-            if self.on_group is not None:
-                self.on_group(self.group)
-        self.this_batch = {}
-        self.last_product = None
 
 
 @register(GPTQConfig)
@@ -370,7 +340,8 @@ class GPTQConfigHandler(BlockwiseHandler):
             "all at once"
         return [*lines, f"layers per block ({how}; {order}): {', '.join(layers) or '-'}"]
 
-    def _quantize(self, algo: Any, name: str, layer: nn.Module, hessian: torch.Tensor) -> float:
+    def _quantize(self, algo: Any, name: str, layer: nn.Module, hessian: torch.Tensor,
+                  factors: dict[Any, Any] | None = None) -> float:
         weight = linear_weight(layer).detach()  # gptq_columns rounds a copy (and magnitude_reduced returns one)
         group_size = int_weight_format(layer).group_size  # the layer's own (algo.group_size only restates it)
         if algo.magr_alpha is not None:  # rounded (and its grid chosen) from the magnitude-reduced weight
@@ -379,7 +350,7 @@ class GPTQConfigHandler(BlockwiseHandler):
         def run(static_groups: bool) -> GPTQResult:
             return gptq_columns(weight, hessian, lambda tensor: weight_grid(layer, tensor),
                                 damp_percent=algo.damp_percent, act_order=algo.desc_act, group_size=group_size,
-                                static_groups=static_groups, block_size=algo.block_size)
+                                static_groups=static_groups, block_size=algo.block_size, factors=factors)
 
         result = run(algo.static_groups)
         if not result.on_grid:
@@ -401,29 +372,28 @@ class GPTQConfigHandler(BlockwiseHandler):
         narrowing = Narrowing(block, data, name)
         with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False), \
                 layer_outputs_remembered(block, hand_over=True) as memo:
+            # Batches stacked into a few calls (same Hessians, summed per batch): not when the user asked for
+            # memory (no memo), nor for the whole-model path's single block, nor in a block with experts, which
+            # runs in bounded memory (a stacked copy of the block's inputs, and calls of many batches' activations
+            # at once, took the tiny MoE blocks of tests/algorithms/test_gptq_moe_memory.py from 1.5 to 3 times one
+            # block; only its attention's passes would stack: the experts read routed rows, not the batch's).
+            stacked = stacked_batches(data) if memo.budget > 0 and not narrowing.bounded else None
             while remaining:
-                unit = narrowing.unit
-
-                def group_known(group: list[str]) -> None:
-                    memo.keep_new = narrowing.outputs_reused([layer for layer in remaining if layer not in group])
-                    if not memo.keep_new:  # nothing later reuses what the memo holds (the next pass runs elsewhere)
-                        memo.keep_only(())
-
-                collected = HessianPass(algo.true_sequential, on_group=group_known)
-                # Bounded memory (experts): the first batch, which runs the whole part, keeps nothing (not knowing yet
-                # whether a later pass reuses it); group_known decides for the others.
-                memo.new_pass(keep_new=not narrowing.bounded, unfinished=remaining.values())
-                with layer_inputs(remaining, collected.add):
-                    unit.data.forward(UntilStopped(unit.module), f"{algo.name}: Hessians of "
-                                      f"{name or where}{'.' + unit.path if unit.path else ''}",
-                                      on_output=collected.batch_done)
+                collected = self._hessians(algo, narrowing, stacked, remaining, memo, name or where)
+                if collected.unstackable:  # a layer reads rows that are not the batch's (e.g. routed tokens)
+                    stacked = None
+                    collected = self._hessians(algo, narrowing, None, remaining, memo, name or where)
                 if not collected.group:
                     raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
                 memo.forget([remaining[layer_name] for layer_name in collected.group])
+                factors: dict[Any, Any] = {}  # layers reading one input share one Hessian and its factor
                 for layer_name in collected.group:
-                    samples[layer_name], (hessian,) = collected.averaged(data, layer_name)  # the caller's shard
-                    del collected.hessians[layer_name]  # the sum, averaged: not held while the columns are rounded
-                    loss = self._quantize(algo, layer_name, remaining.pop(layer_name), hessian)
+                    # The caller's shard; the sum (and, after the last layer sharing it, the average) not held
+                    # while the columns of the layers after are rounded.
+                    samples[layer_name], hessian = collected.taken(data, layer_name)
+                    if all(cached[0] is not hessian for cached in factors.values()):
+                        factors.clear()  # a Hessian of its own: the previous one's factor is not needed again
+                    loss = self._quantize(algo, layer_name, remaining.pop(layer_name), hessian, factors)
                     logger.debug("GPTQConfig %s.%s: loss %.4g", name, layer_name, loss)
                 if remaining and not algo.true_sequential:
                     raise ModelError(f"GPTQConfig on {where}: {', '.join(remaining)} was not called by the block")
@@ -431,3 +401,30 @@ class GPTQConfigHandler(BlockwiseHandler):
         warn_few_samples("GPTQConfig", where, samples, features)
         logger.info("GPTQConfig: %s done in %.2f s", name or where, time.perf_counter() - start)
         return block
+
+    @staticmethod
+    def _hessians(algo: Any, narrowing: Narrowing, stacked: Stacked | None, remaining: dict[str, nn.Module],
+                  memo: Any, where: str) -> HessianPass:
+        """One pass over the inputs of the part the passes run on (``narrowing.unit``) collecting the next
+        group's Hessians; over ``stacked`` batches when given and the part is the block itself (stacking regroups
+        the block engine's cached inputs, not the inputs a narrowed part captured)."""
+        unit = narrowing.unit
+        if unit.path:
+            stacked = None
+
+        def group_known(group: list[str]) -> None:
+            memo.keep_new = narrowing.outputs_reused([layer for layer in remaining if layer not in group])
+            if not memo.keep_new:  # nothing later reuses what the memo holds (the next pass runs elsewhere)
+                memo.keep_only(())
+
+        collected = HessianPass(algo.true_sequential, on_group=group_known)
+        if stacked is not None:
+            collected.parts, collected.stacked_dims = stacked.parts, stacked.dims
+        # Bounded memory (experts): the first batch, which runs the whole part, keeps nothing (not knowing yet
+        # whether a later pass reuses it); group_known decides for the others.
+        memo.new_pass(keep_new=not narrowing.bounded, unfinished=remaining.values())
+        with layer_inputs(remaining, collected.add):
+            (stacked.data if stacked is not None else unit.data).forward(
+                UntilStopped(unit.module), f"{algo.name}: Hessians of {where}{'.' + unit.path if unit.path else ''}",
+                on_output=collected.batch_done)
+        return collected

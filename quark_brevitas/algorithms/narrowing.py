@@ -12,7 +12,7 @@ is computed again. In a block with experts, nothing the layers outside computed 
 engine's outputs pass compute it again); a dense block keeps it for those two passes (:attr:`Narrowing.bounded`).
 
 A container of independent branches (:class:`~quark_brevitas.blocks.protocol.Branches`: the experts of
-:class:`~quark_brevitas.hf.moe.UnfusedExperts`) is entered one child at a time: each expert runs alone on the
+:class:`~quark_brevitas.model_parts.moe.UnfusedExperts`) is entered one child at a time: each expert runs alone on the
 rows routed to it, computed from the experts' inputs when a pass asks for them, and the other experts not at all.
 Walked expert by expert, a pass never computes the experts already rounded (the whole-block passes computed all
 of them before reaching the one being rounded, or kept every expert's outputs to skip them: memory that grew

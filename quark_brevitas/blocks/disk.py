@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,11 @@ from quark_brevitas.blocks.protocol import BlockStep
 from quark_brevitas.blocks.sources import BlockPlaceholder, BlockSource
 from quark_brevitas.errors import CheckpointError
 from quark_brevitas.extras import require
+from quark_brevitas.model_parts.moe import unfuse_experts
 
 __all__ = ["SAFETENSORS_DTYPES", "FolderBlocks", "FolderWeights", "block_file", "load_skeleton", "materialise",
-           "materialise_outside", "meta_parameters", "random_fill", "safetensors_header", "tie_embeddings"]
+           "materialise_outside", "meta_parameters", "random_fill",
+           "safetensors_header", "tie_embeddings"]
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -46,6 +49,19 @@ def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
         header = json.loads(handle.read(length))
     header.pop("__metadata__", None)
     return 8 + length, header
+
+
+#: Other spellings of a model's tensor names in checkpoints on disk, tried when a folder lacks the name itself:
+#: transformers 5.x renames a checkpoint's tensors as it loads them, and a skeleton whose experts were unfused
+#: (quark_brevitas.model_parts.moe) names them as the unfused layers do (``mlp.experts.3.gate_proj.weight``), which
+#: is the spelling of Qwen2/3-MoE checkpoints; Mixtral's checkpoints (and ``save_pretrained``'s folders of a
+#: Mixtral) say ``block_sparse_moe`` for the MLP and ``w1`` / ``w3`` / ``w2`` for an expert's gate / up / down
+#: projections.
+_CHECKPOINT_SPELLINGS: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...] = (
+    (re.compile(r"\.mlp\.(experts\.\d+)\.(gate_proj|up_proj|down_proj)\."),
+     lambda m: f".block_sparse_moe.{m[1]}.{ {'gate_proj': 'w1', 'up_proj': 'w3', 'down_proj': 'w2'}[m[2]]}."),
+    (re.compile(r"\.mlp\.gate\.weight$"), lambda m: ".block_sparse_moe.gate.weight"),
+)
 
 
 class FolderWeights:
@@ -80,7 +96,15 @@ class FolderWeights:
                 self.entries[key] = (path, start, entry)
 
     def key(self, name: str) -> str | None:
-        """The file's name for the model's tensor ``name`` (``None`` if the folder lacks it)."""
+        """The file's name for the model's tensor ``name`` (``None`` if the folder lacks it), also under the
+        checkpoints' other spellings (:data:`_CHECKPOINT_SPELLINGS`)."""
+        found = self._key(name)
+        for pattern, spelling in _CHECKPOINT_SPELLINGS:
+            if found is None and pattern.search(name):
+                found = self._key(pattern.sub(spelling, name))
+        return found
+
+    def _key(self, name: str) -> str | None:
         if name in self.entries:
             return name
         if self.prefix:
@@ -134,7 +158,10 @@ def meta_parameters(module: nn.Module, skip: str | None = None) -> list[str]:
 def load_skeleton(folder: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
     """The model of a Hugging Face folder without its weights (parameters on ``meta``) and its config.
 
-    The class is the config's first ``architectures`` entry (``AutoModel`` if it names none).
+    The class is the config's first ``architectures`` entry (``AutoModel`` if it names none); fused
+    mixture-of-experts experts are unfused (:func:`quark_brevitas.model_parts.moe.unfuse_experts`), so that the model
+    quantized from a folder, the float model evaluated from it and the model rebuilt from its block-by-block
+    checkpoint have one structure, each expert a layer of its own as for a model given to the API.
     """
     transformers = require("transformers", "a Hugging Face model folder")
     init_empty_weights = require("accelerate", "a Hugging Face model folder").init_empty_weights
@@ -147,6 +174,7 @@ def load_skeleton(folder: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
     model_class = getattr(transformers, architectures[0], None) if architectures else None
     with init_empty_weights():
         model = transformers.AutoModel.from_config(hf_config) if model_class is None else model_class(hf_config)
+    unfuse_experts(model)
     return model.eval(), hf_config
 
 

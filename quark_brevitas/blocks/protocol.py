@@ -50,12 +50,13 @@ class UnitRebuilder(Protocol):
 
 @runtime_checkable
 class Branches(Protocol):
-    """A container whose children are independent branches of one computation (the experts of a
-    mixture-of-experts block, :class:`~quark_brevitas.hf.moe.UnfusedExperts`): each child is called at most once
-    per call of the container, in order, on an input computed from the container's inputs alone, never from
-    another child's output. An algorithm whose passes read only some children's layers (GPTQ's, expert by
-    expert) can then run those children alone on their own inputs instead of the container, and the others not
-    at all: the layers see the very same inputs.
+    """A container whose children are independent branches of one computation (the experts of a mixture-of-experts
+    block, :class:`~quark_brevitas.model_parts.moe.UnfusedExperts`, which implements it structurally:
+    ``model_parts`` lies below ``blocks``): each child is called at most once per call of the container, in
+    order, on an input computed from the container's inputs alone, never from another child's output. An
+    algorithm whose passes read only some children's layers (GPTQ's, expert by expert) can then run those
+    children alone on their own inputs instead of the container, and the others not at all: the layers see the
+    very same inputs.
     """
 
     def branch_inputs(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]

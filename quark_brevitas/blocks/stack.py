@@ -1,18 +1,21 @@
 """Which ``nn.ModuleList`` holds a model's repeated blocks: the one stack finder.
 
-The pipeline's block-by-block data phase, the LLM algorithms (SmoothQuant, AWQ, GPTQ: ``model_decoder_layers``)
-and streaming all ask the same question; :func:`find_block_stack` is the one answer (a stack it searches for, or
-one the user named, checked), so they cannot disagree. :func:`detect_block_stack` is the same search with the
-pipeline's policy for walking a model block by block without being told to (Hugging Face models with at least two
-blocks); what a run's ``blocks=`` argument and its config choose is decided above the engine
-(:func:`quark_brevitas.orchestration.block_runs.choose_block_stack`, which calls these two).
+The pipeline's run (in memory and streamed from a folder), the LLM algorithms (SmoothQuant, AWQ, GPTQ:
+``model_decoder_layers``), ``plan --model`` and the LLM command all ask the same question; :func:`find_block_stack`
+is the one answer, so they cannot disagree. What differs between them is a parameter, not another function: the
+stack a user or an algorithm named (checked), whether one is required, the search's :class:`StackPolicy` (the
+algorithms search any model; a run walks block by block unasked only a Hugging Face model with at least two blocks,
+:data:`RUN_STACK`), and why the caller's config cannot walk the stack it finds (``obstacle``; the orchestration
+above the engine says why, from the algorithms, :func:`quark_brevitas.orchestration.block_runs.blockwise_obstacle`).
 :func:`outside_layers` lists the quantized layers that are not in the blocks.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from torch import nn
 
@@ -22,8 +25,8 @@ from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BLOCK_STACK_PATHS", "detect_block_stack", "find_block_stack", "is_hugging_face", "outside_layers",
-           "resolve_block_stack", "stack_blocks"]
+__all__ = ["ANY_STACK", "BLOCK_STACK_PATHS", "RUN_STACK", "StackPolicy", "find_block_stack", "is_hugging_face",
+           "outside_layers", "resolve_block_stack", "stack_blocks"]
 
 # Where model families keep their blocks (Llama, Mistral, Qwen2 ``model.layers``, OPT ``model.decoder.layers``, GPT-2
 # ``transformer.h``, BERT ``encoder.layer``, then generic spellings): the family table of the config package, so
@@ -50,30 +53,73 @@ def _candidates(model: nn.Module) -> list[str]:
     return stacks
 
 
-def find_block_stack(model: nn.Module, named: str | None = None) -> str | None:
+class StackPolicy(NamedTuple):
+    """Which stack a search accepts when none is named (a named stack is only checked)."""
+
+    #: Search only Hugging Face models (another model keeps the whole-model path unless its stack is named).
+    hugging_face_only: bool = False
+    #: A stack with fewer blocks is not walked (one block: the whole model is as cheap).
+    min_blocks: int = 1
+
+
+#: The algorithms' search (``model_decoder_layers`` unset): any model's stack.
+ANY_STACK = StackPolicy()
+#: What a run walks block by block without being told to: the stack of a Hugging Face model with at least two blocks.
+RUN_STACK = StackPolicy(hugging_face_only=True, min_blocks=2)
+
+
+def find_block_stack(model: nn.Module, blocks: str | bool | None = None, decoder_layers: Sequence[str] = (), *,
+                     policy: StackPolicy = ANY_STACK, obstacle: str | None = None) -> str | None:
     """The qualified name of the ``nn.ModuleList`` holding ``model``'s repeated blocks, or ``None``.
 
-    ``named`` (what the user or an algorithm's ``model_decoder_layers`` named): that submodule, checked to be a
-    non-empty ``nn.ModuleList`` (a :class:`~quark_brevitas.errors.ModelError` otherwise). Without it the stack is
-    searched for: an outermost ModuleList of modules of one class holding parameters. A Hugging Face model must
-    have exactly one (encoder-decoder and multimodal models, with several, are ambiguous: name one with
-    ``blocks=`` or ``model_decoder_layers``); another model's stack must also sit at one of
-    :data:`BLOCK_STACK_PATHS` (the first path of the table that matches wins).
+    ``blocks``: the qualified name of the stack (checked to be a non-empty ``nn.ModuleList``, a
+    :class:`~quark_brevitas.errors.ModelError` otherwise), ``None`` (search), ``True`` (search, and fail if nothing is
+    found) or ``False`` (no stack). ``decoder_layers``: the ``model_decoder_layers`` the config's algorithms name
+    (Quark's field; they must agree), the stack when ``blocks`` names none. The search (``policy``): an outermost
+    ModuleList of modules of one class holding parameters; a Hugging Face model must have exactly one (encoder-decoder
+    and multimodal models, with several, are ambiguous: name one), another model's stack must sit at one of
+    :data:`BLOCK_STACK_PATHS` (the first path of the table that matches wins). ``obstacle``: why the caller cannot walk
+    the stack it finds (its config's algorithms); the stack is then declined (``None``, logged), or refused with a
+    :class:`~quark_brevitas.errors.ModelError` when ``blocks`` named or required it.
     """
-    if named is not None:
-        return _checked_stack(model, named)
+    if blocks is False:
+        return None
+    named = blocks if isinstance(blocks, str) else None
+    if named is None and decoder_layers:
+        if len(set(decoder_layers)) > 1:
+            raise ModelError(f"the algorithms name different decoder layers ({sorted(set(decoder_layers))}); "
+                             "model_decoder_layers must agree")
+        named = decoder_layers[0]
+    stack = _checked_stack(model, named) if named is not None else _search(model, policy)
+    if stack is None and blocks is True:
+        raise ModelError(f"blocks=True but no stack of repeated blocks was found in {type(model).__name__}; "
+                         "name the nn.ModuleList of blocks, e.g. blocks='model.layers'")
+    if stack is not None and obstacle is not None:
+        if isinstance(blocks, str) or blocks is True:
+            raise ModelError(f"blocks={blocks!r}: cannot calibrate block by block: {obstacle}")
+        logger.info("Calibrating the whole model at once: %s", obstacle)
+        return None
+    return stack
+
+
+def _search(model: nn.Module, policy: StackPolicy) -> str | None:
+    hugging_face = is_hugging_face(model)
+    if policy.hugging_face_only and not hugging_face:
+        return None
     stacks = _candidates(model)
-    if is_hugging_face(model):
-        if len(stacks) != 1:
+    found: str | None = None
+    if hugging_face:
+        if len(stacks) == 1:
+            found = stacks[0]
+        else:
             logger.debug("%s: %d candidate block stacks (%s); one is needed", type(model).__name__, len(stacks),
                          ", ".join(stacks) or "none")
-            return None
-        return stacks[0]
-    for path in BLOCK_STACK_PATHS:
-        for name in stacks:
-            if name == path or name.endswith(f".{path}"):
-                return name
-    return None
+    else:
+        found = next((name for path in BLOCK_STACK_PATHS for name in stacks
+                      if name == path or name.endswith(f".{path}")), None)
+    if found is not None and len(model.get_submodule(found)) < policy.min_blocks:
+        return None
+    return found
 
 
 def _checked_stack(model: nn.Module, named: str) -> str:
@@ -87,17 +133,6 @@ def _checked_stack(model: nn.Module, named: str) -> str:
         raise ModelError(f"blocks / model_decoder_layers {named!r} is a {type(stack).__name__}; it must name a "
                          "non-empty nn.ModuleList of blocks")
     return named
-
-
-def detect_block_stack(model: nn.Module) -> str | None:
-    """The stack the pipeline walks block by block when it is not told which (``blocks=None``): the stack of a
-    Hugging Face model with at least two blocks; ``None`` otherwise (the whole-model path)."""
-    if not is_hugging_face(model):
-        return None
-    found = find_block_stack(model)
-    if found is None or len(model.get_submodule(found)) < 2:
-        return None
-    return found
 
 
 def stack_blocks(model: nn.Module, stack: str | None) -> list[tuple[str, nn.Module]]:
@@ -118,26 +153,9 @@ def outside_layers(quantizer: UnitQuantizer, model: nn.Module, stack: str) -> di
 
 
 def resolve_block_stack(model: nn.Module, blocks: str | bool | None, decoder_layers: Sequence[str] = ()) -> str | None:
-    """The block stack ``blocks`` asks for in ``model``, or ``None`` for the whole-model path (the finder's policy
-    for a run; :func:`~quark_brevitas.orchestration.block_runs.choose_block_stack` adds what the config allows).
-
-    ``blocks``: ``None`` (detect: Quark's ``model_decoder_layers`` of an algorithm config if one names it, else
-    :func:`detect_block_stack`), ``True`` (detect, and fail if nothing is found), ``False`` (whole model), or the
-    qualified name of the ``nn.ModuleList`` of blocks. ``decoder_layers``: the ``model_decoder_layers`` values of the
-    config's algorithms, which must agree.
-    """
-    if blocks is False:
-        return None
-    named = blocks if isinstance(blocks, str) else None
-    if named is None and decoder_layers:
-        if len(set(decoder_layers)) > 1:
-            raise ModelError(f"the algorithms name different decoder layers ({sorted(set(decoder_layers))}); "
-                             "model_decoder_layers must agree")
-        named = decoder_layers[0]
-    if named is not None:
-        return find_block_stack(model, named)
-    stack = detect_block_stack(model)
-    if stack is None and blocks is True:
-        raise ModelError(f"blocks=True but no stack of repeated blocks was found in {type(model).__name__}; "
-                         "name the nn.ModuleList of blocks, e.g. blocks='model.layers'")
-    return stack
+    """Deprecated since 0.4.0 (it was public as ``quark_brevitas.blockwise.resolve_block_stack``): the one finder
+    with a run's policy, ``find_block_stack(model, blocks, decoder_layers, policy=RUN_STACK)``."""
+    warnings.warn("quark_brevitas.blocks.stack.resolve_block_stack is deprecated since quark_brevitas 0.4.0; call "
+                  "quark_brevitas.blocks.stack.find_block_stack(model, blocks, decoder_layers, policy=RUN_STACK)",
+                  DeprecationWarning, stacklevel=2)
+    return find_block_stack(model, blocks, decoder_layers, policy=RUN_STACK)

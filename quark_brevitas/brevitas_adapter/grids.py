@@ -10,7 +10,9 @@ touch is here, with its canary in ``tests/brevitas_adapter/test_adapter_grids.py
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -33,6 +35,7 @@ __all__ = [
     "fixed_weight_grid",
     "init_weight_scales",
     "int_weight_format",
+    "int_weight_formats_remembered",
     "mark_scale_initialised",
     "restart_activation_statistics",
     "scale_impl",
@@ -106,6 +109,12 @@ class WeightGrid(NamedTuple):
     def quantize(self, weight: torch.Tensor, columns: Any = slice(None)) -> torch.Tensor:
         """``weight`` (the weight, or its ``columns``) quantized and dequantized on this grid."""
         return self.quantize_values(weight, self.scale[:, columns], self.zero_point[:, columns])
+
+    def plain_rounding(self) -> bool:
+        """Whether this grid rounds half to even and clamps as Brevitas's plain ``RoundSte`` / ``TensorClamp`` do
+        (:func:`plain_round_and_clamp`): then :meth:`quantize_values` is a fixed sequence of element-wise operations
+        that code outside torch (GPTQ's NumPy column loop) can repeat exactly."""
+        return plain_round_and_clamp(self.to_int, self.clamp)
 
     def column_quantizer(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         """:meth:`quantize_values` as a function whose rounding path is chosen once, for a loop over columns."""
@@ -240,18 +249,43 @@ class IntWeightFormat(NamedTuple):
     per_tensor: bool
 
 
+#: Formats read inside :func:`int_weight_formats_remembered` (``None``: outside, every call reads the quantizer).
+_FORMATS: contextvars.ContextVar[dict[nn.Module, IntWeightFormat | None] | None] = contextvars.ContextVar(
+    "int_weight_formats", default=None)
+
+
+@contextlib.contextmanager
+def int_weight_formats_remembered() -> Iterator[None]:
+    """While the context lasts, :func:`int_weight_format` reads each layer's format once. Reading it runs the
+    quantizer twice on the whole weight (its bit width, its scale): an algorithm working on a block asks for each
+    layer's format several times (which layers it quantizes, their group size), and no quantizer is replaced or
+    reconfigured while it runs (weights and scales change; bits and groups do not)."""
+    token = _FORMATS.set({})
+    try:
+        yield
+    finally:
+        _FORMATS.reset(token)
+
+
 def int_weight_format(layer: nn.Module) -> IntWeightFormat | None:
     """The format of ``layer``'s integer weight quantizer, or ``None`` if the layer has none (float formats, or no
     weight quantization)."""
+    remembered = _FORMATS.get()
+    if remembered is not None and layer in remembered:
+        return remembered[layer]
     try:
         proxy, _ = _int_weight_quant(layer)
     except QuarkBrevitasError:
-        return None
-    with torch.no_grad(), quant_switched(proxy, False):
-        bit_width = int(proxy.bit_width())
-        scale = proxy.scale()
-    group_size = int(injector_value(proxy, "group_size")) if is_groupwise(proxy) else -1
-    return IntWeightFormat(bit_width, group_size, group_size == -1 and scale.numel() == 1)
+        found = None
+    else:
+        with torch.no_grad(), quant_switched(proxy, False):
+            bit_width = int(proxy.bit_width())
+            scale = proxy.scale()
+        group_size = int(injector_value(proxy, "group_size")) if is_groupwise(proxy) else -1
+        found = IntWeightFormat(bit_width, group_size, group_size == -1 and scale.numel() == 1)
+    if remembered is not None:
+        remembered[layer] = found
+    return found
 
 
 def restart_activation_statistics(model: nn.Module) -> int:

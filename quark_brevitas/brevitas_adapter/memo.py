@@ -91,6 +91,8 @@ class LayerOutputs:
         self.used = 0
         self.entries: dict[nn.Module, list[_Entry | None]] = {}
         self.calls: dict[nn.Module, int] = {}
+        #: Rows of the current remembered call already read by calls of fewer rows (see :meth:`_part`).
+        self.offsets: dict[nn.Module, int] = {}
         #: Whether new outputs are kept (the caller may turn it off in the middle of a pass, once it knows that
         #: no later pass will reuse them).
         self.keep_new = True
@@ -103,6 +105,7 @@ class LayerOutputs:
         weights change before a later pass could reuse them, and a first batch that runs the whole block would
         otherwise keep every such layer's output until then)."""
         self.calls.clear()
+        self.offsets.clear()
         self.keep_new = keep_new
         self.unfinished = frozenset(unfinished)
 
@@ -123,10 +126,13 @@ class LayerOutputs:
         if kwargs or not isinstance(value, torch.Tensor) or torch.is_grad_enabled():
             return forward(*args, **kwargs)
         ordinal = self.calls.get(layer, 0)
-        self.calls[layer] = ordinal + 1
         entries = self.entries.setdefault(layer, [])
         entry = entries[ordinal] if ordinal < len(entries) else None
         state = _state(layer)
+        offset = self.offsets.get(layer, 0)
+        if entry is not None and value.dim() > 0 and (offset > 0 or _stacked_over(entry, value)):
+            return self._part(layer, entry, ordinal, offset, state, value, forward)
+        self.calls[layer] = ordinal + 1
         if entry is not None and self._matches(entry, state, value):
             return entry.output
         output = forward(value)
@@ -142,12 +148,33 @@ class LayerOutputs:
             self.used += nbytes
         return output
 
+    def _part(self, layer: nn.Module, entry: _Entry, ordinal: int, offset: int, state: tuple[Any, ...],
+              value: torch.Tensor, forward: Any) -> Any:
+        """A call reading some of the rows of a remembered call (whose batches were stacked, see
+        :mod:`quark_brevitas.calibration.stacking`): the rows ``offset:`` onwards of that call, in order."""
+        end = offset + value.shape[0]
+        if end >= entry.input.shape[0]:
+            self.calls[layer], self.offsets[layer] = ordinal + 1, 0
+        else:
+            self.offsets[layer] = end
+        if end <= entry.input.shape[0] and entry.output.dim() > 0 and entry.output.shape[0] == entry.input.shape[0] \
+                and self._matches(entry, state, value, slice(offset, end)):
+            return entry.output[offset:end]
+        return forward(value)
+
     @staticmethod
-    def _matches(entry: _Entry, state: tuple[Any, ...], value: torch.Tensor) -> bool:
+    def _matches(entry: _Entry, state: tuple[Any, ...], value: torch.Tensor, rows: slice | None = None) -> bool:
+        remembered = entry.input if rows is None else entry.input[rows]
         return (entry.state == state and entry.input._version == entry.input_version
-                and entry.output._version == entry.output_version and entry.input.shape == value.shape
+                and entry.output._version == entry.output_version and remembered.shape == value.shape
                 and entry.input.dtype == value.dtype and entry.input.device == value.device
-                and (entry.input is value or torch.equal(entry.input, value)))
+                and (entry.input is value or torch.equal(remembered, value)))
+
+
+def _stacked_over(entry: _Entry, value: torch.Tensor) -> bool:
+    """Whether ``value`` may be the first rows of the remembered call (it has fewer rows, the same others)."""
+    return entry.input.dim() == value.dim() and entry.input.shape[0] > value.shape[0] \
+        and entry.input.shape[1:] == value.shape[1:]
 
 
 def _remembering(memo: LayerOutputs, layer: QuantWeightBiasInputOutputLayer, forward: Any) -> Any:

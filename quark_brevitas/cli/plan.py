@@ -36,10 +36,10 @@ def _plan_model(args: argparse.Namespace) -> int:
     read), with the block stack that ``quantize --model`` walks and what the algorithms infer in it."""
     from quark_brevitas.algorithms import describe_algorithms
     from quark_brevitas.backend import plan_table
-    from quark_brevitas.blocks.stack import detect_block_stack
-    from quark_brevitas.hf.kv_cache import kv_plan_lines
+    from quark_brevitas.blocks.stack import RUN_STACK, find_block_stack
     from quark_brevitas.hf.lm import default_llm_config
     from quark_brevitas.hf.streaming import load_skeleton
+    from quark_brevitas.model_parts.kv_cache import kv_plan_lines
 
     if not (Path(args.model) / "config.json").is_file():
         raise CLIError(f"--model {args.model!r} is not a Hugging Face model folder (no config.json)")
@@ -53,7 +53,7 @@ def _plan_model(args: argparse.Namespace) -> int:
         rows = ModelQuantizer(config).plan(skeleton)
     except ConfigError as exc:
         raise CLIError(f"{args.config or source}: {exc}") from exc
-    stack = detect_block_stack(skeleton)
+    stack = find_block_stack(skeleton, policy=RUN_STACK)
     blocks = f"{len(skeleton.get_submodule(stack))} blocks in {stack}" if stack else "none (quantized in memory)"
     pre = ", ".join(type(a).__name__ for a in config.pre_quant_opt_config) or "-"
     post = ", ".join(type(a).__name__ for a in config.algo_config) or "-"

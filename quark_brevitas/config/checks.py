@@ -26,7 +26,7 @@ from typing import Any
 
 from quark_brevitas.config import algorithms
 from quark_brevitas.config.enums import DeviceType, ParamType, QSchemeType, QuantType, ScaleType, ZeroPointType
-from quark_brevitas.config.kquants import KQUANT_BY_BITS, KQUANT_TYPES
+from quark_brevitas.config.kquants import verify_gguf_scales
 from quark_brevitas.config.serialization import check_fields
 from quark_brevitas.config.specs import (
     TENSOR_ROLES,
@@ -126,7 +126,7 @@ SUPPORTED_QUANTIZERS: tuple[QuantizerKey, ...] = (
 #: Integer bias widths (Brevitas's Int8/16/24/32 bias quantizers).
 BIAS_BIT_WIDTHS = (8, 16, 24, 32)
 #: Scale types the translation table honours (the other ScaleType members are Quark's, without a Brevitas rule).
-SUPPORTED_SCALE_TYPES = (ScaleType.float, ScaleType.pof2, ScaleType.float16, ScaleType.gguf_k)
+SUPPORTED_SCALE_TYPES = (ScaleType.float, ScaleType.pof2, ScaleType.float16, ScaleType.gguf_k, ScaleType.gguf_0)
 #: Significant bits of a float16 number (10 stored mantissa bits and the implicit one).
 FLOAT16_SIGNIFICANT_BITS = 11
 
@@ -282,8 +282,8 @@ def _verify_options(spec: QuantizationSpec, kind: str, scheme: str, path: str) -
                                                  or spec.zero_point_type is ZeroPointType.float32):
         raise ConfigError(f"{path}.scale_type", "float16 scales are supported for integer weights with integer zero "
                           "points (the scales GGUF files store); use scale_type=float here")
-    if spec.scale_type is ScaleType.gguf_k:
-        _verify_kquant(spec, kind, scheme, path)
+    if spec.scale_type in (ScaleType.gguf_k, ScaleType.gguf_0):
+        verify_gguf_scales(spec, kind, scheme == PER_GROUP, path)
     if spec.narrow_range is not None and (kind != "weight" or spec.quant_type is not INT or not spec.symmetric
                                           or scheme == MX):
         raise ConfigError(f"{path}.narrow_range", "only used by symmetric int_quant weights (per_tensor, per_channel, "
@@ -297,17 +297,6 @@ def _verify_options(spec: QuantizationSpec, kind: str, scheme: str, path: str) -
         if dynamic or scheme == PER_GROUP:
             raise ConfigError(f"{path}.zero_point_type", f"float32 zero points are supported for per_tensor and "
                               f"per_channel weights and static activations, not {scheme} {kind}s; use int32")
-
-
-def _verify_kquant(spec: QuantizationSpec, kind: str, scheme: str, path: str) -> None:
-    """``scale_type=gguf_k``: symmetric integer weights per group of 16 with the bits of a K-quant type."""
-    kquant = KQUANT_BY_BITS.get(spec.bit_width)
-    fits = ", ".join(f"{t.name}: int{t.bit_width} symmetric per_group group_size={t.group_size}"
-                     for t in KQUANT_TYPES.values())
-    if (kind != "weight" or spec.quant_type is not QuantType.int_quant or scheme != PER_GROUP or not spec.symmetric
-            or kquant is None or spec.group_size != kquant.group_size):
-        raise ConfigError(f"{path}.scale_type", f"gguf_k scales are GGUF K-quant super-blocks of weights; allowed: "
-                          f"{fits} (presets gguf_q2_k .. gguf_q6_k)")
 
 
 def verify_spec(spec: QuantizationSpec, role: str, path: str) -> None:

@@ -61,6 +61,9 @@ class ScaleType(Enum):
     bfloat16 = "bfloat16"
     #: GGUF K-quant scales: per 256 input channels, one float16 number times integer sub-scales (Q3_K, Q6_K).
     gguf_k = "gguf_k"
+    #: GGUF's symmetric 32-channel types as llama.cpp's quantizer fills them (Q4_0, Q5_0): a float16 scale per
+    #: group, signed, so that the group's largest-magnitude weight lands on the most negative code.
+    gguf_0 = "gguf_0"
 
 
 class RoundType(Enum):

@@ -170,7 +170,7 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family("gemma2", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _GEMMA_SCALING),
     "gemma3_text": Family("gemma3_text", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _GEMMA_SCALING),
     "phi3": Family("phi3", "model.layers", _HEAD, (), ("*qkv_proj",), ("gate_up_proj",), _PHI3_SCALING),
-    # MoE: experts unfused into Linear layers (quark_brevitas.hf.moe); routers stay in float (Mixtral's and the
+    # MoE: experts unfused into Linear layers (quark_brevitas.model_parts.moe); routers stay in float (Mixtral's and the
     # Qwen MoEs' are not Linear layers; Qwen2-MoE's shared-expert gate is one, excluded like the head).
     "mixtral": Family("mixtral", "model.layers", _HEAD, _KV, ("*q_proj",), _GATE_UP, _MOE_SCALING),
     "qwen2_moe": Family("qwen2_moe", "model.layers", (*_HEAD, "*shared_expert_gate"), _KV, ("*q_proj",), _GATE_UP,

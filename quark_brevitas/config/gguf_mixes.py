@@ -68,10 +68,14 @@ MIX_LAYOUTS = {"bert": MixLayout("*encoder.layer.{i}.", {
 
 
 def _block_layer(qtype: str) -> QuantizationConfig:
+    """Q5_0 / Q4_0 take llama.cpp's signed scale (``scale_type=gguf_0``: each group's largest-magnitude weight on
+    code -2^(b-1), a finer step than max|w| / (2^(b-1) - 1/2)); Q8_0 is max|w| / 127 in llama.cpp as here."""
     bits, symmetric = _BLOCK_TYPES[qtype]
+    signed = qtype in ("Q5_0", "Q4_0")
     return QuantizationConfig(weight=QuantizationSpec(
         bit_width=bits, symmetric=symmetric, qscheme=QSchemeType.per_group, group_size=_BLOCK,
-        scale_type=ScaleType.float16, narrow_range=(qtype == "Q8_0") if symmetric else None))
+        scale_type=ScaleType.gguf_0 if signed else ScaleType.float16,
+        narrow_range=(qtype == "Q8_0") if symmetric else None))
 
 
 def gguf_kquant_layer(qtype: str) -> QuantizationConfig:

@@ -20,8 +20,13 @@ per sub-block instead; GPTQ on the symmetric grid is what this exporter offers i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["KQUANT_BY_BITS", "KQUANT_SUPER_BLOCK", "KQUANT_TYPES", "KQuantType"]
+from quark_brevitas.config.enums import ParamType, QuantType, ScaleType
+from quark_brevitas.errors import ConfigError
+
+__all__ = ["GGUF_0_BIT_WIDTHS", "GGUF_0_GROUP_SIZE", "KQUANT_BY_BITS", "KQUANT_SUPER_BLOCK", "KQUANT_TYPES",
+           "KQuantType", "verify_gguf_scales"]
 
 #: Input channels per K-quant super-block (llama.cpp's ``QK_K``).
 KQUANT_SUPER_BLOCK = 256
@@ -53,3 +58,39 @@ KQUANT_TYPES: dict[str, KQuantType] = {
 }
 #: bit width -> the K-quant type of a ``gguf_k`` weight with that many bits.
 KQUANT_BY_BITS: dict[int, KQuantType] = {t.bit_width: t for t in KQUANT_TYPES.values()}
+
+
+def _verify_kquant(spec: Any, kind: str, per_group: bool, path: str) -> None:
+    """``scale_type=gguf_k``: symmetric integer weights per group of 16 with the bits of a K-quant type."""
+    kquant = KQUANT_BY_BITS.get(spec.bit_width)
+    fits = ", ".join(f"{t.name}: int{t.bit_width} symmetric per_group group_size={t.group_size}"
+                     for t in KQUANT_TYPES.values())
+    if (kind != "weight" or spec.quant_type is not QuantType.int_quant or not per_group or not spec.symmetric
+            or kquant is None or spec.group_size != kquant.group_size):
+        raise ConfigError(f"{path}.scale_type", f"gguf_k scales are GGUF K-quant super-blocks of weights; allowed: "
+                          f"{fits} (presets gguf_q2_k .. gguf_q6_k)")
+
+
+#: Bit widths of ``scale_type=gguf_0`` (GGUF Q4_0 and Q5_0) and its group size.
+GGUF_0_BIT_WIDTHS = (4, 5)
+GGUF_0_GROUP_SIZE = 32
+
+
+def _verify_gguf_0(spec: Any, kind: str, per_group: bool, path: str) -> None:
+    """``scale_type=gguf_0``: int4 / int5 symmetric weights per group of 32 on the full code range, scales from
+    the statistic (the signed largest-magnitude weight; an MSE search has no sign to keep)."""
+    if (kind != "weight" or spec.quant_type is not QuantType.int_quant or not per_group or not spec.symmetric
+            or spec.bit_width not in GGUF_0_BIT_WIDTHS or spec.group_size != GGUF_0_GROUP_SIZE
+            or spec.narrow_range or spec.param_type is not ParamType.stats):
+        raise ConfigError(f"{path}.scale_type", "gguf_0 scales are GGUF Q4_0 / Q5_0 blocks as llama.cpp fills them; "
+                          "allowed: int4 or int5 symmetric per_group group_size=32 weights, narrow_range not True, "
+                          "param_type=stats")
+
+
+def verify_gguf_scales(spec: Any, kind: str, per_group: bool, path: str) -> None:
+    """Raise ConfigError unless a ``scale_type=gguf_k`` / ``gguf_0`` spec (``path``: its field) describes weights a
+    GGUF block type stores exactly; ``per_group``: whether its scheme is per_group."""
+    if spec.scale_type is ScaleType.gguf_k:
+        _verify_kquant(spec, kind, per_group, path)
+    elif spec.scale_type is ScaleType.gguf_0:
+        _verify_gguf_0(spec, kind, per_group, path)

@@ -5,7 +5,7 @@ Quark 0.13 keys ``kv_cache_quant_config`` by the key/value projections (``{"*k_p
 input_tensors=..., output_tensors=FP8 spec), "*v_proj": ...}``): the ``output_tensors`` spec is how the cache
 is quantized, and the weight/input specs are the projection's own (Quark applies that whole entry to the
 projection). Its ``LLMTemplate`` writes the same entries into ``layer_quant_config`` too. Here the cache is
-quantized by a KV quantizer of its own (:mod:`quark_brevitas.hf.kv_cache`, after RoPE where
+quantized by a KV quantizer of its own (:mod:`quark_brevitas.model_parts.kv_cache`, after RoPE where
 ``kv_cache_post_rope`` asks, else on the projection's output as Quark does), so :func:`fold_kv_cache_config`
 moves the weight/input specs into ``layer_quant_config`` and takes the ``output_tensors`` that duplicates the
 cache spec out of it: the keys are never quantized twice.

@@ -99,8 +99,8 @@ class Config:
       projections' patterns (``output_tensors`` of each entry), the patterns whose scales are shared within an
       attention layer (their maximum), the smallest scale written, and whether keys are quantized after RoPE.
     - ``moe_calibrate_all_experts`` / ``moe_min_expert_tokens``: all-expert calibration of mixture-of-experts
-      blocks (:mod:`quark_brevitas.hf.moe_calibration`; only experts unfused by
-      :func:`~quark_brevitas.hf.moe.unfuse_experts`): an expert that routing sends fewer than
+      blocks (:mod:`quark_brevitas.model_parts.moe_calibration`; only experts unfused by
+      :func:`~quark_brevitas.model_parts.moe.unfuse_experts`): an expert that routing sends fewer than
       ``moe_min_expert_tokens`` tokens of a block's calibration data takes its activation statistics and
       Hessians from every token of the block instead (its routed output, what the next layers see, unchanged).
 

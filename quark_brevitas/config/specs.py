@@ -68,7 +68,9 @@ class QuantizationSpec:
       shared-exponent rule; ``float16`` (integer weights): every scale is a float16 number, as GGUF stores it
       (asymmetric: with ``11 - bit_width`` significant bits, so that ``scale * zero_point`` is one too);
       ``gguf_k`` (int6 / int3 symmetric weights per group of 16): per 256 input channels, integer multiples of
-      one float16 number, as GGUF's K-quants Q6_K / Q3_K store them.
+      one float16 number, as GGUF's K-quants Q6_K / Q3_K store them; ``gguf_0`` (int4 / int5 symmetric weights
+      per group of 32): a signed float16 scale per group, the group's largest-magnitude weight on the most
+      negative code, as llama.cpp's quantizer fills GGUF Q4_0 / Q5_0.
     - ``quant_type``: ``int_quant`` or ``float_quant`` (then give exponent and mantissa widths).
     - ``param_type``: ``stats`` or ``mse``.
     - ``bit_width``: total bits of the quantized value (sign included for float formats).

@@ -91,7 +91,7 @@ class ExportFormat:
     checked_with: str = ""
     #: Whether a quantization plan can be written in this format, checked before calibration (``None``: no check):
     #: ``check(rows, skeleton, hf_config, tokenizer_dir)`` raises the ExportError the export would raise at its end
-    #: (see :mod:`quark_brevitas.export.plan_checks`).
+    #: (see :mod:`quark_brevitas.hf.plan_checks`).
     plan_check: WriterRef | None = None
 
     def __post_init__(self) -> None:
@@ -137,7 +137,8 @@ _WRITERS = "quark_brevitas.export.writers"
 #: The block-by-block writers rebuild each block from the checkpoint (the checkpoint room, above this one): they are
 #: named here, imported only when a row writes (as every writer is), so the export room imports nothing above it.
 _STREAMED = "quark_brevitas.hf.export_streamed"
-_CHECKS = "quark_brevitas.export.plan_checks"
+#: The checks before calibration quantize stand-in layers with the api (above this room): named here the same way.
+_CHECKS = "quark_brevitas.hf.plan_checks"
 
 #: Every format by name, in the order the command line lists them. :func:`register_format` adds rows.
 FORMATS: dict[str, ExportFormat] = {
@@ -162,7 +163,7 @@ FORMATS: dict[str, ExportFormat] = {
             holds="weight-only Q8_0, Q4_0, Q4_1 (int8/int4 per group of 32, fp16 scales) of Llama, Mistral, "
                   "Qwen2 and GPT-2 decoders",
             model_writer=f"{_WRITERS}:write_gguf", streamed_writer=f"{_STREAMED}:write_gguf_streamed",
-            plan_check="quark_brevitas.export.gguf.plan:check_gguf_plan"),
+            plan_check=f"{_CHECKS}:check_gguf_plan"),
         ExportFormat(
             name="compressed-tensors", layout="folder", hf_lm=True, extra="deploy",
             requires=("compressed_tensors",),

@@ -229,7 +229,7 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
     ``overwrite`` (checked before any work; see :mod:`quark_brevitas.outputs`)."""
     transformers = require("transformers", "a Hugging Face model folder")
 
-    from quark_brevitas.blocks.stack import detect_block_stack
+    from quark_brevitas.blocks.stack import RUN_STACK, find_block_stack
     from quark_brevitas.hf import streaming
     from quark_brevitas.outputs import add_file, add_folder, check_output_dir, reserve
 
@@ -251,7 +251,7 @@ def quantize_folder(model_dir: str | os.PathLike[str], calib_text: str, output: 
         else:
             calib = sentence_batches(tokenizer, text_sentences(calib_text)[:calib_sequences], max_length=seq_len)
             evaluation = sentence_batches(tokenizer, text_sentences(eval_text)[:eval_sequences], max_length=seq_len)
-        blockwise = detect_block_stack(skeleton) is not None
+        blockwise = find_block_stack(skeleton, policy=RUN_STACK) is not None
         del skeleton
         times: dict[str, float] = {}
         start = time.perf_counter()

@@ -33,7 +33,7 @@ from typing import Any
 from quark_brevitas.blocks.disk import FolderBlocks, FolderWeights, load_skeleton, materialise_outside
 from quark_brevitas.blocks.engine import BlockwiseEngine
 from quark_brevitas.blocks.sources import BlockSource
-from quark_brevitas.blocks.stack import detect_block_stack
+from quark_brevitas.blocks.stack import RUN_STACK, find_block_stack
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory
 from quark_brevitas.brevitas_adapter import barrier, current_shard
 from quark_brevitas.calibration.data import BatchToInputs, CalibrationData
@@ -44,7 +44,7 @@ from quark_brevitas.checkpoint.writer import BlockCheckpoint, ProgressStores, ru
 from quark_brevitas.config import Config
 from quark_brevitas.container import Container
 from quark_brevitas.errors import ModelError
-from quark_brevitas.orchestration.block_runs import choose_block_stack, prepare_streamed, run_blocks
+from quark_brevitas.orchestration.block_runs import prepare_streamed, run_blocks
 from quark_brevitas.outputs import check_output_dir, open_work_dir, reserve, work_dir
 from quark_brevitas.pipeline import Pipeline
 
@@ -100,7 +100,8 @@ def quantize_pretrained(
         work = work_dir(output)
         pipeline = Pipeline(config, container)
         model, hf_config = load_skeleton(model_dir)
-        stack = choose_block_stack(model, pipeline.config, blocks if blocks is not None else True, needs_data=True)
+        stack = find_block_stack(model, blocks if blocks is not None else True, pipeline.decoder_layers(),
+                                 policy=RUN_STACK, obstacle=pipeline.blockwise_obstacle())
         if stack is None:
             raise ModelError(f"{type(model).__name__} cannot be streamed block by block "
                              f"({pipeline.blockwise_obstacle()}); load it and use ModelQuantizer.quantize_model")
@@ -152,7 +153,7 @@ def evaluate_pretrained(
         model, stack, blocks, _ = quantized_skeleton(source, container, keep=False)
     else:
         model, hf_config = load_skeleton(source)
-        found = detect_block_stack(model)
+        found = find_block_stack(model, policy=RUN_STACK)
         if found is None:
             raise ModelError(f"{type(model).__name__} has no block stack to stream")
         stack = found

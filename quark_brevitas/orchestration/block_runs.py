@@ -8,11 +8,11 @@ block-by-block checkpoint), see :mod:`quark_brevitas.blocks.sources`.
 
 :mod:`quark_brevitas.blocks` is the engine (capture, replay, activation stores, block sources, the stack finder)
 and knows nothing of configs or algorithms; :class:`~quark_brevitas.pipeline.Pipeline` keeps the stages. What
-ties a config to the engine lives here: which stack a run walks (:func:`choose_block_stack`, from the user's
-``blocks=`` and the algorithms' ``model_decoder_layers``, through the one finder
-:func:`~quark_brevitas.blocks.stack.find_block_stack`), why a config cannot run block by block
-(:func:`blockwise_obstacle`, asked of the algorithm handlers), the run with the right block source and activation
-stores (:func:`quantize_blocks`) and the data-free steps of a run whose blocks load one at a time
+ties a config to the engine lives here: what the one stack finder
+(:func:`~quark_brevitas.blocks.stack.find_block_stack`) is told of a config (the algorithms' ``model_decoder_layers``,
+:func:`named_decoder_layers`, and why the config cannot run block by block, :func:`blockwise_obstacle`, asked of the
+algorithm handlers), the run with the right block source and activation stores (:func:`quantize_blocks`; a model
+without a block stack is its own one block) and the data-free steps of a run whose blocks load one at a time
 (:func:`prepare_streamed`). The pipeline is reached only through
 :class:`~quark_brevitas.blocks.protocol.UnitQuantizer` and a ``prepare`` callable, so this module does not import
 it (the pipeline imports this one).
@@ -24,7 +24,7 @@ import copy
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -33,14 +33,13 @@ from quark_brevitas.algorithms.ties import run_untied
 from quark_brevitas.blocks.engine import BlockwiseEngine
 from quark_brevitas.blocks.protocol import UnitQuantizer
 from quark_brevitas.blocks.sources import BlockSink, BlockSource, CopiedBlocks, copy_without_blocks
-from quark_brevitas.blocks.stack import resolve_block_stack
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ModelError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["blockwise_obstacle", "choose_block_stack", "named_decoder_layers", "prepare_streamed", "quantize_blocks",
+__all__ = ["WholeModelQuantizer", "blockwise_obstacle", "named_decoder_layers", "prepare_streamed", "quantize_blocks",
            "run_blocks"]
 
 
@@ -73,28 +72,6 @@ def blockwise_obstacle(config: Any) -> str | None:
     return None
 
 
-def choose_block_stack(model: nn.Module, config: Any, blocks: str | bool | None, needs_data: bool) -> str | None:
-    """The block stack for the block-by-block data phase, or ``None`` for the whole-model path.
-
-    ``blocks``: ``None`` (detect: Quark's ``model_decoder_layers`` of an algorithm config if one names it, else
-    :func:`~quark_brevitas.blocks.stack.detect_block_stack`), ``True`` (detect, and fail if nothing is found),
-    ``False`` (whole model), or the qualified name of the ``nn.ModuleList`` of blocks. A named or required stack
-    that ``config`` cannot walk is an error."""
-    if blocks is None and not needs_data:
-        return None  # nothing runs on data: the whole model is converted in one step anyway
-    stack = resolve_block_stack(model, blocks, named_decoder_layers(config))
-    if stack is None:
-        return None
-    obstacle = blockwise_obstacle(config)
-    if obstacle is not None:
-        if isinstance(blocks, str) or blocks is True:
-            raise ModelError(f"blocks={blocks!r}: cannot calibrate block by block: {obstacle}")
-        logger.info("Calibrating the whole model at once: %s", obstacle)
-        return None
-    logger.info("Calibrating block by block (%d blocks in %s)", len(model.get_submodule(stack)), stack)
-    return stack
-
-
 def _has_submodule(model: nn.Module, name: str) -> bool:
     try:
         model.get_submodule(name)
@@ -103,13 +80,30 @@ def _has_submodule(model: nn.Module, name: str) -> bool:
     return True
 
 
-def quantize_blocks(quantizer: UnitQuantizer, model: nn.Module, stack: str, data: CalibrationData | None, *,
-                    inplace: bool, offload: str | os.PathLike[str] | None,
+class WholeModelQuantizer(UnitQuantizer, Protocol):
+    """A :class:`~quark_brevitas.blocks.protocol.UnitQuantizer` that can also take a model without a block stack as
+    its one unit (the pipeline: its stages in list order on the whole model, each algorithm's whole-model path)."""
+
+    def quantize_whole(self, model: nn.Module, data: CalibrationData | None) -> nn.Module:
+        """Every stage of the run on ``model`` at once, fed by ``data`` (``None`` when nothing needs data)."""
+        ...
+
+
+def quantize_blocks(quantizer: WholeModelQuantizer, model: nn.Module, stack: str | None,
+                    data: CalibrationData | None, *, inplace: bool, offload: str | os.PathLike[str] | None,
                     prepare: Callable[[nn.Module], nn.Module] | None = None, prepared_by: str = "") -> nn.Module:
-    """The block-by-block path: ``prepare`` (the data-free steps that need the whole model, named
-    ``prepared_by``) on the whole model (on a copy unless ``inplace``), then the engine; without such steps
-    the blocks of the caller's model are copied one at a time."""
+    """A run of a model in memory (:meth:`~quark_brevitas.pipeline.Pipeline.quantize`, with or without data): on a
+    copy of ``model`` unless ``inplace``, through :func:`run_blocks`.
+
+    With a block stack: ``prepare`` (the data-free steps that need the whole model, named ``prepared_by``) on the
+    whole model, then the engine; without such steps the blocks of the caller's model are copied one at a time.
+    Without one (``stack`` is ``None``: a model that is not made of repeated blocks, ``blocks=False``, or a config
+    that needs the whole model in every pass), the whole model is the one block, and ``prepare`` is not used: the
+    quantizer's whole-model stages run every step in list order."""
     source: BlockSource
+    if stack is None:
+        work = model if inplace else copy.deepcopy(model)
+        return run_blocks(quantizer, work, None, data, BlockSource())  # nothing is cached: ``offload`` has no use
     if inplace or prepare is not None:
         work = model if inplace else copy.deepcopy(model)
         if prepare is not None:
@@ -124,22 +118,44 @@ def quantize_blocks(quantizer: UnitQuantizer, model: nn.Module, stack: str, data
     return run_blocks(quantizer, work, stack, data, source, stores=StoreFactory.for_offload(offload))
 
 
-def run_blocks(quantizer: UnitQuantizer, model: nn.Module, stack: str, data: CalibrationData | None,
+def run_blocks(quantizer: WholeModelQuantizer, model: nn.Module, stack: str | None, data: CalibrationData | None,
                source: BlockSource, *, sink: BlockSink | None = None, stores: StoreFactory | None = None,
                on_block: Callable[[int, int], None] | None = None, start: int = 0,
                hidden: ActivationStore | None = None, on_captured: Callable[[str], None] | None = None) -> nn.Module:
-    """The one block-by-block run: each block of ``stack`` taken from ``source``, quantized by ``quantizer`` on its
+    """The one run of a recipe: each block of ``stack`` taken from ``source``, quantized by ``quantizer`` on its
     cached inputs (from ``data``, kept by ``stores``), handed to ``sink`` (default: kept in the model), then the
     layers outside the blocks; returns the model. ``start``/``hidden``: resume at block ``start`` with its cached
     inputs; ``on_block(index, count)`` after each block; ``on_captured(digest)`` once the first block's inputs are
-    captured. The stores are cleaned up however the run ends."""
+    captured. The stores are cleaned up however the run ends.
+
+    ``stack`` ``None``: the whole model is the one block (the quantizer's
+    :meth:`WholeModelQuantizer.quantize_whole` on ``data`` itself, nothing is cached); only the model's own source
+    and the in-memory sink take it, since a folder's source or a checkpoint sink address the blocks of a stack."""
     stores = stores if stores is not None else StoreFactory()
-    engine = BlockwiseEngine(quantizer, model, stack, data, source, sink=sink, stores=stores, on_block=on_block)
-    engine.on_captured = on_captured
     try:
+        if stack is None:
+            return _run_whole(quantizer, model, data, source, sink, on_block)
+        logger.info("%s block by block (%d blocks in %s)", "Calibrating" if data is not None else "Quantizing",
+                    len(model.get_submodule(stack)), stack)
+        engine = BlockwiseEngine(quantizer, model, stack, data, source, sink=sink, stores=stores, on_block=on_block)
+        engine.on_captured = on_captured
         return engine.run(start=start, hidden=hidden)
     finally:
         stores.cleanup()
+
+
+def _run_whole(quantizer: WholeModelQuantizer, model: nn.Module, data: CalibrationData | None, source: BlockSource,
+               sink: BlockSink | None, on_block: Callable[[int, int], None] | None) -> nn.Module:
+    """:func:`run_blocks` on a model that is its own one block."""
+    others = [type(part).__name__ for part in (source, sink) if type(part) not in (BlockSource, BlockSink, type(None))]
+    if others:
+        raise ModelError(f"a run without a block stack quantizes the model in memory as one block; {', '.join(others)} "
+                         "takes or writes the blocks of a stack: name the stack (blocks=)")
+    model = quantizer.quantize_whole(source.load(0, model), data)
+    model = source.finish(0, (sink or BlockSink()).finish(0, model))
+    if on_block is not None:
+        on_block(0, 1)
+    return model
 
 
 def prepare_streamed(config: Any, model: nn.Module, stack: str, *,

@@ -1,8 +1,8 @@
 """Quark 0.13's top-level functions (``from quark.torch import ...``) under their names, arguments and defaults,
 mapped onto quark_brevitas: code written for Quark 0.13 runs after changing ``quark.torch`` to ``quark_brevitas``.
 
-- :func:`~quark_brevitas.quark_compat.freezing.freeze` (``ModelQuantizer.freeze``): fixes a quantized model for
-  inference and export.
+- :func:`~quark_brevitas.api.freeze` (``ModelQuantizer.freeze``, defined with it in the api): fixes a quantized
+  model for inference and export.
 - :func:`~quark_brevitas.quark_compat.exporting.export_safetensors` (Quark's format, ``custom_mode="quark"``),
   :func:`~quark_brevitas.quark_compat.exporting.export_onnx`,
   :func:`~quark_brevitas.quark_compat.exporting.export_gguf`.
@@ -17,8 +17,8 @@ argument and the values allowed, never ignored. ``docs/migrating-from-quark.md``
 
 from __future__ import annotations
 
+from quark_brevitas.api import freeze
 from quark_brevitas.quark_compat.exporting import export_gguf, export_onnx, export_safetensors
-from quark_brevitas.quark_compat.freezing import freeze
 from quark_brevitas.quark_compat.importing import import_model_from_safetensors
 from quark_brevitas.quark_compat.params import load_params, save_params
 

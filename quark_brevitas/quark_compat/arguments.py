@@ -1,25 +1,17 @@
 """How the Quark 0.13 functions refuse an argument value quark_brevitas cannot honour: one error naming the function,
-the argument, the value given, why, and what is allowed."""
+the argument, the value given, why, and what is allowed (:class:`~quark_brevitas.errors.UnsupportedArgumentError`,
+defined below every room because ``ModelQuantizer.freeze`` raises it too), and which models they accept
+(:func:`~quark_brevitas.pipeline.require_quantized`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-from torch import nn
-
-from quark_brevitas.errors import ConfigError, ModelError
-from quark_brevitas.pipeline import CONFIG_ATTRIBUTE
+from quark_brevitas.errors import UnsupportedArgumentError
+from quark_brevitas.pipeline import require_quantized
 
 __all__ = ["UnsupportedArgumentError", "check_choice", "require_quantized"]
-
-
-class UnsupportedArgumentError(ConfigError, TypeError):
-    """A Quark 0.13 argument value quark_brevitas cannot honour (a ``ValueError`` and a ``TypeError``, as a wrong
-    argument to the function would be). ``path`` is ``function(argument)``."""
-
-    def __init__(self, function: str, argument: str, value: Any, why: str, allowed: str) -> None:
-        super().__init__(f"{function}({argument})", f"{value!r} {why}; allowed: {allowed}")
 
 
 def check_choice(function: str, argument: str, value: Any, allowed: Iterable[Any], why: str) -> None:
@@ -27,13 +19,3 @@ def check_choice(function: str, argument: str, value: Any, allowed: Iterable[Any
     choices = list(allowed)
     if not any(value == choice and type(value) is type(choice) for choice in choices):
         raise UnsupportedArgumentError(function, argument, value, why, " or ".join(repr(c) for c in choices))
-
-
-def require_quantized(model: Any, function: str) -> nn.Module:
-    """``model`` if it is a model ``ModelQuantizer.quantize_model`` (or a loader of ours) returned."""
-    if not isinstance(model, nn.Module):
-        raise ModelError(f"{function}: model must be a torch.nn.Module, got {type(model).__name__}")
-    if getattr(model, CONFIG_ATTRIBUTE, None) is None:
-        raise ModelError(f"{function}: {type(model).__name__} was not quantized by quark_brevitas (it carries no "
-                         "quark_brevitas config); pass the model ModelQuantizer(config).quantize_model returned")
-    return model

@@ -13,14 +13,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from helpers.llm_models import (  # noqa: E402
-    INT4_G32,
-    UINT4_G32,
-    relative_error,
-    tiny_bert,
-    tiny_llama,
-    token_batches,
-    weight_only_config,
+from helpers.llm_models import INT4_G32, UINT4_G32, tiny_bert, tiny_llama, token_batches, weight_only_config  # noqa: E402
+from helpers.rounding_checks import (  # noqa: E402
+    assert_beats_rounding_on_brevitas_grid,
+    assert_block_and_whole_model_paths_agree,
+    assert_survives_a_checkpoint,
+    block_layers,
 )
 
 from quark_brevitas.algorithms import describe_algorithms, handler_for  # noqa: E402
@@ -46,17 +44,13 @@ def batches() -> list[torch.Tensor]:
     return token_batches(count=2)
 
 
-def _block_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for n, m in model.named_modules() if isinstance(m, QuantLayer) and ".layer" in n]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("weight", [INT4_G32, UINT4_G32], ids=["int4-g32", "uint4-g32"])
 def test_zero_iterations_is_round_to_nearest_exactly(weight, batches) -> None:
     model = tiny_llama()
     learned = ModelQuantizer(weight_only_config(weight, AutoRoundConfig(iters=0))).quantize_model(model, batches)
     rounded = ModelQuantizer(weight_only_config(weight)).quantize_model(model, batches)
-    for a, b in zip(_block_layers(learned), _block_layers(rounded), strict=True):
+    for a, b in zip(block_layers(learned), block_layers(rounded), strict=True):
         assert torch.equal(a.quant_weight().value, b.quant_weight().value)
     with torch.no_grad():
         assert torch.equal(learned(batches[0]).logits, rounded(batches[0]).logits)
@@ -67,26 +61,15 @@ def test_zero_iterations_is_round_to_nearest_exactly(weight, batches) -> None:
                                                        (tiny_bert, INT3_CHANNEL, False)],
                          ids=["llama-int4-clip", "llama-uint4-clip", "bert-int3-channel"])
 def test_autoround_beats_rounding_and_sits_on_brevitas_grid(build, weight, clip, batches) -> None:
-    model = build()
-    exclude = ("lm_head",) if build is tiny_llama else ()
     algo = AutoRoundConfig(iters=40, lr=1 / 40, minmax_lr=1 / 40, enable_minmax_tuning=clip, batch_size=2)
-    learned = ModelQuantizer(weight_only_config(weight, algo, exclude)).quantize_model(model, batches)
-    rounded = ModelQuantizer(weight_only_config(weight, exclude=exclude)).quantize_model(model, batches)
-    assert relative_error(learned, model, batches) < 0.8 * relative_error(rounded, model, batches)
-    layers = _block_layers(learned)
-    assert layers
-    for layer in layers:
-        assert torch.equal(layer.quant_weight().value, layer.weight)  # the codes are Brevitas's, bit for bit
+    assert_beats_rounding_on_brevitas_grid(build, weight, algo, batches)
 
 
 def test_learned_rounding_offsets_and_clipping_act_as_defined() -> None:
     """Offsets of +-0.5 move each code by one step where rounding was close; clipping factors shrink the grid."""
-    import brevitas.nn as qnn
+    from helpers.adapter_layers import weight_only_linear
 
-    from quark_brevitas.quantizers import build_quantizer
-
-    torch.manual_seed(0)
-    layer = qnn.QuantLinear(64, 8, bias=False, weight_quant=build_quantizer(INT4_G32, "weight"))
+    layer = weight_only_linear(INT4_G32, 64, 8)
     rounding = LearnedRounding.of(layer, tune_clip=True)
     grid = rounding.grid
     assert torch.equal(rounding.finish(), grid.quantize(rounding.weight))  # untouched: round to nearest
@@ -112,23 +95,13 @@ def test_learned_rounding_offsets_and_clipping_act_as_defined() -> None:
 
 @pytest.mark.slow
 def test_autoround_block_by_block_and_whole_model_paths_agree(batches) -> None:
-    config = weight_only_config(INT4_G32, AutoRoundConfig(iters=10, batch_size=2))
-    blocks = ModelQuantizer(config).quantize_model(tiny_llama(), batches)
-    whole = ModelQuantizer(config).quantize_model(tiny_llama(), batches, blocks=False)
-    for (name, a), b in zip(blocks.named_parameters(), whole.parameters(), strict=True):
-        assert torch.allclose(a, b, atol=1e-6), name
+    assert_block_and_whole_model_paths_agree(weight_only_config(INT4_G32, AutoRoundConfig(iters=10, batch_size=2)),
+                                             batches)
 
 
 @pytest.mark.slow
 def test_autoround_survives_a_checkpoint(batches, tmp_path) -> None:
-    from quark_brevitas import load_quantized, save_quantized
-
-    config = weight_only_config(INT4_G32, AutoRoundConfig(iters=10))
-    quantized = ModelQuantizer(config).quantize_model(tiny_llama(), batches)
-    save_quantized(quantized, tmp_path / "ckpt")
-    loaded = load_quantized(tiny_llama(), tmp_path / "ckpt")
-    with torch.no_grad():
-        assert torch.equal(loaded(batches[0]).logits, quantized(batches[0]).logits)
+    assert_survives_a_checkpoint(weight_only_config(INT4_G32, AutoRoundConfig(iters=10)), batches, tmp_path / "ckpt")
 
 
 def test_autoround_config_has_quarks_defaults_and_round_trips() -> None:
@@ -197,13 +170,10 @@ def test_statistics_are_reduced_over_processes_without_changing_the_result(algo,
 def test_mse_clip_init_starts_from_a_smaller_rounding_error_on_the_grid_it_ends_on() -> None:
     """``clip_init="mse"``: each group's factors start where its rounding error is least; ``finish`` then
     re-initialises the layer's quantizer from the clipped weight, whose grid is the searched one."""
-    import brevitas.nn as qnn
+    from helpers.adapter_layers import weight_only_linear
 
-    from quark_brevitas.quantizers import build_quantizer
-
-    torch.manual_seed(0)
     weight = QuantizationSpec(bit_width=3, qscheme=QSchemeType.per_group, group_size=32, narrow_range=False)
-    layer = qnn.QuantLinear(64, 8, bias=False, weight_quant=build_quantizer(weight, "weight"))
+    layer = weight_only_linear(weight, 64, 8)
     with torch.no_grad():
         layer.weight[:, ::16] *= 6  # a few large weights per group: min-max wastes most codes on them
     rounding = LearnedRounding.of(layer, tune_clip=True)

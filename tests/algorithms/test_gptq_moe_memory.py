@@ -17,7 +17,7 @@ from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.algorithms import narrowing  # noqa: E402
 from quark_brevitas.config import Config, QuantizationConfig, QuantizationSpec  # noqa: E402
 from quark_brevitas.config.algorithms import GPTQConfig  # noqa: E402
-from quark_brevitas.hf.moe import unfuse_experts  # noqa: E402
+from quark_brevitas.model_parts.moe import unfuse_experts  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,

@@ -21,6 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from helpers.forward_calls import count_forward_calls  # noqa: E402
 from helpers.llm_models import tiny_llama, token_batches  # noqa: E402
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
@@ -133,22 +134,9 @@ def _layer() -> nn.Module:
     return nn.Sequential(QuantLinear(8, 4, bias=True))
 
 
-def _counted(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> list[int]:
-    layer_class = type(model[0])
-    original = layer_class.forward
-    count = [0]
-
-    def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
-        count[0] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(layer_class, "forward", forward)
-    return count
-
-
 def test_a_handed_over_memo_serves_one_more_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _layer()
-    runs = _counted(monkeypatch, model)
+    runs = count_forward_calls(monkeypatch, type(model[0]))
     x = torch.randn(5, 8)
     with torch.no_grad(), outputs_handed_over() as handoff:
         with layer_outputs_remembered(model, hand_over=True):
@@ -164,7 +152,7 @@ def test_a_handed_over_memo_serves_one_more_pass(monkeypatch: pytest.MonkeyPatch
 
 def test_a_memo_is_not_handed_over_outside_the_engine_or_past_another_step(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _layer()
-    runs = _counted(monkeypatch, model)
+    runs = count_forward_calls(monkeypatch, type(model[0]))
     x = torch.randn(5, 8)
     with torch.no_grad():
         with layer_outputs_remembered(model, hand_over=True):
@@ -184,7 +172,7 @@ def test_a_weight_set_in_place_is_never_served_stale(monkeypatch: pytest.MonkeyP
     """A weight changed through the parameter (``copy_``, as ``set_linear_weight`` does) without ``forget``: the
     memo sees its version counter and computes again."""
     model = _layer()
-    runs = _counted(monkeypatch, model)
+    runs = count_forward_calls(monkeypatch, type(model[0]))
     x = torch.randn(5, 8)
     with torch.no_grad(), layer_outputs_remembered(model) as memo:
         first = model(x)

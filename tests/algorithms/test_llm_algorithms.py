@@ -20,7 +20,9 @@ pytest.importorskip("transformers")
 
 from helpers import reference as ref  # noqa: E402
 from helpers.llm_models import (  # noqa: E402
+    INT4_G32,
     LLAMA_SCALING_LAYERS,
+    UINT4_G32,
     relative_error,
     tiny_bert,
     tiny_gpt2,
@@ -28,6 +30,7 @@ from helpers.llm_models import (  # noqa: E402
     tiny_opt,
     token_batches,
 )
+from helpers.llm_models import llm_config as _config  # noqa: E402
 
 from quark_brevitas import algos  # noqa: E402
 from quark_brevitas.algorithms import apply_algorithm, describe_algorithms, handler_for  # noqa: E402
@@ -52,16 +55,8 @@ from quark_brevitas.config.specs import narrow_range_of  # noqa: E402
 from quark_brevitas.errors import ConfigError  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
-UINT4_G32 = QuantizationSpec(dtype=Dtype.uint4, symmetric=False, qscheme=QSchemeType.per_group, group_size=32)
-INT4_G32 = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32)
 INT8_CHANNEL = QuantizationSpec(qscheme=QSchemeType.per_channel)
 INT8_TENSOR = QuantizationSpec()
-
-
-def _config(weight: QuantizationSpec, algo_config=None, pre=None, act: QuantizationSpec | None = None,
-            **kwargs) -> Config:
-    return Config(QuantizationConfig(weight=weight, input_tensors=act), pre_quant_opt_config=pre or [],
-                  algo_config=algo_config, exclude=["lm_head"], **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,10 @@
 
 The snapshot (``tests/data/llm_codes.pt``) was written by this file before the algorithms were made faster
 (``PYTHONPATH=. python tests/algorithms/test_llm_codes_snapshot.py`` from the repository root), so it records what they
-computed before: speed-ups must not change a single code. Each recipe quantizes the tiny 2-block Llama of
-:mod:`llm_models` (seeded, with outlier channels) on four batches of 4 x 32 tokens, one thread, and every
-quantized layer's weight codes (``quant_weight().int()``) and per-group scales are compared exactly.
+computed before: speed-ups must not change a single code. Each recipe (``tests/helpers/llm_recipes.py``)
+quantizes the tiny 2-block Llama of :mod:`llm_models` (seeded, with outlier channels) on four batches of 4 x 32
+tokens, one thread, and every quantized layer's weight codes (``quant_weight().int()``) and per-group scales are
+compared exactly.
 """
 
 from __future__ import annotations
@@ -18,43 +19,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers.llm_models import tiny_llama, token_batches  # noqa: E402
+from helpers.llm_recipes import RECIPES  # noqa: E402
 
-from quark_brevitas import algos  # noqa: E402
 from quark_brevitas.api import ModelQuantizer  # noqa: E402
 from quark_brevitas.brevitas_adapter import QuantLayer  # noqa: E402
-from quark_brevitas.config import (  # noqa: E402
-    AWQConfig,
-    Config,
-    GPTQConfig,
-    QuantizationConfig,
-    QuantizationSpec,
-    SmoothQuantConfig,
-)
-from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
 SNAPSHOT = Path(__file__).resolve().parents[1] / "data" / "llm_codes.pt"
-UINT4_G32 = QuantizationSpec(dtype=Dtype.uint4, symmetric=False, qscheme=QSchemeType.per_group, group_size=32)
-# narrow_range=True: the snapshot was written when -7..7 was the default int4 grid; pinned so that it keeps
-# comparing the same stored codes now that the default is the full range -8..7 (issue 19).
-INT4_G32 = QuantizationSpec(dtype=Dtype.int4, qscheme=QSchemeType.per_group, group_size=32, narrow_range=True)
-INT8_CHANNEL = QuantizationSpec(qscheme=QSchemeType.per_channel)
-
-
-def _config(weight: QuantizationSpec, algo: list | None = None, pre: list | None = None,
-            act: QuantizationSpec | None = None) -> Config:
-    return Config(QuantizationConfig(weight=weight, input_tensors=act), pre_quant_opt_config=pre or [],
-                  algo_config=algo, exclude=["lm_head"])
-
-
-#: The recipes of the snapshot: Quark's three LLM algorithms and the whole-model GPTQ (Brevitas's).
-RECIPES = {
-    "gptqconfig_uint4_g32": lambda: _config(UINT4_G32, [GPTQConfig(group_size=32)]),
-    "gptqconfig_int4_g32_static": lambda: _config(INT4_G32, [GPTQConfig(sym=True, group_size=32, static_groups=True,
-                                                                        true_sequential=False, desc_act=False)]),
-    "awqconfig_uint4_g32": lambda: _config(UINT4_G32, [AWQConfig(group_size=32)]),
-    "smoothquant_w8a8": lambda: _config(INT8_CHANNEL, pre=[SmoothQuantConfig(alpha=0.5)], act=QuantizationSpec()),
-    "gptq_whole_int4_g32": lambda: _config(INT4_G32, [algos.GPTQ()]),
-}
 
 
 def quantized_codes(recipe: str) -> dict[str, torch.Tensor]:

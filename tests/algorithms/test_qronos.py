@@ -15,14 +15,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from helpers.llm_models import (  # noqa: E402
-    INT4_G32,
-    UINT4_G32,
-    relative_error,
-    tiny_bert,
-    tiny_llama,
-    token_batches,
-    weight_only_config,
+from helpers.llm_models import INT4_G32, UINT4_G32, tiny_bert, tiny_llama, token_batches, weight_only_config  # noqa: E402
+from helpers.rounding_checks import (  # noqa: E402
+    assert_beats_rounding_on_brevitas_grid,
+    assert_block_and_whole_model_paths_agree,
+    assert_survives_a_checkpoint,
 )
 
 from quark_brevitas.algorithms import describe_algorithms  # noqa: E402
@@ -50,13 +47,10 @@ def batches() -> list[torch.Tensor]:
     return token_batches(count=2)
 
 
-def _layer(features: int = 96, outputs: int = 48, spec: QuantizationSpec = INT4_G32):
-    import brevitas.nn as qnn
+def _layer(spec: QuantizationSpec):
+    from helpers.adapter_layers import weight_only_linear
 
-    from quark_brevitas.quantizers import build_quantizer
-
-    torch.manual_seed(0)
-    return qnn.QuantLinear(features, outputs, bias=False, weight_quant=build_quantizer(spec, "weight"))
+    return weight_only_linear(spec, 96, 48)
 
 
 def _inputs(tokens: int = 1024, features: int = 96, seed: int = 3) -> torch.Tensor:
@@ -124,35 +118,17 @@ def test_qronos_corrects_the_error_of_quantized_inputs() -> None:
 @pytest.mark.parametrize(("build", "weight"), [(tiny_llama, INT4_G32), (tiny_llama, UINT4_G32), (tiny_bert, INT3_G32)],
                          ids=["llama-int4", "llama-uint4", "bert-int3"])
 def test_qronos_beats_rounding_and_sits_on_brevitas_grid(build, weight, batches) -> None:
-    model = build()
-    exclude = ("lm_head",) if build is tiny_llama else ()
-    quantized = ModelQuantizer(weight_only_config(weight, QronosConfig(), exclude)).quantize_model(model, batches)
-    rounded = ModelQuantizer(weight_only_config(weight, exclude=exclude)).quantize_model(model, batches)
-    assert relative_error(quantized, model, batches) < 0.8 * relative_error(rounded, model, batches)
-    layers = [m for n, m in quantized.named_modules() if isinstance(m, QuantLayer) and ".layer" in n]
-    assert layers
-    for layer in layers:
-        assert torch.equal(layer.quant_weight().value, layer.weight)
+    assert_beats_rounding_on_brevitas_grid(build, weight, QronosConfig(), batches)
 
 
 @pytest.mark.slow
 def test_qronos_block_by_block_and_whole_model_paths_agree(batches) -> None:
-    config = weight_only_config(INT4_G32, QronosConfig())
-    blocks = ModelQuantizer(config).quantize_model(tiny_llama(), batches)
-    whole = ModelQuantizer(config).quantize_model(tiny_llama(), batches, blocks=False)
-    for (name, a), b in zip(blocks.named_parameters(), whole.parameters(), strict=True):
-        assert torch.allclose(a, b, atol=1e-6), name
+    assert_block_and_whole_model_paths_agree(weight_only_config(INT4_G32, QronosConfig()), batches)
 
 
 @pytest.mark.slow
 def test_qronos_survives_a_checkpoint(batches, tmp_path) -> None:
-    from quark_brevitas import load_quantized, save_quantized
-
-    quantized = ModelQuantizer(weight_only_config(INT4_G32, QronosConfig())).quantize_model(tiny_llama(), batches)
-    save_quantized(quantized, tmp_path / "ckpt")
-    loaded = load_quantized(tiny_llama(), tmp_path / "ckpt")
-    with torch.no_grad():
-        assert torch.equal(loaded(batches[0]).logits, quantized(batches[0]).logits)
+    assert_survives_a_checkpoint(weight_only_config(INT4_G32, QronosConfig()), batches, tmp_path / "ckpt")
 
 
 def test_qronos_with_explicit_layers_rounds_only_those(batches) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from helpers.finn import run_finn
 from helpers.graph_zoo import GRAPH_ZOO, QAT_RECIPE, ResidualCNN, finn_config, input_batch, randomised
 
 from quark_brevitas.api import ModelQuantizer
@@ -16,7 +17,6 @@ from quark_brevitas.cli.digits import evaluate, fine_tune, load_digits_data
 from quark_brevitas.config.presets import get_preset
 from quark_brevitas.export import export_onnx_qcdq, export_qonnx
 from quark_brevitas.qat import prepare_qat
-from tests.backend.test_graph_finn import finn, run_finn  # noqa: F401 - the fixture
 
 
 def _digits_qat(bits: int, tmp_path_factory):
@@ -61,7 +61,7 @@ def test_digits_residual_cnn_w2a2_qat_within_three_points_of_float(digits_w2a2) 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trained", ["digits_w4a4", "digits_w2a2"])
-def test_finn_converted_digits_file_predicts_as_pytorch(finn, trained, request) -> None:  # noqa: F811
+def test_finn_converted_digits_file_predicts_as_pytorch(finn, trained, request) -> None:
     _, _, path, xt = request.getfixturevalue(trained)
     result = run_finn(finn, path, xt.numpy())
     # the same arg-max on every test image: FINN's file has the PyTorch model's accuracy

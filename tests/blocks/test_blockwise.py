@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
 from quark_brevitas.blocks.capture import replayable  # noqa: E402
-from quark_brevitas.blocks.stack import detect_block_stack, find_block_stack  # noqa: E402
+from quark_brevitas.blocks.stack import RUN_STACK, find_block_stack  # noqa: E402
 from quark_brevitas.blocks.store import ActivationStore  # noqa: E402
 from quark_brevitas.checkpoint import load_quantized, save_quantized  # noqa: E402
 from quark_brevitas.errors import ModelError  # noqa: E402
@@ -248,11 +248,11 @@ def test_one_stack_finder_for_the_pipeline_and_the_algorithms() -> None:
                                                           encoder_attention_heads=2, decoder_attention_heads=2,
                                                           encoder_ffn_dim=32, decoder_ffn_dim=32))
     assert model_structure(bart, want_scaling=False).decoder_layers is None
-    assert find_block_stack(bart) is None and detect_block_stack(bart) is None
+    assert find_block_stack(bart) is None and find_block_stack(bart, policy=RUN_STACK) is None
     one = transformers.BertModel(transformers.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1,
                                                          num_attention_heads=2, intermediate_size=32))
     assert find_block_stack(one) == model_structure(one, want_scaling=False).decoder_layers == "encoder.layer"
-    assert detect_block_stack(one) is None  # one block: the pipeline keeps the whole-model path
+    assert find_block_stack(one, policy=RUN_STACK) is None  # one block: the pipeline keeps the whole-model path
 
 
 @pytest.mark.parametrize("keyword", ["cache", "past_key_values", "past_key_value", "layer_past"])

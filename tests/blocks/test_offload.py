@@ -15,6 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from helpers.llm_folders import saved_llama  # noqa: E402
+
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
 from quark_brevitas.checkpoint import CheckpointError, load_quantized, read_weights  # noqa: E402
 from quark_brevitas.hf.streaming import (  # noqa: E402
@@ -38,12 +40,7 @@ def _batches(count: int = 3, vocab: int = 64) -> list[dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
-    folder = tmp_path_factory.mktemp("llama")
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
-    return folder
+    return saved_llama(tmp_path_factory.mktemp("llama"), vocab=64, hidden=32, heads=4, positions=64)
 
 
 def _float(folder: Path) -> torch.nn.Module:

@@ -19,6 +19,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from helpers.forward_calls import count_forward_calls  # noqa: E402
 from helpers.llm_models import tiny_bert, tiny_llama, token_batches  # noqa: E402
 
 from quark_brevitas import ModelQuantizer, algos  # noqa: E402
@@ -140,16 +141,7 @@ def _layer() -> nn.Module:
 def counted(monkeypatch: pytest.MonkeyPatch) -> tuple[nn.Module, list[int]]:
     """A one-layer quantized model and the count of its layer's real computations (its class's forward)."""
     model = _layer()
-    layer_class = type(model[0])
-    original = layer_class.forward
-    count = [0]
-
-    def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
-        count[0] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(layer_class, "forward", forward)
-    return model, count
+    return model, count_forward_calls(monkeypatch, type(model[0]))
 
 
 def test_memo_returns_earlier_outputs_only_while_valid(counted: tuple[nn.Module, list[int]]) -> None:

@@ -15,8 +15,6 @@ serialisation is deterministic), and ``config.json`` is compared whole (nothing 
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,51 +25,21 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from helpers.llm_models import VOCAB, token_batches  # noqa: E402
+from helpers.streamed_checkpoints import FOLDERS  # noqa: E402
+from helpers.streamed_checkpoints import SIZES as _SIZES  # noqa: E402
+from helpers.streamed_checkpoints import streamed_checkpoint as _checkpoint  # noqa: E402
 from safetensors.torch import load_file, save  # noqa: E402
 
 from quark_brevitas import Config, QLayerConfig  # noqa: E402
-from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.export import export_gguf, export_safetensors, readback  # noqa: E402
 from quark_brevitas.export.gguf import writer as gguf_export  # noqa: E402
 from quark_brevitas.export.readback import ReadBackError  # noqa: E402
 from quark_brevitas.hf import export_streamed  # noqa: E402
 from quark_brevitas.hf.export_streamed import export_gguf_streamed, export_safetensors_streamed  # noqa: E402
-from quark_brevitas.hf.streaming import load_pretrained_quantized, quantize_pretrained  # noqa: E402
+from quark_brevitas.hf.streaming import load_pretrained_quantized  # noqa: E402
 
-_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": VOCAB}
-_NARROW = {**_SIZES, "hidden_size": 32, "intermediate_size": 64}
-FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**_SIZES)),
-    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**_SIZES)),
-    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_SIZES)),
-    # hidden 32: spill files of equal sizes, where the old numbering wrote other layers' weights without an error
-    "qwen2-narrow": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_NARROW)),
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)),
-}
 #: Tensors per block in the GGUF file: Llama/Mistral 9, Qwen2 12 (q/k/v biases), GPT-2 12 (biases, two norms).
 BLOCK_TENSORS = {"llama": 9, "mistral": 9, "qwen2": 12, "qwen2-narrow": 12, "gpt2": 12}
-FOLDERS = ("compressed-tensors", "quark")
-
-
-def _config(family: str, preset: str) -> Config:
-    """The preset; for GPT-2 its layer config on the Conv1D projections too (the presets cover nn.Linear only)."""
-    if family != "gpt2":
-        return get_preset(preset)
-    layer = get_preset(preset).layer_type_quant_config["Linear"]
-    return Config(QLayerConfig(), layer_type_quant_config={"Linear": layer, "Conv1D": layer}, pre_quant_opt_config=[])
-
-
-def _checkpoint(family: str, preset: str, root: Path) -> Path:
-    """A block-by-block checkpoint of the tiny ``family`` model, whose float folder is deleted afterwards."""
-    torch.manual_seed(0)
-    FAMILIES[family]().eval().save_pretrained(root / "float")
-    checkpoint = quantize_pretrained(root / "float", _config(family, preset),
-                                     [{"input_ids": t} for t in token_batches(1, batch=2, length=16)], root / "ckpt")
-    shutil.rmtree(root / "float")
-    return checkpoint
 
 
 def _same_folder(streamed: Path, whole: Path) -> None:

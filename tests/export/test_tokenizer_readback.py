@@ -13,20 +13,21 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 pytest.importorskip("compressed_tensors")
 
+from helpers.llm_models import bpe_tokenizer  # noqa: E402
+from helpers.streamed_checkpoints import FOLDERS, streamed_checkpoint  # noqa: E402
+
 from quark_brevitas.export import export_safetensors  # noqa: E402
 from quark_brevitas.export.hf import folder as hf_folder  # noqa: E402
 from quark_brevitas.export.readback import ReadBackError  # noqa: E402
 from quark_brevitas.hf.export_streamed import export_safetensors_streamed  # noqa: E402
 from quark_brevitas.hf.streaming import load_pretrained_quantized  # noqa: E402
-from tests.export.gguf.test_gguf import _bpe_tokenizer  # noqa: E402
-from tests.export.test_export_readback import FOLDERS, _checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def checkpoint_and_tokenizer(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("tok")
-    _bpe_tokenizer(root / "tokenizer")
-    return _checkpoint("llama", "gguf_q8_0", root), root / "tokenizer"
+    bpe_tokenizer(root / "tokenizer")
+    return streamed_checkpoint("llama", "gguf_q8_0", root), root / "tokenizer"
 
 
 @pytest.mark.parametrize("fmt", FOLDERS)

@@ -40,3 +40,10 @@ def export_linear(**kwargs: object) -> qnn.QuantLinear:
     """A QuantLinear(32, 4) without bias, in eval mode, with the Brevitas quantizers given as keywords."""
     torch.manual_seed(0)
     return qnn.QuantLinear(32, 4, bias=False, **kwargs).eval()
+
+
+def weight_only_linear(spec: Any, features: int, outputs: int) -> qnn.QuantLinear:
+    """A bias-free QuantLinear(features, outputs) with the library's weight quantizer for ``spec`` and nothing else,
+    seeded: the layer the rounding algorithms' column loops are tested on."""
+    torch.manual_seed(0)
+    return qnn.QuantLinear(features, outputs, bias=False, weight_quant=build_quantizer(spec, "weight"))

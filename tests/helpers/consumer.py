@@ -36,6 +36,17 @@ _EPILOGUE = textwrap.dedent("""
 """)
 
 
+#: A consumer body: each folder loaded with ``AutoModelForCausalLM`` (compressed-tensors folders through the
+#: compressed-tensors package), its first block's experts module's class name and its logits on ``tokens``.
+MOE_LOGITS = """
+    for folder in sys.argv[3:]:
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        result["experts"] = type(model.model.layers[0].mlp.experts).__name__
+        with torch.no_grad():
+            result["logits"] = model(tokens).logits
+"""
+
+
 def run_consumer(body: str, folders: Sequence[Path], tokens: torch.Tensor, work: Path, *, python: str,
                  pythonpath: str, timeout: int = 600) -> dict[str, Any]:
     """Run ``body`` (a loop over ``sys.argv[3:]`` filling ``result``) with ``python -S`` and only ``pythonpath`` on

@@ -36,3 +36,29 @@ def build_family(family: str, head_dim: int = 16, query_pre_attn_scalar: int | N
     else:
         raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
     return model.eval()
+
+
+#: Mixture-of-experts families (issue 30), built by :func:`build_moe`.
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+_MOE_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   num_experts_per_tok=2, max_position_embeddings=64)
+
+
+def build_moe(family: str, **overrides: object) -> torch.nn.Module:
+    """The tiny model of a MoE family (4 experts, top-2; fused experts as transformers builds them), in eval mode;
+    ``overrides`` replace config values (expert widths, ``norm_topk_prob``). Qwen3-MoE's router starts at zero
+    (every token ties), so it is given a preference."""
+    torch.manual_seed(0)
+    if family == "mixtral":
+        values = dict(_MOE_COMMON, intermediate_size=128, num_local_experts=4) | overrides
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(**values)).eval()
+    values = dict(_MOE_COMMON, intermediate_size=128, moe_intermediate_size=32, num_experts=4)
+    if family == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**(values | overrides))).eval()
+        for block in model.model.layers:
+            torch.nn.init.normal_(block.mlp.gate.weight, std=0.5)
+        return model
+    if family == "qwen2_moe":
+        values = dict(values, shared_expert_intermediate_size=64) | overrides
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**values)).eval()
+    raise ValueError(f"unknown MoE family {family!r}; known: {MOE_FAMILIES}")

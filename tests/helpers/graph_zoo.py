@@ -6,39 +6,25 @@ Each takes digit-sized inputs (``input_shape``), so the benchmark can train them
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from quark_brevitas.api import ModelQuantizer
-from quark_brevitas.config import Config, QTensorConfig
-from quark_brevitas.config.enums import QSchemeType
-from quark_brevitas.config.presets import get_preset
+from quark_brevitas.backend.graph import FINN_QAT_RECIPE, recipes
+from quark_brevitas.config import Config
 
 __all__ = ["GRAPH_ZOO", "QAT_RECIPE", "finn_config", "input_batch"]
 
-#: QAT after ``finn_config`` on digits: bit width -> (epochs, starting learning rate), Adam with cosine decay to
-#: zero (``quark_brevitas.cli.digits.fine_tune``). 2-bit activations need many more steps, and a higher rate, for
-#: the learned scales and the weights to settle: 3 epochs at 1e-3 reach 43 % on the residual CNN, 30 at 1e-2 96 %.
-QAT_RECIPE: dict[int, tuple[int, float]] = {8: (3, 1e-3), 4: (3, 1e-3), 2: (30, 1e-2)}
+#: QAT after ``finn_config`` on digits: the shipped recipe (quark_brevitas.backend.graph.FINN_QAT_RECIPE).
+QAT_RECIPE = FINN_QAT_RECIPE
 
 
-def finn_config(bits: int, model: nn.Module) -> Config:
-    """The ``finn_w{bits}a{bits}`` preset for ``model``; at 2 bits with FINN's usual practice for 2-bit networks:
-    the first compute layer's input and weights and the last layer's weights 8-bit (the raw image and the logits
-    need the range; FINN converts an 8-bit input quantizer into 255 thresholds and takes 8-bit weights), every other
-    tensor 2-bit. The last layer's *input* stays 2-bit: it is the point shared with the layers before it."""
-    config = get_preset(f"finn_w{bits}a{bits}")
-    if bits != 2:
-        return config
-    layers = [row.name for row in ModelQuantizer(config).plan(model) if row.quantized]
-    layer = config.global_quant_config
-    weight8 = QTensorConfig(bit_width=8, qscheme=QSchemeType.per_channel)
-    first = dataclasses.replace(layer, input_tensors=QTensorConfig(bit_width=8), weight=weight8)
-    last = dataclasses.replace(layer, weight=weight8)
-    return dataclasses.replace(config, layer_quant_config={layers[0]: first, layers[-1]: last})
+def finn_config(bits: int, model: nn.Module, output_bits: int | None = None) -> Config:
+    """The ``finn_w{bits}a{bits}`` preset for ``model`` as the zoo's runs use it: at 2 bits with FINN's usual
+    practice for 2-bit networks (first layer's input and weights and last layer's weights 8-bit,
+    ``finn_config(..., ends_bits=8)``); ``output_bits``: a quantizer on the model's output."""
+    return recipes.finn_config(bits, model, ends_bits=8 if bits == 2 else None, output_bits=output_bits)
 
 
 class MLP(nn.Module):

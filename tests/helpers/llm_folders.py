@@ -61,3 +61,15 @@ def tiny_llama_folder(root: Path) -> Path:
     transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
     (root / "calib.txt").write_text(text(40, seed=1))
     return folder
+
+
+def saved_llama(folder: Path, *, vocab: int, hidden: int, heads: int, positions: int, layers: int = 3) -> Path:
+    """A random-weight Llama (seeded; intermediate size twice ``hidden``, no grouped-query attention) saved in
+    ``folder`` without a tokenizer: the float folder the streamed-checkpoint tests quantize one block at a time."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                      max_position_embeddings=positions)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
+    return folder

@@ -28,6 +28,14 @@ def weight_only_config(weight: QuantizationSpec, algo: object = None, exclude: t
     return Config(QuantizationConfig(weight=weight), pre_quant_opt_config=[],
                   algo_config=[algo] if algo is not None else [], exclude=list(exclude))
 
+
+def llm_config(weight: QuantizationSpec, algo: object = None, pre: list | None = None,
+               act: QuantizationSpec | None = None, **kwargs: Any) -> Config:
+    """``weight`` (and ``act`` on the inputs, if given) on every layer but ``lm_head``, ``pre`` before quantization,
+    ``algo`` (one algorithm or a list) after it: the LLM algorithm tests' recipes, in Quark's terms."""
+    return Config(QuantizationConfig(weight=weight, input_tensors=act), pre_quant_opt_config=pre or [],
+                  algo_config=algo, exclude=["lm_head"], **kwargs)
+
 #: Quark's scaling layers for Llama, as its documentation writes them (names relative to a decoder layer).
 LLAMA_SCALING_LAYERS = [
     {"prev_op": "input_layernorm", "layers": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],

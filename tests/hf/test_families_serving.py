@@ -115,7 +115,7 @@ def test_template_quantize_generate_export_reload(family: str, tmp_path: Path) -
     folder = export_safetensors(quant, tmp_path / family)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     tokens = token_batches(1, batch=1, length=16, seed=9)[0]
-    from quark_brevitas.hf.kv_cache import kv_quantization_disabled
+    from quark_brevitas.model_parts.kv_cache import kv_quantization_disabled
 
     with kv_quantization_disabled(quant):  # compressed-tensors 0.20 runs a float cache under transformers 5.24
         ours = logits(quant, tokens)

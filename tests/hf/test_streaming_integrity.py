@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+
+from helpers.llm_folders import saved_llama  # noqa: E402
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig  # noqa: E402
 from quark_brevitas.checkpoint import CheckpointError, read_weights  # noqa: E402
@@ -34,12 +36,7 @@ def _batches() -> list[dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
-    folder = tmp_path_factory.mktemp("llama")
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
-    return folder
+    return saved_llama(tmp_path_factory.mktemp("llama"), vocab=32, hidden=16, heads=2, positions=16)
 
 
 @pytest.fixture(scope="module")

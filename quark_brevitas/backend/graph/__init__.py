@@ -26,10 +26,10 @@ from torch import nn
 from quark_brevitas.backend import LayerMapping, LayerwiseBackend, PlannedLayer
 from quark_brevitas.backend.graph.points import GraphAnalysis, QuantPoint, analyse
 from quark_brevitas.backend.graph.rewrite import insert_points, privatise_forks
-from quark_brevitas.brevitas_adapter import is_graph_module, symbolic_trace
+from quark_brevitas.backend.graph.trace import trace
 from quark_brevitas.config import Config, QuantizationConfig, QuantType
 from quark_brevitas.config.enums import QSchemeType
-from quark_brevitas.errors import ConfigError, ModelError
+from quark_brevitas.errors import ConfigError
 from quark_brevitas.resolve import GLOBAL
 
 logger = logging.getLogger(__name__)
@@ -52,11 +52,6 @@ def _activation_refusal(spec: Any) -> tuple[str, str] | None:
     return None
 
 
-def _leaf(module: nn.Module, _name: str) -> bool:
-    """Keep modules that own parameters whole while tracing, so a user's layer class stays replaceable."""
-    return bool(module._parameters)
-
-
 class GraphBackend:
     """Quantizes every tensor of a traced model (module docstring); same interface as the layerwise backend."""
 
@@ -66,18 +61,8 @@ class GraphBackend:
 
     # ------------------------------------------------------------------ tracing and planning
     def trace(self, model: nn.Module) -> nn.Module:
-        """``model`` as an FX graph module (itself if it already is one, e.g. after ``Preprocess``)."""
-        if is_graph_module(model):
-            return model
-        try:
-            return symbolic_trace(model, _leaf)
-        except Exception as exc:  # noqa: BLE001 - every trace failure is reported as the model's, with its cause
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            raise ModelError(
-                f"Backend.graph cannot trace {type(model).__name__} with torch.fx ({type(exc).__name__}: {first}). "
-                "The graph backend needs the whole forward as a graph to place a quantizer on every tensor; make "
-                "the forward traceable (no data-dependent control flow), or use Backend.layerwise, which "
-                "quantizes layer by layer without a trace") from exc
+        """``model`` as an FX graph module (:func:`.trace.trace`: ``ModelError`` if torch.fx cannot trace it)."""
+        return trace(model)
 
     def plan(self, model: nn.Module, config: Config, *, check_names: bool = True, prefix: str = ""
              ) -> list[PlannedLayer]:
@@ -192,4 +177,7 @@ def points_table(points: Sequence[QuantPoint]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GraphBackend", "QuantPoint", "plan_points", "points_table"]
+from quark_brevitas.backend.graph.recipes import FINN_QAT_RECIPE, end_layers, finn_config  # noqa: E402
+
+__all__ = ["FINN_QAT_RECIPE", "GraphBackend", "QuantPoint", "end_layers", "finn_config", "plan_points",
+           "points_table"]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from quark_brevitas.export.errors import ExportError
-from quark_brevitas.export.gguf.tokenizer import read_tokenizer_json
+from quark_brevitas.export.gguf.tokenizer import WORDPIECE_HOLDS, read_tokenizer_json
 
 __all__ = ["BERT_DROPPED", "add_bert_architecture", "add_wordpiece_tokenizer", "pooling_type"]
 
@@ -80,8 +80,7 @@ def _phantom(token: str) -> str:
 def add_wordpiece_tokenizer(writer: Any, gguf: Any, path: Path, config: Any) -> None:
     """``tokenizer.json``'s WordPiece vocabulary as llama.cpp's ``bert`` tokenizer (ids beyond the vocabulary up
     to ``vocab_size`` as unused ``[PAD<id>]`` tokens; added special tokens as control tokens)."""
-    _, vocab, special = read_tokenizer_json(path, "WordPiece", "a BERT GGUF holds a WordPiece tokenizer "
-                                                               "(llama.cpp's 'bert' tokenizer)")
+    _, vocab, special = read_tokenizer_json(path, "WordPiece", WORDPIECE_HOLDS)
     count = max(max(vocab.values()) + 1, int(getattr(config, "vocab_size", 0) or 0))
     if count > int(config.vocab_size):
         raise ExportError(f"tokenizer {str(path / 'tokenizer.json')!r} has ids up to {count - 1}, beyond the model's "

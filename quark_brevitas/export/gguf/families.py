@@ -1,8 +1,8 @@
 """What llama.cpp's converter (``convert_hf_to_gguf.py``) writes for a family beyond the common Llama-style
 hyperparameters, so that our files read like its own (issue 30's families).
 
-- ``qwen3``, ``gemma2``, ``gemma3``: ``attention.key_length`` / ``attention.value_length`` (the head size, which
-  these configs give apart from ``hidden_size / heads``).
+- ``qwen3``, ``qwen3_moe``, ``gemma2``, ``gemma3``: ``attention.key_length`` / ``attention.value_length`` (the head
+  size, which these configs give apart from ``hidden_size / heads``).
 - ``gemma2``: the attention and final logit soft-capping, the sliding window; ``gemma3``: the sliding window and
   the global attention's RoPE base (its config keeps two bases; llama.cpp's ``rope.freq_base`` is the full
   attention's). Their RMSNorms multiply by ``(1 + weight)``: llama.cpp stores ``1 + weight``
@@ -44,7 +44,7 @@ def rope_theta(config: Any, family_name: str, default: float) -> float:
 
 def add_family_metadata(writer: Any, config: Any, family_name: str) -> None:
     """The family's own keys (see the module docstring); nothing for Llama, Mistral and Qwen2."""
-    if family_name in ("qwen3", "gemma2", "gemma3_text"):
+    if family_name in ("qwen3", "qwen3_moe", "gemma2", "gemma3_text"):
         writer.add_key_length(_head_dim(config))
         writer.add_value_length(_head_dim(config))
     if family_name == "gemma2":

@@ -3,9 +3,8 @@
 model's ``vocab_size`` with unused ``[PAD<id>]`` tokens as llama.cpp's converter writes them).
 
 Why its own module: it is one concept (the vocabulary), checked before calibration by
-:mod:`quark_brevitas.export.gguf.plan` and written by :mod:`quark_brevitas.export.gguf.writer`, and it does not
-depend on
-how the weights are packed.
+:func:`quark_brevitas.hf.plan_checks.check_gguf_plan` and written by :mod:`quark_brevitas.export.gguf.writer`, and it
+does not depend on how the weights are packed.
 """
 
 from __future__ import annotations
@@ -71,25 +70,31 @@ def read_tokenizer_json(path: Path, model_type: str, holds: str) -> tuple[dict[s
     return model, vocab, special
 
 
+#: What a BERT GGUF file's tokenizer is (the end of the error for another tokenizer model).
+WORDPIECE_HOLDS = "a BERT GGUF holds a WordPiece tokenizer (llama.cpp's 'bert' tokenizer)"
+
+
 def _read_bpe_tokenizer(path: Path) -> tuple[dict[str, Any], dict[str, int], set[int]]:
     return read_tokenizer_json(path, "BPE", "GGUF export writes byte-level BPE tokenizers (llama.cpp's 'gpt2' "
                                             "tokenizer)")
 
 
-def check_tokenizer_fits(path: str | os.PathLike[str], vocab_size: int | None) -> int:
+def check_tokenizer_fits(path: str | os.PathLike[str], vocab_size: int | None, *, wordpiece: bool = False) -> int:
     """The number of ids the tokenizer in ``path`` (``tokenizer.json``) uses, or the :class:`ExportError` that
     names each id beyond the model's embedding (``vocab_size`` rows), its token, and where it came from (the
     BPE vocabulary, or the ``added_tokens`` list, which is where a tokenizer re-saved by transformers gets
     tokens such as Qwen2's ``<|endoftext|>`` that its vocabulary lacked). Called by ``plan`` before any
-    calibration and again when the file is written."""
+    calibration and again when the file is written. ``wordpiece``: the model is a BERT, whose GGUF file holds
+    a WordPiece tokenizer (llama.cpp's ``bert``) rather than a byte-level BPE."""
     path = Path(path)
-    model, vocab, _ = _read_bpe_tokenizer(path)
+    model, vocab, _ = (read_tokenizer_json(path, "WordPiece", WORDPIECE_HOLDS) if wordpiece
+                       else _read_bpe_tokenizer(path))
     used = max(vocab.values()) + 1
     if vocab_size is None or used <= vocab_size:
         return used
     base = dict(model["vocab"])
     beyond = sorted((index, token) for token, index in vocab.items() if index >= vocab_size)
-    shown = ", ".join(f"{index} {token!r} ({'the BPE vocabulary' if base.get(token) == index else 'added_tokens'})"
+    shown = ", ".join(f"{index} {token!r} ({'the vocabulary' if base.get(token) == index else 'added_tokens'})"
                       for index, token in beyond[:5]) + (f" and {len(beyond) - 5} more" if len(beyond) > 5 else "")
     raise ExportError(f"tokenizer {str(path / 'tokenizer.json')!r} has {len(beyond)} token id(s) that the model's "
                       f"embedding ({vocab_size} rows, config.vocab_size) does not have: {shown}. A tokenizer re-saved "

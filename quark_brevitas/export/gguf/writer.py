@@ -17,9 +17,11 @@ number: ``scale_type=gguf_k`` (presets ``gguf_q6_k`` / ``gguf_q3_k``) makes them
 256 the grid of the 32-channel type llama.cpp falls back to (:mod:`quark_brevitas.export.gguf.kquants`).
 
 Families: Llama, Mistral, Qwen2 and GPT-2 (whose Conv1D weights, stored ``[in, out]``, are written ``[out, in]`` as
-llama.cpp's converter writes them). A head tied to the embedding is written as its own tensor (``output``), with
-its quantized weight. A model GGUF cannot hold (another weight format, quantized activations, a layer with no GGUF
-tensor, a model family transformers' GGUF loader does not read) raises one :class:`ExportError` naming the layer
+llama.cpp's converter writes them), issue 30's families and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE
+(experts stacked as llama.cpp stores them: :mod:`quark_brevitas.export.gguf.experts`). A head tied to the
+embedding is written as its own tensor (``output``), with its quantized weight. A model GGUF cannot hold (another
+weight format, quantized activations, a layer with no GGUF tensor, a family llama.cpp's graph does not compute as
+configured) raises one :class:`ExportError` naming the layer
 and what fits.
 The output folder is written through :mod:`quark_brevitas.outputs` (complete or untouched).
 """
@@ -42,6 +44,14 @@ from quark_brevitas.config.kquants import KQUANT_BY_BITS, KQUANT_SUPER_BLOCK, KQ
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
 from quark_brevitas.export.gguf.bert import BERT_DROPPED, add_bert_architecture, add_wordpiece_tokenizer
+from quark_brevitas.export.gguf.experts import (
+    ExpertStacks,
+    add_moe_metadata,
+    check_moe_config,
+    fused_expert_tensors,
+    refuse_quantized_router,
+    squeeze_shared_gate,
+)
 from quark_brevitas.export.gguf.families import add_family_metadata, rope_freqs, rope_theta
 from quark_brevitas.export.gguf.kquants import KQUANT_FALLBACK, KQUANT_PACKERS, kquant_fallback
 from quark_brevitas.export.gguf.q5 import Q5_PACKERS
@@ -109,6 +119,11 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
     "phi3": GGUFFamily("phi3", False),
     "gemma2": GGUFFamily("gemma2", False, norm_offset=1.0),
     "gemma3_text": GGUFFamily("gemma3", False, norm_offset=1.0),
+    # Mixture of experts (quark_brevitas.export.gguf.experts): Mixtral is llama.cpp's llama architecture with
+    # stacked experts (general.name "Mixtral"), the Qwen MoEs have architectures of their own.
+    "mixtral": GGUFFamily("llama", True, display_name="Mixtral"),
+    "qwen2_moe": GGUFFamily("qwen2moe", False),
+    "qwen3_moe": GGUFFamily("qwen3moe", False),
     # GPT-2's projections are Conv1D (weight [in, out]); GGUF holds them as [out, in], as llama.cpp's converter
     # writes them and transformers' loader transposes back (our QuantConv1D already holds that layout).
     "gpt2": GGUFFamily("gpt2", False, metadata="gpt2", tokenizer_pre="gpt-2"),
@@ -218,6 +233,7 @@ def _add_architecture(writer: Any, config: Any, family_name: str, family: GGUFFa
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(config.vocab_size))
     add_family_metadata(writer, config, family_name)
+    add_moe_metadata(writer, config, family_name)
 
 
 #: What transformers' GGUF loader assumes of a GPT-2 file instead of reading it: GPT2Config's defaults.
@@ -262,6 +278,16 @@ def _gguf_name(name_map: Any, hf_name: str) -> str | None:
     return None if mapped is None else f"{mapped}.{leaf}"
 
 
+def _required_name(name_map: Any, hf_name: str, family: GGUFFamily, quantized: bool) -> str:
+    """The GGUF name of ``hf_name``, or the ExportError saying the architecture has no such tensor."""
+    name = _gguf_name(name_map, hf_name)
+    if name is None:
+        what = "quantized layer" if quantized else "tensor"
+        raise ExportError(f"{what} '{hf_name}' has no GGUF tensor in llama.cpp's '{family.arch}' architecture; "
+                          "GGUF holds the layers of that architecture only")
+    return name
+
+
 def _float_conv1d(module: nn.Module) -> bool:
     """Hugging Face's float ``Conv1D`` (GPT-2), whose weight is stored ``[in, out]`` (our QuantConv1D is a Linear)."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and not isinstance(module, nn.Linear)
@@ -289,7 +315,7 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
         _refuse_float_conv1d(model, prefix, weights)
     heads, kv_heads = int(config.num_attention_heads), int(_config_value(config, "num_key_value_heads",
                                                                          default=config.num_attention_heads))
-    tensors, written = [], set()
+    tensors, written, stacks = [], set(), ExpertStacks(model, prefix)
     for local_name, param in model.named_parameters(remove_duplicate=False):
         if skip is not None and local_name.startswith(f"{skip}."):
             continue
@@ -299,16 +325,20 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
         inside = [q for q in weights if local_name.startswith(f"{q}.") and local_name != f"{q}.weight"]
         if inside and not (layer in weights and leaf == "bias"):
             continue  # quantizer internals (scales, zero points) of a quantized layer
-        hf_name = prefix + local_name
+        fused = fused_expert_tensors(local_name, param, prefix)
+        if fused is not None:  # transformers' fused (float) experts: llama.cpp's stacks as they are
+            tensors += [GGUFTensor(_required_name(name_map, prefix + stacked, family, False), data, "F32")
+                        for stacked, data in fused]
+            continue
+        expert = stacks.stacked_name(local_name)  # an unfused expert: one slice of llama.cpp's stacked tensor
+        hf_name = prefix + (expert[0] if expert else local_name)
         name = _gguf_name(name_map, hf_name)
         if name is None and id(param) in written and layer not in weights:
             continue  # a float head tied to the embedding, in an architecture that reads token_embd (Gemma 2)
-        if name is None:
-            what = "quantized layer" if layer in weights else "tensor"
-            raise ExportError(f"{what} '{hf_name}' has no GGUF tensor in llama.cpp's '{family.arch}' architecture; "
-                              "GGUF holds the layers of that architecture only")
+        name = _required_name(name_map, hf_name, family, layer in weights)
         rows_heads = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else None
         if layer in weights and leaf == "weight":
+            refuse_quantized_router(name, prefix + layer)
             entry = weights[layer]
             qtype = gguf_type(prefix + layer, entry, is_kquant_layer(model.get_submodule(layer)))
             if qtype in KQUANT_FALLBACK and entry.int_weight.shape[1] % KQUANT_SUPER_BLOCK:
@@ -321,11 +351,18 @@ def collect_gguf_tensors(model: nn.Module, family: GGUFFamily, name_map: Any, co
                 data = data.T  # [in, out] -> [out, in], as for a quantized Conv1D
             if family.norm_offset and name.endswith("norm.weight"):
                 data = data + np.float32(family.norm_offset)  # llama.cpp stores Gemma's (1 + weight)
+            data = squeeze_shared_gate(name, data)
         written.add(id(param))
+        if expert is not None:
+            stacked = stacks.add(local_name, qtype, data, expected)
+            if stacked is None:
+                continue  # the stack is written once its last expert is in
+            _, qtype, data, expected = stacked
         if family.permute_qk and rows_heads is not None:
             data = _permute_rows(data, rows_heads)
             expected = None if expected is None else _permute_rows(expected, rows_heads)
         tensors.append(GGUFTensor(name, np.ascontiguousarray(data), qtype, expected))
+    stacks.check_complete()
     return tensors
 
 
@@ -344,10 +381,10 @@ def check_gguf_blocks(gguf: Any, tensors: list[GGUFTensor]) -> None:
 
 # ===================================================================== entry point
 def float16_weights(tensors: list[GGUFTensor]) -> list[GGUFTensor]:
-    """``tensors`` with every float (not quantized) matrix as F16, vectors (norms, biases) kept F32: the F16
-    file llama.cpp's converter writes (``--outtype f16``)."""
+    """``tensors`` with every float (not quantized) matrix (and stack of expert matrices) as F16, vectors (norms,
+    biases) kept F32: the F16 file llama.cpp's converter writes (``--outtype f16``)."""
     return [GGUFTensor(t.name, t.data.astype(np.float16), "F16") if t.qtype == "F32" and t.expected is None
-            and t.data.ndim == 2 else t for t in tensors]
+            and t.data.ndim >= 2 else t for t in tensors]
 
 
 def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], model_type: str | None = None,
@@ -357,7 +394,7 @@ def export_gguf(quant_model: nn.Module, output_dir: str | os.PathLike[str], mode
 
     Args:
         quant_model: A weight-only quantized Hugging Face decoder (Llama incl. 3.x, Mistral, Qwen2, Qwen3, Gemma 2,
-            Gemma 3 text, Phi-3, GPT-2) whose quantized
+            Gemma 3 text, Phi-3, GPT-2; Mixtral, Qwen2-MoE, Qwen3-MoE with unfused experts) whose quantized
             Linear weights are int8/int4 symmetric or uint4 asymmetric per group of 32 with float16 scales
             (presets ``gguf_q8_0``, ``gguf_q4_0``, ``gguf_q4_1``; GPTQ/AWQ may choose the codes). GPT-2's
             projections are Conv1D layers, which the presets do not quantize: give ``"Conv1D"`` the preset's layer
@@ -409,6 +446,7 @@ def plan_gguf(config: Any, model_type: str | None, tokenizer_dir: Path | None) -
     if config is None or family_name not in GGUF_FAMILIES:
         raise ExportError(f"model_type {family_name!r} cannot be written as GGUF; supported: "
                           f"{', '.join(GGUF_FAMILIES)} (Hugging Face models with a config)")
+    check_moe_config(config, family_name)
     gguf = require("gguf", "GGUF export")
     family = GGUF_FAMILIES[family_name]
     arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == family.arch)

@@ -350,7 +350,7 @@ def _layer_entry(name: str, layer: nn.Module, fmt: HFFormat) -> LayerCodes:
 def check_layer_fits(name: str, layer: nn.Module, format: str) -> None:
     """Raise the :class:`ExportError` the writer of ``format`` raises for the quantized ``layer`` (called ``name``),
     if any: the same per-layer function, for the checks made before calibration
-    (:mod:`quark_brevitas.export.plan_checks`)."""
+    (:mod:`quark_brevitas.hf.plan_checks`)."""
     _layer_entry(name, layer, hf_format(format))
 
 
@@ -391,7 +391,7 @@ def collect_tensors(model: nn.Module, prefix: str, tensors: dict[str, torch.Tens
                 tensors[f"{full}.{key}" if full else key] = tensor.detach()
 
 
-#: Checkpoint names of unfused experts' layers (quark_brevitas.hf.moe) where a family's checkpoints spell them
+#: Checkpoint names of unfused experts' layers (quark_brevitas.model_parts.moe) where a family's checkpoints spell them
 #: otherwise: transformers 5.x fuses per-expert tensors into its 3-D parameters on load only from the names its
 #: weight converters know (Mixtral's ``experts.N.w1`` / ``w3`` / ``w2``; Qwen2/3-MoE's are the unfused names).
 _EXPERT_NAMES = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}}

@@ -1,5 +1,5 @@
 """The KV-cache scales in the Hugging Face folders :func:`~quark_brevitas.export.export_safetensors` writes, under
-the names their consumers read (the scales come from :func:`quark_brevitas.hf.kv_cache.kv_scales`).
+the names their consumers read (the scales come from :func:`quark_brevitas.model_parts.kv_cache.kv_scales`).
 
 - **compressed-tensors** (transformers with compressed-tensors, vLLM; llm-compressor's layout): ``kv_cache_scheme``
   in ``quantization_config`` (``QuantizationArgs``: 8-bit ``float`` or ``int``, ``tensor`` strategy, symmetric,
@@ -27,7 +27,7 @@ from torch import nn
 from quark_brevitas.export.errors import ExportError
 from quark_brevitas.export.hf.folder import TensorFormat
 from quark_brevitas.export.hf.quark import exact_pattern, tensor_config
-from quark_brevitas.hf.kv_cache import KVScales, kv_scales
+from quark_brevitas.model_parts.kv_cache import KVScales, kv_scales
 
 __all__ = ["add_kv_cache"]
 

@@ -154,3 +154,55 @@ def test_q5_blocks_decode_like_hand_computed_weights() -> None:
                                      gguf.GGMLQuantizationType.Q5_1)
     expected = (unsigned.float() - zero_point.repeat_interleave(32, 1)) * scale.repeat_interleave(32, 1)
     assert np.array_equal(decoded, expected.numpy())
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_0"])
+def test_mix_block_types_put_each_groups_largest_magnitude_weight_on_the_lowest_code(qtype: str,
+                                                                                    tmp_path: Path) -> None:
+    """llama.cpp's Q5_0 / Q4_0 scale: d = (signed largest-magnitude weight) / -2^(b-1), hand-computed here (a
+    negative d where that weight is positive), the codes round(w / d) clamped, and the file decodes to exactly that."""
+    from quark_brevitas.config.gguf_mixes import gguf_kquant_layer
+    from quark_brevitas.config.model_config import Config
+    from quark_brevitas.config.specs import QuantizationConfig
+
+    torch.manual_seed(3)
+    model = _tiny_bert()
+    weight = model.encoder.layer[0].attention.self.query.weight.detach().clone()
+    config = Config(QuantizationConfig(), layer_quant_config={"*encoder.layer.0.attention.self.query":
+                                                              gguf_kquant_layer(qtype)})
+    quant = ModelQuantizer(config).quantize_model(model)
+    bits = 5 if qtype == "Q5_0" else 4
+    groups = weight.reshape(weight.shape[0], -1, 32)
+    extreme = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))
+    d = (extreme / -(2 ** (bits - 1))).half().float()
+    codes = torch.clamp(torch.round(groups / d), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    expected = (codes * d).reshape(weight.shape)
+    assert bool((d < 0).any()) and bool((d > 0).any())
+    assert bool((codes == -(2 ** (bits - 1))).any(-1).all())  # every group's largest-magnitude weight: lowest code
+    entry = integer_weights(quant)["encoder.layer.0.attention.self.query"]
+    assert torch.equal(entry.dequantize(), expected)
+    path = export_gguf(quant, tmp_path / "ours", tokenizer_path=FOLDER)
+    tensor = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.0.attn_q.weight"]
+    assert tensor.tensor_type.name == qtype
+    assert np.array_equal(gguf.quants.dequantize(tensor.data, tensor.tensor_type), expected.numpy())
+
+
+@pytest.mark.slow
+def test_cli_quantizes_minilm_with_the_q4_k_m_preset_to_a_gguf_file_llama_cpp_embeds_with(tmp_path: Path) -> None:
+    """``quark-brevitas quantize --model <BERT folder> --preset gguf_q4_k_m --export gguf``: the early tokenizer check
+    takes the WordPiece tokenizer a BERT GGUF holds (it accepted byte-level BPE only, refusing before quantizing)."""
+    from quark_brevitas.cli import main
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(SENTENCES * 4) + "\n")
+    out = tmp_path / "out"
+    assert main(["quantize", "--model", str(FOLDER), "--calib-text", str(calib), "--output", str(out),
+                 "--seq-len", "16", "--batch-size", "2", "--calib-sequences", "4", "--eval-sequences", "2",
+                 "--preset", "gguf_q4_k_m",
+                 "--export", "gguf"]) == 0
+    path = out / "gguf" / "model.gguf"
+    types = set(_types(path).values())
+    assert {"Q5_0", "Q4_K", "Q6_K", "Q8_0"} <= types
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the extra [llamacpp])")
+    runner = llama_cpp.Llama(model_path=str(path), embedding=True, n_ctx=64, n_threads=1, verbose=False)
+    assert np.isfinite(runner.embed(SENTENCES[0])).all()

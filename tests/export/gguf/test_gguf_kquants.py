@@ -282,3 +282,31 @@ def test_float_type_is_checked(tmp_path: Path) -> None:
 
     with pytest.raises(ExportArgumentError, match="float_type must be 'F32' or 'F16'"):
         export_gguf(_model("llama"), tmp_path / "out", float_type="BF16")
+
+
+@pytest.mark.parametrize(("preset", "algo"), [("gguf_q4_k", "qronos"), ("gguf_q4_k", "autoround"),
+                                              ("gguf_q3_k", "autoround")])
+def test_qronos_and_autoround_round_on_the_k_quant_grid_and_the_file_decodes_exactly(preset: str, algo: str,
+                                                                                      tmp_path: Path) -> None:
+    """Qronos and AutoRound (learned offsets and clipping) choose other codes than RTN, their scales stay K-quant
+    sub-scales of one float16 number per super-block, and the ``gguf`` package decodes every tensor exactly."""
+    qtype, sub_max, _, group = KQUANTS[preset]
+    config = get_preset(preset)
+    config.algo_config = [algos.QronosConfig() if algo == "qronos" else algos.AutoRoundConfig(iters=8, batch_size=1)]
+    quant = ModelQuantizer(config).quantize_model(_model("llama"), token_batches(2))
+    rtn = integer_weights(_quantize(_model("llama"), preset))
+    path = export_gguf(quant, tmp_path / "out")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 1)
+    weights = integer_weights(quant)
+    assert len(weights) == 8  # 7 in the block and the head
+    for name, entry in weights.items():
+        scales = entry.scale.reshape(entry.scale.shape[0], -1)
+        assert torch.equal(snap_kquant_scales(scales, 256 // group, sub_max), scales), name
+        tensor = tensors[name_map.get_name(name) + ".weight"]
+        assert tensor.tensor_type.name == qtype
+        decoded = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if ".q_proj" in name or ".k_proj" in name:
+            decoded = _unpermute(decoded, 4 if ".q_proj" in name else 2)
+        assert np.abs(decoded - entry.dequantize().numpy()).max() == 0.0, name
+    assert any(not torch.equal(entry.int_weight, rtn[name].int_weight) for name, entry in weights.items())

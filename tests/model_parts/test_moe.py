@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,33 +14,18 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from helpers.families import build_moe  # noqa: E402
 from helpers.llm_models import INT4_G32, logits, token_batches, weight_only_config  # noqa: E402
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.config import Config, QuantizationConfig, QuantizationSpec, verify_config  # noqa: E402
 from quark_brevitas.config.algorithms import GPTQConfig  # noqa: E402
 from quark_brevitas.errors import ConfigError  # noqa: E402
-from quark_brevitas.hf.moe import UnfusedExperts, unfuse_experts  # noqa: E402
-
-_COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               num_experts_per_tok=2, max_position_embeddings=64)
+from quark_brevitas.model_parts.moe import UnfusedExperts, unfuse_experts  # noqa: E402
 
 
 def _build(family: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if family == "mixtral":
-        config = transformers.MixtralConfig(**_COMMON, intermediate_size=128, num_local_experts=4)
-        return transformers.MixtralForCausalLM(config).eval()
-    if family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**_COMMON, intermediate_size=128, moe_intermediate_size=32,
-                                             num_experts=4)
-        model = transformers.Qwen3MoeForCausalLM(config).eval()
-        for block in model.model.layers:  # its router starts at zero (every token ties): give it a preference
-            torch.nn.init.normal_(block.mlp.gate.weight, std=0.5)
-        return model
-    config = transformers.Qwen2MoeConfig(**_COMMON, intermediate_size=128, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=64, num_experts=4)
-    return transformers.Qwen2MoeForCausalLM(config).eval()
+    return build_moe(family)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
@@ -64,7 +50,7 @@ def test_every_expert_is_quantized_block_by_block_and_coverage_is_logged(family:
     # Routers stay in float (Mixtral's is not a Linear layer; Qwen2-MoE's shared-expert gate is, so it is excluded).
     exclude = ("lm_head", "*shared_expert_gate") if family == "qwen2_moe" else ("lm_head",)
     config = weight_only_config(INT4_G32, GPTQConfig(), exclude=exclude)
-    with caplog.at_level(logging.INFO, logger="quark_brevitas.hf.moe"):
+    with caplog.at_level(logging.INFO, logger="quark_brevitas.model_parts.moe"):
         quant = ModelQuantizer(config).quantize_model(model, token_batches(4), blocks=True)
     lines = [r.getMessage() for r in caplog.records if "token routings per expert" in r.getMessage()]
     assert [line.split(":")[0] for line in lines] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
@@ -123,7 +109,7 @@ def test_all_expert_calibration_gives_an_unrouted_expert_gptq_weights(caplog: py
     batches = token_batches(4)
     tokens_per_block = sum(int(b.numel()) for b in batches)
     config = weight_only_config(INT4_G32, GPTQConfig(), exclude=("lm_head",))
-    with caplog.at_level(logging.INFO, logger="quark_brevitas.hf.moe"):
+    with caplog.at_level(logging.INFO, logger="quark_brevitas.model_parts.moe"):
         quant = ModelQuantizer(config).quantize_model(model, batches, blocks=True)
     lines = _coverage_lines(caplog)
     assert len(lines) == 2
@@ -160,7 +146,7 @@ def test_all_expert_calibration_calibrates_an_unrouted_experts_input_range(caplo
         assert scales[3] >= max(scales[:3]) * 0.999, scales
         assert scales[3] == float(block.mlp.experts[3].up_proj.input_quant.scale())
     off = Config(spec, pre_quant_opt_config=[], exclude=["lm_head"], moe_calibrate_all_experts=False)
-    with caplog.at_level(logging.INFO, logger="quark_brevitas.hf.moe"):
+    with caplog.at_level(logging.INFO, logger="quark_brevitas.model_parts.moe"):
         ModelQuantizer(off).quantize_model(model, token_batches(4), blocks=True)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("experts [3] saw no calibration token" in w for w in warnings), warnings
@@ -173,13 +159,17 @@ def test_moe_calibration_fields_are_checked(field: str, value: object) -> None:
         verify_config(Config(QuantizationConfig(weight=INT4_G32), **{field: value}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_family_templates_quantize_generate_and_reload_from_compressed_tensors(family: str,
                                                                                    tmp_path: Path) -> None:
     """The family rows: ``LLMTemplate.get(model_type)`` keeps the head (and Qwen2-MoE's shared-expert gate, a
     router) in float; its int4 GPTQ config runs block by block on the unfused model, which then generates; its
     compressed-tensors folder (Mixtral's experts under its checkpoints' ``w1``/``w3``/``w2`` names) loads in
-    transformers into the fused experts modules with our logits."""
+    transformers, in a fresh process that cannot import quark_brevitas, into the fused experts modules with our
+    logits."""
+    from helpers.consumer import MOE_LOGITS, run_consumer
+
     from quark_brevitas.config.template import LLMTemplate
     from quark_brevitas.export import export_safetensors
 
@@ -196,7 +186,10 @@ def test_moe_family_templates_quantize_generate_and_reload_from_compressed_tenso
         out = quant.generate(prompt, max_new_tokens=6, do_sample=False)
     assert out.shape == (1, 14)
     folder = export_safetensors(quant, tmp_path / family)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    assert type(loaded.model.layers[0].mlp.experts).__name__.endswith("Experts")  # transformers' fused module
     tokens = token_batches(1, batch=1, length=16, seed=9)[0]
-    torch.testing.assert_close(logits(loaded, tokens), logits(quant, tokens), rtol=0, atol=1e-5)
+    site_packages = str(Path(transformers.__file__).resolve().parents[1])
+    theirs = run_consumer(MOE_LOGITS, [folder], tokens, tmp_path, python=sys.executable, pythonpath=site_packages)
+    assert theirs["experts"].endswith("Experts")  # transformers' fused module, filled from the per-expert tensors
+    ours = logits(quant, tokens)
+    torch.testing.assert_close(theirs["logits"], ours, rtol=0, atol=1e-5)
+    assert float((ours - logits(model, tokens)).abs().max()) > 1e-3  # the quantization is felt in the logits

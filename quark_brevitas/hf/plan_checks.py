@@ -9,6 +9,15 @@ depend on the data) and handed to the same
 per-layer function the writer runs on every layer. Each format's check is named by its row of the format table
 (:attr:`quark_brevitas.export.registry.ExportFormat.plan_check`); the command line asks the table, not an if-chain.
 
+GGUF's check (:func:`check_gguf_plan`) packs each distinct (weight spec, input width) of a two-row stand-in with the
+writer's own functions (:func:`quark_brevitas.export.gguf.writer.gguf_type`,
+:func:`~quark_brevitas.export.gguf.writer.pack_gguf_tensor`), and asks the writer's checks of the model's family and
+of the tokenizer's fit to the embedding.
+
+The checks quantize their stand-ins with :class:`~quark_brevitas.api.ModelQuantizer`, the pipeline the run will use,
+so they live above the api, in the Hugging Face room (``quantize --model DIR`` is the only caller); the format table
+names them by path and imports them only when a row's check runs, as it does the block-by-block writers.
+
 A check takes ``(rows, skeleton, hf_config, tokenizer_dir)``: ``rows`` is ``ModelQuantizer(config).plan(skeleton)``,
 ``skeleton`` the model on the ``meta`` device (no weights needed), ``tokenizer_dir`` the folder whose tokenizer
 will be written with it; it raises the :class:`~quark_brevitas.export.ExportError` the export would raise at its end.
@@ -26,10 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark_brevitas.api import ModelQuantizer
+from quark_brevitas.config import Config, QLayerConfig
 from quark_brevitas.export.errors import ExportError
 
-__all__ = ["check_compressed_tensors_plan", "check_qcdq_plan", "check_quark_plan", "input_width", "output_rows",
-           "quiet", "stand_ins"]
+__all__ = ["check_compressed_tensors_plan", "check_gguf_plan", "check_qcdq_plan", "check_quark_plan", "input_width",
+           "output_rows", "quiet", "stand_ins"]
 
 #: Files of which a folder holding a Hugging Face tokenizer has at least one (the ONNX export of a language model
 #: is traced with a sentence through it).
@@ -89,9 +100,6 @@ def _stand_in(module: nn.Module, width: int) -> nn.Module:
 def stand_ins(rows: list[Any], skeleton: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``(name, quantized stand-in)`` for each distinct (layer class, layer spec, input width) the plan quantizes,
     named after the first layer of the plan that has it."""
-    from quark_brevitas.api import ModelQuantizer
-    from quark_brevitas.config import Config
-
     tried: set[tuple[str, str, int, int]] = set()
     for row in rows:
         if row.layer_config is None:
@@ -147,3 +155,53 @@ def check_qcdq_plan(rows: list[Any], skeleton: nn.Module, hf_config: Any,
                                      dynamic_sequence=False)
             except ExportError as exc:
                 raise ExportError(f"layer '{name}': {exc}") from exc
+
+
+def _try_layer(name: str, layer_config: Any, width: int) -> None:
+    """Quantize a ``[2, width]`` Linear with ``layer_config``'s weight spec and pack it as the writer would (two
+    rows, so that one scale per row is told apart from one per tensor)."""
+    from quark_brevitas.brevitas_adapter.kquant import is_kquant_layer
+    from quark_brevitas.export.gguf.writer import gguf_type, pack_gguf_tensor
+    from quark_brevitas.export.intweights import integer_weights
+
+    config = Config(QLayerConfig(weight=layer_config.weight), pre_quant_opt_config=[], algo_config=[])
+    stand_in = nn.Linear(width, 2, bias=False)
+    with torch.no_grad():
+        stand_in.weight.copy_(torch.linspace(-1.0, 1.0, 2 * width).reshape(2, width))
+    with quiet():  # the stand-in is not the user's model: its "Quantized 1 layers" would only confuse
+        quantized = ModelQuantizer(config).quantize_model(stand_in)
+    entry = next(iter(integer_weights(quantized).values()))
+    pack_gguf_tensor(name, entry, gguf_type(name, entry, is_kquant_layer(quantized)))
+
+
+def check_gguf_plan(rows: list[Any], skeleton: nn.Module, hf_config: Any,
+                    tokenizer_dir: str | os.PathLike[str] | None) -> None:
+    """Raise the :class:`ExportError` the GGUF export of this plan would raise at its end, now: a family GGUF does
+    not hold, a layer with quantized activations or a weight layout no GGUF type holds (named), a quantized MoE
+    router, a tokenizer with ids beyond the embedding.
+    ``rows``: ``ModelQuantizer(config).plan(skeleton)``; ``skeleton``: the model, on the
+    ``meta`` device (no weights needed); ``tokenizer_dir``: the tokenizer folder that will be written with it."""
+    from quark_brevitas.export.gguf.experts import refuse_quantized_router
+    from quark_brevitas.export.gguf.writer import check_tokenizer_fits, plan_gguf
+
+    plan = plan_gguf(hf_config, None, None)
+    tried: dict[tuple[str, int], None] = {}
+    for row in rows:
+        layer = row.layer_config
+        if layer is None:
+            continue
+        activations = [role for role in ("input_tensors", "output_tensors") if getattr(layer, role, None) is not None]
+        if activations:
+            raise ExportError(f"layer '{row.name}' quantizes its {' and '.join(activations)}; GGUF holds weight-only "
+                              "models (float activations): use a gguf_* preset, or another --export format")
+        width = input_width(skeleton.get_submodule(row.name))
+        if layer.weight is None or width is None:
+            continue
+        refuse_quantized_router(str(plan.name_map.get_name(row.name)), row.name)
+        key = (repr(layer.weight), width)
+        if key not in tried:
+            _try_layer(row.name, layer, width)
+            tried[key] = None
+    if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        check_tokenizer_fits(tokenizer_dir, getattr(hf_config, "vocab_size", None),
+                             wordpiece=plan.family.metadata == "bert")

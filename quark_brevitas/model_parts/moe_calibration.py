@@ -5,8 +5,8 @@ receive few tokens or none: their input quantizers would keep no statistics and 
 a rank-deficient one) for their layers. Before a block's data phase, :func:`all_expert_calibration` runs the
 block's calibration inputs once through the float block, counting the tokens routed to each expert; the experts
 that received fewer than ``Config.moe_min_expert_tokens`` are marked in :attr:`UnfusedExperts.fill
-<quark_brevitas.hf.moe.UnfusedExperts>` for the rest of the data phase: they then compute on every token of each
-batch (what statistics observers and Hessian hooks on their layers see), while the block still adds only their
+<quark_brevitas.model_parts.moe.UnfusedExperts>` for the rest of the data phase: they then compute on every token of
+each batch (what statistics observers and Hessian hooks on their layers see), while the block still adds only their
 routed tokens' rows to its output. Experts that routing reaches often enough keep their routed-token statistics,
 as in the float model's own use. The decision is per block and made on the float block (before any of its
 layers is quantized), so it does not depend on the algorithm that runs after.
@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from quark_brevitas.hf.moe import UnfusedExperts
+from quark_brevitas.model_parts.moe import UnfusedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def all_expert_calibration(unit: nn.Module, data: Any, config: Any, name: str = 
     :class:`~quark_brevitas.calibration.data.CalibrationData` of ``unit``'s inputs) compute on every token (see
     the module docstring); yields ``{experts module: [expert indices filled]}`` (empty when the unit has no
     unfused experts, there is no data, or ``config.moe_calibrate_all_experts`` is off). The routing pass runs
-    whenever the unit has unfused experts and data, so the coverage line (:func:`~quark_brevitas.hf.moe.
+    whenever the unit has unfused experts and data, so the coverage line (:func:`~quark_brevitas.model_parts.moe.
     log_expert_coverage`) reports the tokens routed in one pass over the block's data. The marks are removed on
     exit: inference routes as the model does."""
     modules = {n: m for n, m in unit.named_modules() if isinstance(m, UnfusedExperts)}

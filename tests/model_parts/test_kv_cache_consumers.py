@@ -41,7 +41,7 @@ from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.config import QTensorConfig  # noqa: E402
 from quark_brevitas.config.template import LLMTemplate  # noqa: E402
 from quark_brevitas.export import ExportError, export_safetensors  # noqa: E402
-from quark_brevitas.hf.kv_cache import fake_quantize, kv_quantization_disabled, kv_scales  # noqa: E402
+from quark_brevitas.model_parts.kv_cache import fake_quantize, kv_quantization_disabled, kv_scales  # noqa: E402
 from quark_brevitas.types import QSchemeType  # noqa: E402
 
 SITE_PACKAGES = str(Path(transformers.__file__).resolve().parents[1])

@@ -21,7 +21,7 @@ from quark_brevitas.config import Config, QConfig, QLayerConfig, QTensorConfig  
 from quark_brevitas.config.template import LLMTemplate  # noqa: E402
 from quark_brevitas.errors import ConfigError, ModelError  # noqa: E402
 from quark_brevitas.export import ExportError, export_safetensors  # noqa: E402
-from quark_brevitas.hf.kv_cache import kv_plan_lines, kv_quantization_disabled, kv_scales  # noqa: E402
+from quark_brevitas.model_parts.kv_cache import kv_plan_lines, kv_quantization_disabled, kv_scales  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
 FP8 = QTensorConfig(dtype=Dtype.fp8_e4m3, is_dynamic=False)
