@@ -378,10 +378,14 @@ class GPTQConfigHandler(BlockwiseHandler):
             # at once, took the tiny MoE blocks of tests/algorithms/test_gptq_moe_memory.py from 1.5 to 3 times one
             # block; only its attention's passes would stack: the experts read routed rows, not the batch's).
             stacked = stacked_batches(data) if memo.budget > 0 and not narrowing.bounded else None
+            if stacked is not None:  # the parts passes narrow to take their inputs from the stacked calls too
+                narrowing = Narrowing(block, stacked.data, name)
             while remaining:
                 collected = self._hessians(algo, narrowing, stacked, remaining, memo, name or where)
                 if collected.unstackable:  # a layer reads rows that are not the batch's (e.g. routed tokens)
                     stacked = None
+                    narrowing = Narrowing(block, data, name)  # the same part, its inputs captured batch by batch
+                    narrowing.narrow(remaining, memo)
                     collected = self._hessians(algo, narrowing, None, remaining, memo, name or where)
                 if not collected.group:
                     raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
@@ -406,11 +410,9 @@ class GPTQConfigHandler(BlockwiseHandler):
     def _hessians(algo: Any, narrowing: Narrowing, stacked: Stacked | None, remaining: dict[str, nn.Module],
                   memo: Any, where: str) -> HessianPass:
         """One pass over the inputs of the part the passes run on (``narrowing.unit``) collecting the next
-        group's Hessians; over ``stacked`` batches when given and the part is the block itself (stacking regroups
-        the block engine's cached inputs, not the inputs a narrowed part captured)."""
+        group's Hessians. ``stacked``: the block engine's batches stacked, from which ``narrowing`` then took the
+        block's inputs (and a part's, captured one call per stacked call: the same rows per call, ``parts``)."""
         unit = narrowing.unit
-        if unit.path:
-            stacked = None
 
         def group_known(group: list[str]) -> None:
             memo.keep_new = narrowing.outputs_reused([layer for layer in remaining if layer not in group])
@@ -424,7 +426,7 @@ class GPTQConfigHandler(BlockwiseHandler):
         # whether a later pass reuses it); group_known decides for the others.
         memo.new_pass(keep_new=not narrowing.bounded, unfinished=remaining.values())
         with layer_inputs(remaining, collected.add):
-            (stacked.data if stacked is not None else unit.data).forward(
+            unit.data.forward(
                 UntilStopped(unit.module), f"{algo.name}: Hessians of {where}{'.' + unit.path if unit.path else ''}",
                 on_output=collected.batch_done)
         return collected
