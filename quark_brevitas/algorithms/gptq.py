@@ -43,6 +43,7 @@ from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.column_kernel import round_columns
 from quark_brevitas.algorithms.hessians import HessianPass
 from quark_brevitas.algorithms.magr import magnitude_reduced
+from quark_brevitas.algorithms.narrowing import Narrowing
 from quark_brevitas.algorithms.scaling import layer_inputs, linear_weight, set_linear_weight
 from quark_brevitas.algorithms.structure import is_linear
 from quark_brevitas.blocks.capture import UntilStopped
@@ -86,14 +87,19 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float | torch.Tensor, *,
     factorisation and divides the factor by its square root (Qronos's ``beta``: the same factor, computed on
     larger numbers). Rows ``k:`` of ``U`` restricted to columns ``k:`` are the factor of the inverse of
     ``(H + damp I)[k:, k:]``, which is what lets an update start at any column."""
-    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
     for attempt in range(4):
-        factor, info = torch.linalg.cholesky_ex(hessian + damp * eye)
+        # H + damp * I without an identity matrix, value for value: off the diagonal H + 0.0 (which turns -0.0
+        # into 0.0, as adding damp * 0 does), on it H + damp.
+        damped = hessian + 0.0
+        damped.diagonal().add_(damp)
+        factor, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if int(info) == 0:
             inverse = torch.cholesky_inverse(factor)
-            upper, info = torch.linalg.cholesky_ex(inverse * stabilise, upper=True)
+            del factor  # matrices of the Hessian's size held at once: the largest of GPTQ's working set
+            upper, info = torch.linalg.cholesky_ex(inverse * stabilise if stabilise != 1.0 else inverse, upper=True)
             if int(info) == 0:
-                return upper / stabilise ** 0.5
+                return upper / stabilise ** 0.5 if stabilise != 1.0 else upper  # x * 1.0 and x / 1.0 are x
         logger.warning("%s: the dampened Hessian is not positive definite (damp %.3g); retrying with %.3g", what,
                        float(damp), float(damp * 10))
         damp = damp * 10 if attempt < 3 else damp
@@ -135,20 +141,24 @@ class ColumnRounding:
         With dynamic groups the group of the first column in processing order counts as started: its grid from
         the weight as updated so far is this first grid (nothing is updated before that column)."""
         work = weight.detach().float().clone()
-        hessian = hessian.detach().float().clone()
+        hessian = hessian.detach().float()
         dead = torch.diag(hessian) == 0
-        hessian[dead, dead] = 1
-        work[:, dead] = 0
+        if bool(dead.any()):  # the caller's Hessian is not changed (nor copied when nothing needs changing)
+            hessian = hessian.clone()
+            hessian[dead, dead] = 1
+            work[:, dead] = 0
         first: WeightGrid = grid_for(work)
         scale_source = work.clone()
         columns = work.shape[1]
         perm = torch.argsort(torch.diag(hessian), descending=True) if act_order else torch.arange(columns)
         grid = first._replace(scale=first.scale[:, perm].clone(), zero_point=first.zero_point[:, perm].clone())
+        if act_order:  # in processing order (without act_order that is the order they are in: no copies)
+            work, hessian = work[:, perm], hessian[perm][:, perm]
         dynamic = group_size > 0 and not static_groups
-        state = cls(work[:, perm], grid, perm, torch.argsort(perm), scale_source, grid_for, group_size, dynamic,
+        state = cls(work, grid, perm, torch.argsort(perm), scale_source, grid_for, group_size, dynamic,
                     torch.zeros_like(work), torch.zeros(work.shape[0], dtype=work.dtype, device=work.device),
                     {int(perm[0]) // group_size} if dynamic else set(), first)
-        return state, hessian[perm][:, perm]
+        return state, hessian
 
     def group_starts(self) -> set[int]:
         """Dynamic groups: the columns (processing order) at which a group is first reached, worked out once from
@@ -291,6 +301,7 @@ def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, grid_for: Any, *, 
         cached = (hessian, inverse_hessian_factor(permuted, damp))
         if factors is not None:
             factors[key] = cached  # the Hessian is kept with it, so that its id is not reused meanwhile
+    del permuted  # (a copy, with act_order or dead inputs) its factor is all the columns need
     state.round_from(0, cached[1], block_size)
     return state.result()
 
@@ -331,7 +342,7 @@ class GPTQConfigHandler(BlockwiseHandler):
 
     def _quantize(self, algo: Any, name: str, layer: nn.Module, hessian: torch.Tensor,
                   factors: dict[Any, Any] | None = None) -> float:
-        weight = linear_weight(layer).detach().clone()
+        weight = linear_weight(layer).detach()  # gptq_columns rounds a copy (and magnitude_reduced returns one)
         group_size = int_weight_format(layer).group_size  # the layer's own (algo.group_size only restates it)
         if algo.magr_alpha is not None:  # rounded (and its grid chosen) from the magnitude-reduced weight
             weight = magnitude_reduced(weight, hessian, algo.magr_alpha, group_size)
@@ -355,40 +366,67 @@ class GPTQConfigHandler(BlockwiseHandler):
         start = time.perf_counter()
         samples: dict[str, int] = {}
         # The memo: a pass recomputes only the layers rounded since the last one (and the block engine's pass for
-        # the block's outputs only the last group), the others returning what they computed then.
+        # the block's outputs only the last group), the others returning what they computed then. Once the layers
+        # left lie in one part of the block (its MLP, one expert), the passes run on that part alone, on its
+        # inputs captured once (Narrowing): nothing before it is computed again, or kept to be reused.
+        narrowing = Narrowing(block, data, name)
         with torch.no_grad(), quantization_disabled(block, act=True, weight=False, bias=False), \
                 layer_outputs_remembered(block, hand_over=True) as memo:
             # Batches stacked into a few calls (same Hessians, summed per batch): not when the user asked for
-            # memory (no memo), nor for the whole-model path's single block.
-            stacked = stacked_batches(data) if memo.budget > 0 else None
+            # memory (no memo), nor for the whole-model path's single block, nor in a block with experts, which
+            # runs in bounded memory (a stacked copy of the block's inputs, and calls of many batches' activations
+            # at once, took the tiny MoE blocks of tests/algorithms/test_gptq_moe_memory.py from 1.5 to 3 times one
+            # block; only its attention's passes would stack: the experts read routed rows, not the batch's).
+            stacked = stacked_batches(data) if memo.budget > 0 and not narrowing.bounded else None
+            if stacked is not None:  # the parts passes narrow to take their inputs from the stacked calls too
+                narrowing = Narrowing(block, stacked.data, name)
             while remaining:
-                collected = self._hessians(algo, block, data, stacked, remaining, memo, name or where)
+                collected = self._hessians(algo, narrowing, stacked, remaining, memo, name or where)
                 if collected.unstackable:  # a layer reads rows that are not the batch's (e.g. routed tokens)
                     stacked = None
-                    collected = self._hessians(algo, block, data, None, remaining, memo, name or where)
+                    narrowing = Narrowing(block, data, name)  # the same part, its inputs captured batch by batch
+                    narrowing.narrow(remaining, memo)
+                    collected = self._hessians(algo, narrowing, None, remaining, memo, name or where)
                 if not collected.group:
                     raise ModelError(f"GPTQConfig on {where}: none of {', '.join(remaining)} was called")
                 memo.forget([remaining[layer_name] for layer_name in collected.group])
                 factors: dict[Any, Any] = {}  # layers reading one input share one Hessian and its factor
                 for layer_name in collected.group:
-                    samples[layer_name], (hessian,) = collected.averaged(data, layer_name)
+                    # The caller's shard; the sum (and, after the last layer sharing it, the average) not held
+                    # while the columns of the layers after are rounded.
+                    samples[layer_name], hessian = collected.taken(data, layer_name)
+                    if all(cached[0] is not hessian for cached in factors.values()):
+                        factors.clear()  # a Hessian of its own: the previous one's factor is not needed again
                     loss = self._quantize(algo, layer_name, remaining.pop(layer_name), hessian, factors)
                     logger.debug("GPTQConfig %s.%s: loss %.4g", name, layer_name, loss)
                 if remaining and not algo.true_sequential:
                     raise ModelError(f"GPTQConfig on {where}: {', '.join(remaining)} was not called by the block")
+                narrowing.narrow(remaining, memo)
         warn_few_samples("GPTQConfig", where, samples, features)
         logger.info("GPTQConfig: %s done in %.2f s", name or where, time.perf_counter() - start)
         return block
 
     @staticmethod
-    def _hessians(algo: Any, block: nn.Module, data: CalibrationData, stacked: Stacked | None,
-                  remaining: dict[str, nn.Module], memo: Any, where: str) -> HessianPass:
-        """One pass over the block's inputs (stacked, when given) collecting the next group's Hessians."""
-        collected = HessianPass(algo.true_sequential)
+    def _hessians(algo: Any, narrowing: Narrowing, stacked: Stacked | None, remaining: dict[str, nn.Module],
+                  memo: Any, where: str) -> HessianPass:
+        """One pass over the inputs of the part the passes run on (``narrowing.unit``) collecting the next
+        group's Hessians. ``stacked``: the block engine's batches stacked, from which ``narrowing`` then took the
+        block's inputs (and a part's, captured one call per stacked call: the same rows per call, ``parts``)."""
+        unit = narrowing.unit
+
+        def group_known(group: list[str]) -> None:
+            memo.keep_new = narrowing.outputs_reused([layer for layer in remaining if layer not in group])
+            if not memo.keep_new:  # nothing later reuses what the memo holds (the next pass runs elsewhere)
+                memo.keep_only(())
+
+        collected = HessianPass(algo.true_sequential, on_group=group_known)
         if stacked is not None:
             collected.parts, collected.stacked_dims = stacked.parts, stacked.dims
-        memo.new_pass()
+        # Bounded memory (experts): the first batch, which runs the whole part, keeps nothing (not knowing yet
+        # whether a later pass reuses it); group_known decides for the others.
+        memo.new_pass(keep_new=not narrowing.bounded, unfinished=remaining.values())
         with layer_inputs(remaining, collected.add):
-            (stacked.data if stacked is not None else data).forward(
-                UntilStopped(block), f"{algo.name}: Hessians of {where}", on_output=collected.batch_done)
+            unit.data.forward(
+                UntilStopped(unit.module), f"{algo.name}: Hessians of {where}{'.' + unit.path if unit.path else ''}",
+                on_output=collected.batch_done)
         return collected

@@ -36,7 +36,11 @@ class HessianPass:
     sequential: bool
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
-    first_calls: list[tuple[str, Any]] = field(default_factory=list)
+    #: On the first batch, for each layer in the order of their first calls: whether that call read the object
+    #: the first layer was called with (``first_object``, the one input kept alive until the group is known: in a
+    #: mixture-of-experts block, keeping every layer's first input would hold every expert's routed rows).
+    first_calls: dict[str, bool] = field(default_factory=dict)
+    first_object: Any = None
     group: list[str] | None = None
     calls_per_batch: dict[str, int] = field(default_factory=dict)
     this_batch: dict[str, int] = field(default_factory=dict)
@@ -45,6 +49,8 @@ class HessianPass:
     shortcut: bool = True
     one_input: bool = False
     last_product: tuple[Any, int, torch.Tensor] | None = None
+    #: Called with the group once it is known (after the first batch that called a layer of it).
+    on_group: Any = None
     #: In ``one_input`` mode: the layer whose sum stands for each other layer of the group (the sums would be the
     #: same additions of the same products), and the averages already worked out per such layer.
     aliases: dict[str, str] = field(default_factory=dict)
@@ -90,14 +96,13 @@ class HessianPass:
         if self.unstackable:
             raise StopFwdException  # the pass runs again, unstacked: nothing more to do in this one
         if self.group is None:
-            recorded = next((r for n, r in self.first_calls if n == name), None)
-            if recorded is None:
-                self.first_calls.append((name, raw))
-                recorded = raw
+            if not self.first_calls:
+                self.first_object = raw
+            shares = self.first_calls.setdefault(name, raw is self.first_object)
             # Sequential: the group is the layers first called with the first layer's input object, known at once;
             # the other layers' Hessians (every expert's, in a mixture-of-experts block) are not computed only to
             # be dropped after the batch, which held about one block's worth of Hessians at a time.
-            if self.sequential and recorded is not self.first_calls[0][1]:
+            if self.sequential and not shares:
                 self.this_batch[name] = self.this_batch.get(name, 0) + 1
                 return
         elif name not in self.group:
@@ -127,11 +132,25 @@ class HessianPass:
             self.averages[owner] = averaged
         return averaged
 
+    def taken(self, data: CalibrationData, name: str) -> tuple[int, torch.Tensor]:
+        """:meth:`averaged`'s ``(samples, Hessian)`` for a caller that takes each layer of the group once, in the
+        group's order (GPTQ): the sum is dropped once averaged, and the average once the last layer sharing it
+        (``aliases``) has it, so that neither is held while the columns of the layers after are rounded (a group
+        of independent inputs, all of a block's layers without ``true_sequential``, would hold one Hessian per
+        layer). Layers sharing one sum still get the very same tensor."""
+        samples, (hessian,) = self.averaged(data, name)
+        owner = self.aliases.get(name, name)
+        self.hessians.pop(owner, None)
+        later = self.group[self.group.index(name) + 1:] if self.group is not None and name in self.group else []
+        if all(self.aliases.get(other, other) != owner for other in later):
+            self.averages.pop(owner, None)
+        return samples, hessian
+
     def batch_done(self, _index: int, _output: Any) -> None:
         if self.group is None and self.first_calls:
-            first = self.first_calls[0][1]
-            self.group = [name for name, raw in self.first_calls if raw is first or not self.sequential]
-            self.first_calls.clear()  # the inputs of the first batch need not be kept alive any longer
+            self.group = [name for name, shares in self.first_calls.items() if shares or not self.sequential]
+            self.first_calls.clear()
+            self.first_object = None  # the first batch's input need not be kept alive any longer
             for name in [n for n in self.hessians if n not in self.group]:
                 del self.hessians[name], self.counts[name]
             self.calls_per_batch = {name: self.this_batch[name] for name in self.group}
@@ -140,6 +159,8 @@ class HessianPass:
                 for name in self.group[1:]:
                     self.aliases[name] = self.group[0]
                     del self.hessians[name], self.counts[name]
+            if self.on_group is not None:
+                self.on_group(self.group)
         self.this_batch = {}
         self.last_product = None
         self.batch_index += 1

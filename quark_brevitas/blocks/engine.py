@@ -37,11 +37,11 @@ import torch
 from torch import nn
 
 from quark_brevitas.blocks.capture import BlockCapture, Clock, CountingRunner, Replay, main_output
-from quark_brevitas.blocks.protocol import UnitQuantizer
+from quark_brevitas.blocks.protocol import Branches, UnitQuantizer
 from quark_brevitas.blocks.sources import BlockSink, BlockSource, SoloLayer
 from quark_brevitas.blocks.stack import outside_layers
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory, detached
-from quark_brevitas.brevitas_adapter import layer_output_budget, outputs_handed_over
+from quark_brevitas.brevitas_adapter import layer_output_budget, outputs_handed_over, weight_cache_budget
 from quark_brevitas.calibration.data import BlockInputs, CalibrationData
 from quark_brevitas.errors import ModelError
 
@@ -278,7 +278,7 @@ class BlockwiseEngine:
         budget = layer_output_budget(0) if self.stores.directory is not None else contextlib.nullcontext()
         # An algorithm may hand over the outputs its last passes computed (the layers it finished): the pass that
         # computes the block's outputs then recomputes only what changed since.
-        with budget, outputs_handed_over() as handoff:
+        with budget, weight_cache_budget(working_weight_bytes(block)), outputs_handed_over() as handoff:
             block = self._quantizer().quantize_unit(block, name, self._block_inputs(hidden, name))
             self.stack[index] = block
             with handoff.replaying():
@@ -364,6 +364,21 @@ class BlockwiseEngine:
         setattr(parent, attribute, getattr(solo, attribute))
         if store is not None:
             store.close()
+
+
+def working_weight_bytes(block: nn.Module) -> int | None:
+    """The quantized weights a pass over ``block`` keeps (:func:`~quark_brevitas.brevitas_adapter.
+    weight_cache_budget`): a mixture-of-experts block's without its containers of branches (the experts), so that
+    a pass over the whole block quantizes the experts' weights at each call rather than hold them twice, float and
+    quantized (a pass over one expert still keeps that expert's: it is smaller than the rest of the block);
+    ``None`` (all) for a block without such containers."""
+    def nbytes(module: nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    containers = [module for module in block.modules() if isinstance(module, Branches) and len(module)]
+    if not containers:
+        return None
+    return nbytes(block) - sum(nbytes(module) for module in containers)
 
 
 @contextlib.contextmanager

@@ -11,14 +11,14 @@ same engine with one algorithm.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import nn
 
 if TYPE_CHECKING:
     from quark_brevitas.calibration.data import CalibrationData
 
-__all__ = ["BlockStep", "UnitQuantizer", "UnitRebuilder"]
+__all__ = ["BlockStep", "Branches", "UnitQuantizer", "UnitRebuilder"]
 
 #: What a data-free step does to one block of a streamed model when it is loaded (a block source runs it; the
 #: algorithms make it, :meth:`~quark_brevitas.algorithms.AlgorithmHandler.apply_streamed`):
@@ -45,4 +45,22 @@ class UnitRebuilder(Protocol):
 
     def rebuild_unit(self, unit: nn.Module, name: str, saved: Any) -> nn.Module:
         """The quantized structure of ``unit`` (called ``name``) as recorded in ``saved``."""
+        ...
+
+
+@runtime_checkable
+class Branches(Protocol):
+    """A container whose children are independent branches of one computation (the experts of a mixture-of-experts
+    block, :class:`~quark_brevitas.model_parts.moe.UnfusedExperts`, which implements it structurally:
+    ``model_parts`` lies below ``blocks``): each child is called at most once per call of the container, in
+    order, on an input computed from the container's inputs alone, never from another child's output. An
+    algorithm whose passes read only some children's layers (GPTQ's, expert by expert) can then run those
+    children alone on their own inputs instead of the container, and the others not at all: the layers see the
+    very same inputs.
+    """
+
+    def branch_inputs(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The ``(args, kwargs)`` child ``index`` is called with when the container is called with ``(args,
+        kwargs)``, or ``None`` when that call does not call the child."""
         ...

@@ -47,7 +47,11 @@ from quark_brevitas.brevitas_adapter.version import (  # noqa: E402 - after the 
 # not with an ImportError of some internal.
 check_supported_version()
 
-from quark_brevitas.brevitas_adapter.cache import gptq_class_checking_once, weights_quantized_once  # noqa: E402
+from quark_brevitas.brevitas_adapter.cache import (  # noqa: E402
+    gptq_class_checking_once,
+    weight_cache_budget,
+    weights_quantized_once,
+)
 from quark_brevitas.brevitas_adapter.distributed import (  # noqa: E402
     Reducer,
     Shard,
@@ -161,6 +165,7 @@ __all__ = [
     "Handoff",
     "gptq_class_checking_once",
     "weights_quantized_once",
+    "weight_cache_budget",
     "FLOAT8_DTYPES",
     "HALF_DTYPES",
     "MSE_SAMPLE_ELEMENTS",

@@ -21,6 +21,7 @@ Part of the one door to Brevitas internals; re-exported by :mod:`quark_brevitas.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,22 +35,62 @@ from torch import nn
 
 from quark_brevitas.brevitas_adapter.grids import fixed_weight_grid
 
-__all__ = ["gptq_class_checking_once", "quant_layers", "shared_input_gptq_mode", "weights_quantized_once"]
+__all__ = ["PassWeights", "gptq_class_checking_once", "quant_layers", "shared_input_gptq_mode", "weight_cache_budget",
+           "weights_quantized_once"]
 
 #: The instance attribute that shadows the class's ``quant_weight`` while a cache is active.
 _ATTRIBUTE = "quant_weight"
 
 
+#: Bytes of quantized weights a :func:`weights_quantized_once` context keeps at most (``None``: no limit).
+_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar("weight_cache_budget", default=None)
+
+
+@contextlib.contextmanager
+def weight_cache_budget(budget_bytes: int | None) -> Iterator[None]:
+    """:func:`weights_quantized_once` contexts opened while this one lasts keep at most ``budget_bytes`` of
+    quantized weights (``None``: every layer's). The layers called first are kept; the others quantize their
+    weight at each call, as without the cache: the cache trades memory for time, never values. The block engine
+    sets one block's weights without its experts but one, so that a pass over a mixture-of-experts block does not
+    hold a second copy of every expert."""
+    token = _BUDGET.set(budget_bytes)
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
+
+
+class _Budget:
+    """What the layers of one :func:`weights_quantized_once` context keep, against its budget."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.used = 0
+
+
+def _nbytes(value: Any) -> int:
+    """The bytes of a quantized weight's values (its scales and zero points are a small fraction of them)."""
+    tensor = getattr(value, "value", value)
+    return tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+
+
 class _CachedQuantWeight:
     """A layer's ``quant_weight``, remembered until its inputs change (see the module docstring)."""
 
-    def __init__(self, layer: QuantWeightBiasInputOutputLayer) -> None:
+    def __init__(self, layer: QuantWeightBiasInputOutputLayer, budget: _Budget) -> None:
         self.layer = layer
+        self.budget = budget
+        self.nbytes = 0
+        self.called = False
         self.state = [*layer.weight_quant.parameters(), *layer.weight_quant.buffers()]
         self.weight: torch.Tensor | None = None
         self.versions: list[int] = []
         self.training = False
         self.value: Any = None
+
+    def drop(self) -> None:
+        self.budget.used -= self.nbytes
+        self.value, self.nbytes = None, 0
 
     def _valid(self, weight: torch.Tensor) -> bool:
         return (weight is self.weight and self.training == self.layer.training
@@ -63,11 +104,18 @@ class _CachedQuantWeight:
                 or proxy.requires_quant_input):  # nothing to save (float weight), or not cacheable
             return original(layer, quant_input, subtensor_slice_list)
         weight = layer.weight
-        if not self._valid(weight):
-            self.value = original(layer, quant_input)
+        self.called = True
+        if self.value is not None and self._valid(weight):
+            return self.value
+        self.drop()
+        value = original(layer, quant_input)
+        size = _nbytes(value)
+        if self.budget.limit is None or self.budget.used + size <= self.budget.limit:
+            self.value, self.nbytes = value, size
+            self.budget.used += size
             self.weight, self.training = weight, layer.training
             self.versions = [weight._version, *(tensor._version for tensor in self.state)]
-        return self.value
+        return value
 
 
 def quant_layers(model: nn.Module) -> Iterator[QuantWeightBiasInputOutputLayer]:
@@ -82,17 +130,38 @@ def quant_layers(model: nn.Module) -> Iterator[QuantWeightBiasInputOutputLayer]:
             stack.extend(child for child in module._modules.values() if child is not None)
 
 
+class PassWeights:
+    """The quantized weights one :func:`weights_quantized_once` context keeps."""
+
+    def __init__(self, caches: list[_CachedQuantWeight]) -> None:
+        self.caches = caches
+
+    def batch_done(self) -> None:
+        """Drop the weights of the layers the batch just done did not call: a pass that stops early (GPTQ's,
+        from its second batch on) calls the layers after its stop only in its first batch, and a mixture-of-experts
+        block leaves an expert out of a batch that routes no token to it."""
+        for cache in self.caches:
+            if not cache.called and cache.value is not None:
+                cache.drop()
+            cache.called = False
+
+
 @contextlib.contextmanager
-def weights_quantized_once(model: nn.Module) -> Iterator[None]:
+def weights_quantized_once(model: nn.Module) -> Iterator[PassWeights]:
     """While the context lasts (one calibration pass), each quantized layer of ``model`` quantizes its weight
-    once and reuses it until the weight or its quantizer changes. Nested contexts share the outer cache."""
+    once and reuses it until the weight or its quantizer changes (or a batch does not call it:
+    :meth:`PassWeights.batch_done`). Nested contexts share the outer cache."""
     installed = []
+    caches = []
+    budget = _Budget(_BUDGET.get())
     for module in quant_layers(model):
         if _ATTRIBUTE not in module.__dict__:
-            object.__setattr__(module, _ATTRIBUTE, _CachedQuantWeight(module))
+            cache = _CachedQuantWeight(module, budget)
+            object.__setattr__(module, _ATTRIBUTE, cache)
             installed.append(module)
+            caches.append(cache)
     try:
-        yield
+        yield PassWeights(caches)
     finally:
         for module in installed:
             module.__dict__.pop(_ATTRIBUTE, None)

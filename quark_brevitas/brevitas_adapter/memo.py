@@ -93,14 +93,26 @@ class LayerOutputs:
         self.calls: dict[nn.Module, int] = {}
         #: Rows of the current remembered call already read by calls of fewer rows (see :meth:`_part`).
         self.offsets: dict[nn.Module, int] = {}
+        #: Whether new outputs are kept (the caller may turn it off in the middle of a pass, once it knows that
+        #: no later pass will reuse them).
         self.keep_new = True
+        self.unfinished: frozenset[nn.Module] = frozenset()
 
-    def new_pass(self, *, keep_new: bool = True) -> None:
+    def new_pass(self, *, keep_new: bool = True, unfinished: Iterable[nn.Module] = ()) -> None:
         """The next calls start a new pass over the data: call ``k`` of a layer is matched with its call ``k``.
-        ``keep_new=False``: the caller's last pass, whose new outputs nothing would reuse (they are not kept)."""
+        ``keep_new=False``: the caller's last pass, whose new outputs nothing would reuse (they are not kept).
+        ``unfinished``: layers the caller has still to optimise; their outputs are not kept this pass (their
+        weights change before a later pass could reuse them, and a first batch that runs the whole block would
+        otherwise keep every such layer's output until then)."""
         self.calls.clear()
         self.offsets.clear()
         self.keep_new = keep_new
+        self.unfinished = frozenset(unfinished)
+
+    def keep_only(self, layers: Iterable[nn.Module]) -> None:
+        """Drop what every layer but ``layers`` computed (the caller's later passes run no other layer)."""
+        keep = set(layers)
+        self.forget([layer for layer in self.entries if layer not in keep])
 
     def forget(self, layers: Iterable[nn.Module]) -> None:
         """Drop what ``layers`` computed: their weights are about to change."""
@@ -127,7 +139,7 @@ class LayerOutputs:
         if entry is not None:
             self.used -= entry.nbytes
             entries[ordinal] = None
-        if not self.keep_new or type(output) is not torch.Tensor:
+        if not self.keep_new or type(output) is not torch.Tensor or layer in self.unfinished:
             return output
         nbytes = value.numel() * value.element_size() + output.numel() * output.element_size()
         if self.used + nbytes <= self.budget:

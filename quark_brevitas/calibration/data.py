@@ -331,10 +331,11 @@ class CalibrationData:
         """
         device, dtype = model_device_dtype(model)
         count = 0
-        with torch.no_grad(), weights_quantized_once(model):
+        with torch.no_grad(), weights_quantized_once(model) as weights:
             for index, batch in self._progress(self.indexed(), desc):
                 args, kwargs = prepare_batch(batch, index, device, dtype, self.batch_to_inputs)
                 output = call_model(model, args, kwargs, index)
+                weights.batch_done()
                 if on_output is not None:
                     on_output(count, output)
                 count += 1
@@ -452,11 +453,12 @@ class BlockInputs(CalibrationData):
         device = next((t.device for t in itertools.chain(model.parameters(), model.buffers()) if not t.is_meta),
                       torch.device("cpu"))  # the first tensor decides: no list of every tensor per pass
         count = 0
-        with torch.no_grad(), weights_quantized_once(model):
+        with torch.no_grad(), weights_quantized_once(model) as weights:
             for index, (args, kwargs) in self._progress(self.indexed(), desc):
                 output = call_model(model, map_tensors(args, lambda t: t.to(device)),
                                     map_tensors(kwargs, lambda t: t.to(device)), index,
                                     f"{self.label} (on its cached input)")
+                weights.batch_done()
                 if on_output is not None:
                     on_output(count, output)
                 count += 1

@@ -81,18 +81,35 @@ class UnfusedExperts(nn.ModuleList):
         for index, expert in enumerate(self):
             token, position = torch.where(top_k_index == index)
             self.tokens[index] += int(token.numel())
-            if index in self.fill:
-                every = expert(hidden_states)  # statistics/Hessian hooks on its layers see every token
-                self.filled[index] += hidden_states.shape[0]
-                if token.numel() == 0:
-                    continue
-                routed = every[token] * top_k_weights[token, position, None]
-            elif token.numel() == 0:
+            expert_input = self._expert_input(index, hidden_states, token)
+            if expert_input is None:
                 continue
-            else:
-                routed = expert(hidden_states[token]) * top_k_weights[token, position, None]
+            computed = expert(expert_input)
+            if token.numel() == 0:  # filled, no routed token: computed for the hooks on its layers only
+                continue
+            routed = (computed[token] if expert_input is hidden_states else computed) * \
+                top_k_weights[token, position, None]
             out.index_add_(0, token, routed.to(out.dtype))
         return out
+
+    def _expert_input(self, index: int, hidden_states: torch.Tensor, token: torch.Tensor) -> torch.Tensor | None:
+        """What expert ``index`` computes on: its routed tokens' rows (``token``), or every row when it is filled
+        (statistics and Hessian hooks on its layers then see every token; counted in ``filled``); ``None`` when
+        it computes nothing."""
+        if index in self.fill:
+            self.filled[index] += hidden_states.shape[0]
+            return hidden_states
+        return hidden_states[token] if token.numel() else None
+
+    def branch_inputs(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The input expert ``index`` computes on when this module is called with ``(args, kwargs)`` (the
+        :class:`~quark_brevitas.blocks.protocol.Branches` protocol: GPTQ rounds the experts one at a time, each
+        on its own inputs, without computing the others)."""
+        bound = inspect.signature(self.forward).bind(*args, **kwargs).arguments
+        token, _ = torch.where(bound["top_k_index"] == index)
+        expert_input = self._expert_input(index, bound["hidden_states"], token)
+        return None if expert_input is None else ((expert_input,), {})
 
 
 def _is_fused_experts(module: nn.Module) -> bool:

@@ -97,3 +97,34 @@ def test_batches_that_differ_otherwise_are_not_stacked() -> None:
     calls = [((torch.zeros(1, 3, 4),), {"flag": i % 2 == 0}) for i in range(4)]
     assert stacking.stacked_batches(_inputs(calls)) is None
     assert stacking.stacked_batches(_inputs(calls[:2])) is None  # nothing to stack
+
+
+@pytest.mark.slow
+def test_an_mlp_reading_rows_that_are_not_the_batchs_falls_back_to_batch_by_batch(monkeypatch) -> None:
+    """The MLP's layers read the hidden state flattened to tokens: once the passes have narrowed to the MLP (on
+    inputs captured from the stacked calls), its Hessians cannot be split per batch, and the pass is run again
+    on the MLP's inputs captured batch by batch, with the codes of the unstacked run."""
+    from transformers.models.llama import modeling_llama
+
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        return self.down_proj(self.act_fn(self.gate_proj(rows)) * self.up_proj(rows)).reshape(x.shape)
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", flat)
+    fallbacks = []
+    original = gptq.GPTQConfigHandler._hessians
+
+    def spy(*args, **kwargs):
+        collected = original(*args, **kwargs)
+        fallbacks.append(collected.unstackable and bool(args[1].unit.path))
+        return collected
+
+    monkeypatch.setattr(gptq.GPTQConfigHandler, "_hessians", staticmethod(spy))
+    algo = GPTQConfig(group_size=32)
+    stacked_codes, stacked_logits = _run(UINT4_G32, algo)
+    assert any(fallbacks), "no narrowed pass fell back to batch by batch"
+    monkeypatch.setattr(stacking, "STACK_BYTES", 0)
+    plain_codes, plain_logits = _run(UINT4_G32, algo)
+    for key, value in plain_codes.items():
+        assert torch.equal(stacked_codes[key], value), key
+    assert torch.equal(stacked_logits, plain_logits)

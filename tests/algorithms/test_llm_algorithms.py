@@ -341,7 +341,9 @@ class _CountingData(BlockInputs):
         return tensor.mul_(2) if op == "sum" else tensor
 
 
-@pytest.mark.parametrize(("sequential", "passes"), [(True, 4), (False, 1)])
+# Sequential: the q/k/v and o groups' passes over the block's inputs, then one that captures the MLP's inputs, on
+# which the gate/up and down groups' passes run (quark_brevitas.algorithms.narrowing).
+@pytest.mark.parametrize(("sequential", "passes"), [(True, 3), (False, 1)])
 def test_gptq_block_contract_groups_layers_by_shared_input(sequential: bool, passes: int, batches) -> None:
     config = _config(UINT4_G32, GPTQConfig(group_size=32, true_sequential=sequential))
     model = ModelQuantizer(Config(config.global_quant_config, pre_quant_opt_config=[], exclude=["lm_head"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from quark_brevitas.brevitas_adapter import weights_quantized_once
+from quark_brevitas.brevitas_adapter import weight_cache_budget, weights_quantized_once
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.config import QuantizationSpec
 from quark_brevitas.quantizers import build_quantizer
@@ -44,6 +44,31 @@ def test_a_pass_quantizes_each_weight_once_with_the_same_outputs() -> None:
     assert calls[0] == 2  # one per layer, not one per layer and batch (16 before)
     assert all(torch.equal(a, b) for a, b in zip(outputs, expected))
     assert "quant_weight" not in model[0].__dict__  # the cache lives for the pass only
+
+
+def test_a_budget_keeps_the_first_layers_weights_and_the_same_outputs() -> None:
+    model = _model()
+    batches = [torch.randn(4, 32) for _ in range(4)]
+    with torch.no_grad():
+        expected = [model(b) for b in batches]
+    calls = _count_quantizer_calls(model)
+    outputs: list[torch.Tensor] = []
+    with weight_cache_budget(32 * 32 * 4):  # the first layer's quantized weight only
+        CalibrationData(batches).forward(model, "pass", on_output=lambda _i, out: outputs.append(out))
+    assert calls[0] == 1 + 4  # the first layer once, the second at every batch
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected))
+
+
+def test_a_batch_that_does_not_call_a_layer_drops_its_weight() -> None:
+    model = _model()
+    with torch.no_grad(), weights_quantized_once(model) as weights:
+        model(torch.randn(4, 32))
+        weights.batch_done()
+        assert model[2].__dict__["quant_weight"].value is not None
+        model[0](torch.randn(4, 32))  # a batch that stops before the second layer (as GPTQ's passes do)
+        weights.batch_done()
+        assert model[0].__dict__["quant_weight"].value is not None
+        assert model[2].__dict__["quant_weight"].value is None
 
 
 def test_a_weight_changed_in_place_is_quantized_again() -> None:
