@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import brevitas.nn as qnn
@@ -33,30 +34,36 @@ def _count_quantizer_calls(model: nn.Module) -> list[int]:
     return calls
 
 
+def _pass(model: nn.Module, batches: int) -> tuple[list[int], Callable[[], bool]]:
+    """Count the model's weight-quantizer calls, and a pass over ``batches`` random batches returning whether
+    its outputs equal the model's own, batch by batch."""
+    data = [torch.randn(4, 32) for _ in range(batches)]
+    with torch.no_grad():
+        expected = [model(b) for b in data]
+    calls = _count_quantizer_calls(model)
+
+    def run() -> bool:
+        outputs: list[torch.Tensor] = []
+        CalibrationData(data).forward(model, "pass", on_output=lambda _i, out: outputs.append(out))
+        return len(outputs) == batches and all(torch.equal(a, b) for a, b in zip(outputs, expected))
+
+    return calls, run
+
+
 def test_a_pass_quantizes_each_weight_once_with_the_same_outputs() -> None:
     model = _model()
-    batches = [torch.randn(4, 32) for _ in range(8)]
-    with torch.no_grad():
-        expected = [model(b) for b in batches]
-    calls = _count_quantizer_calls(model)
-    outputs: list[torch.Tensor] = []
-    CalibrationData(batches).forward(model, "pass", on_output=lambda _i, out: outputs.append(out))
+    calls, run = _pass(model, 8)
+    assert run()
     assert calls[0] == 2  # one per layer, not one per layer and batch (16 before)
-    assert all(torch.equal(a, b) for a, b in zip(outputs, expected))
     assert "quant_weight" not in model[0].__dict__  # the cache lives for the pass only
 
 
 def test_a_budget_keeps_the_first_layers_weights_and_the_same_outputs() -> None:
     model = _model()
-    batches = [torch.randn(4, 32) for _ in range(4)]
-    with torch.no_grad():
-        expected = [model(b) for b in batches]
-    calls = _count_quantizer_calls(model)
-    outputs: list[torch.Tensor] = []
+    calls, run = _pass(model, 4)
     with weight_cache_budget(32 * 32 * 4):  # the first layer's quantized weight only
-        CalibrationData(batches).forward(model, "pass", on_output=lambda _i, out: outputs.append(out))
+        assert run()
     assert calls[0] == 1 + 4  # the first layer once, the second at every batch
-    assert all(torch.equal(a, b) for a, b in zip(outputs, expected))
 
 
 def test_a_batch_that_does_not_call_a_layer_drops_its_weight() -> None:
