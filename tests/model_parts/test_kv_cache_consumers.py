@@ -13,7 +13,8 @@ code, applied where it would apply it, computes our logits.
   folder a second time with compressed-tensors' hook taught the new keyword (its own ``QuantizedKVCache`` and
   ``forward_quantize``, fed the file's ``k_scale`` / ``v_scale``): our logits exactly.
   ``QB_CONSUMER_TRANSFORMERS`` names a directory holding another transformers release
-  (``pip install --no-deps --target DIR transformers==5.23.0``), put first on the consumer's path.
+  (``pip install --no-deps --target DIR transformers==5.23.0``), put first on the consumer's path; without it,
+  ``.consumers/transformers`` in the repository, where ``.ci/run`` installs 5.23.
 - amd-quark 0.13 writes a post-RoPE cache's scales as a pre-RoPE one's (``<k_proj>.output_scale``) with
   ``kv_cache_post_rope: true``, as we do; its loaders apply them to the projections' outputs, before RoPE (see
   :func:`test_amd_quark_reads_post_rope_scales_and_applies_them_before_rope`).
@@ -45,7 +46,9 @@ from quark_brevitas.model_parts.kv_cache import fake_quantize, kv_quantization_d
 from quark_brevitas.types import QSchemeType  # noqa: E402
 
 SITE_PACKAGES = str(Path(transformers.__file__).resolve().parents[1])
-ALTERNATE = os.environ.get("QB_CONSUMER_TRANSFORMERS")
+#: CI installs transformers 5.23 there (``.ci/run``); ``QB_CONSUMER_TRANSFORMERS`` names another directory.
+CI_ALTERNATE = Path(__file__).resolve().parents[2] / ".consumers" / "transformers"
+ALTERNATE = os.environ.get("QB_CONSUMER_TRANSFORMERS") or (str(CI_ALTERNATE) if CI_ALTERNATE.is_dir() else None)
 
 #: What the consumer reports: its transformers release, whether compressed-tensors hooked the cache, the logits.
 _CT_LOAD = """
@@ -130,6 +133,8 @@ def test_transformers_applies_the_compressed_tensors_cache_scales(tmp_path: Path
     if theirs["hooked"]:
         assert torch.equal(theirs["logits"], ours), theirs["version"]
         return
+    # the alternate release is there to be one whose attention compressed-tensors hooks (5.23)
+    assert transformers_path is None, f"transformers {theirs['version']} from {transformers_path}: cache unhooked"
     # transformers >= 5.24: compressed-tensors 0.20 leaves attention forwards taking `cache` unhooked
     assert torch.allclose(theirs["logits"], float_cache, atol=1e-5), theirs["version"]
     taught = run_consumer(_CT_TAUGHT_CACHE, [folder], tokens, tmp_path, python=sys.executable, pythonpath=path)
