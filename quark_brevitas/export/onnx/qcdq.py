@@ -347,6 +347,7 @@ def export_onnx_qcdq(
     int4_weights: bool | None = None,
     past_key_values: bool = False,
     int4_kernel: str = "matmulnbits",
+    quantized_cache: bool | None = None,
 ) -> ExportReport:
     """Export a Brevitas-quantized model to a verified, self-contained ONNX QCDQ file.
 
@@ -409,6 +410,13 @@ def export_onnx_qcdq(
             outputs: ``logits`` then ``present.{i}.key`` / ``.value`` (past + current tokens). Feed the presents
             back as the next step's pasts; a first step takes pasts of length 0. Models whose forward takes no
             cache, or returns none with ``use_cache=True`` (BERT, ...), raise :class:`ExportError`.
+        quantized_cache: With ``past_key_values=True``, whether the pasts and presents of a model with a quantized
+            KV cache (``kv_cache_quant_config`` with ``kv_cache_post_rope=True``) are stored as codes: ``INT8`` or
+            ``FLOAT8E4M3FN`` with the calibrated scale (``DequantizeLinear`` after each past input,
+            ``QuantizeLinear`` before each present output; 1 byte per element between steps). ``None`` (default):
+            where the model's cache is quantized after RoPE; ``True``: required (:class:`ExportError` otherwise, e.g.
+            for a cache quantized before RoPE); ``False``: a float cache. The file is verified on the codes of the
+            example's pasts. See :mod:`quark_brevitas.export.onnx.kv_quant`.
         int4_kernel: How per-group (and MX) 4-bit weights of Linear layers reach onnxruntime. ``"matmulnbits"``
             (default; onnxruntime is this function's target): as its ``MatMulNBits`` kernel (com.microsoft, 4-bit
             codes packed two a byte, the same codes, scales and zero points, ``accuracy_level`` 1 = float32
@@ -436,4 +444,5 @@ def export_onnx_qcdq(
     """
     fmt = QCDQFormat(opset=opset, dynamic_batch=dynamic_batch, dynamic_sequence=dynamic_sequence,
                      integer_kernels=integer_kernels, int4_weights=int4_weights, int4_kernel=int4_kernel)
-    return export_verified(fmt, model, args, path, tolerance, past_key_values=past_key_values)
+    return export_verified(fmt, model, args, path, tolerance, past_key_values=past_key_values,
+                           quantized_cache=quantized_cache)
