@@ -285,7 +285,12 @@ def _concat_codes(graph: onnx.GraphProto, tensor: CacheTensor) -> int:
     concat = _producer(graph, quantize.input[0]) if quantize is not None else None
     if concat is None or concat.op_type != "Concat" or len(concat.input) != 2:
         return 0
-    if concat.input[0] != f"{tensor.past}.dequantized":
+    first = _producer(graph, concat.input[0])
+    source = concat.input[0]
+    while first is not None and (first.op_type == "Identity" or (first.op_type == "Concat" and len(first.input) == 1)):
+        source = first.input[0]  # the cache's first layer passes through a one-input Concat (torch.cat of [past])
+        first = _producer(graph, source)
+    if source != f"{tensor.past}.dequantized":
         return 0
     float_present = concat.output[0]
     new_codes = f"{tensor.present}.new_codes"
