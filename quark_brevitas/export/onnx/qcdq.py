@@ -22,7 +22,7 @@ from brevitas.export.onnx.standard.qcdq.manager import StdQCDQONNXManager
 from torch import nn
 
 from quark_brevitas.errors import QuarkBrevitasError
-from quark_brevitas.export.args import Example, PathLike, TensorArgs, dynamic_axes
+from quark_brevitas.export.args import Example, PathLike, TensorArgs, dynamic_axes, past_name
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
 from quark_brevitas.export.onnx.blocked import (
     BLOCKED_OPSET,
@@ -96,6 +96,8 @@ class ExportReport:
         rounding_ties: With ``verified_by == "pinned"``: elements whose code differed at a rounding tie.
         n_4bit_weights: Weights of 2-4 bit per-tensor / per-channel quantizers stored as ``INT4``/``UINT4``
             (two codes a byte; the file is then opset 21).
+        cache_dtypes: With ``past_key_values=True``: the ONNX element types of the ``past_key_values.*`` inputs,
+            e.g. ``("INT8",)`` for a cache stored quantized (``quantized_cache``), ``("FLOAT",)`` for a float one.
     """
 
     path: pathlib.Path
@@ -120,6 +122,7 @@ class ExportReport:
     verified_by: str = "outputs"
     rounding_ties: int = 0
     n_4bit_weights: int = 0
+    cache_dtypes: tuple[str, ...] = ()
 
 
 class QCDQFormat(ExportFormat[ExportReport]):
@@ -301,6 +304,8 @@ class QCDQFormat(ExportFormat[ExportReport]):
             verified_by="pinned" if result.pinned is not None else "outputs",
             rounding_ties=result.pinned.tie_elements if result.pinned is not None else 0,
             n_4bit_weights=self.packed,
+            cache_dtypes=tuple(sorted({onnx.TensorProto.DataType.Name(i.type.tensor_type.elem_type)
+                                       for i in graph.input if past_name(i.name) is not None})),
         )
         logger.info(
             "exported %s (opset %d, %d bytes, weights %s): max |ORT - PyTorch| = %.3g, %s tolerance %.3g",

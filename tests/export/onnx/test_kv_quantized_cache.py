@@ -21,7 +21,7 @@ from helpers.llm_models import VOCAB, tiny_llama, token_batches  # noqa: E402
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
 from quark_brevitas.calibration.data import cache_keyword, output_cache  # noqa: E402
-from quark_brevitas.config import Config, QLayerConfig, QTensorConfig  # noqa: E402
+from quark_brevitas.config import Config, LLMTemplate, QLayerConfig, QTensorConfig  # noqa: E402
 from quark_brevitas.export import ExportError, export_onnx_qcdq  # noqa: E402
 from quark_brevitas.export.onnx.decode import greedy_decode  # noqa: E402
 from quark_brevitas.model_parts.kv_cache import kv_scales  # noqa: E402
@@ -70,16 +70,25 @@ def _decode_torch(model: torch.nn.Module, prompt: torch.Tensor, mask: torch.Tens
     return logits, torch.stack(tokens, dim=1), output_cache(out)
 
 
+def _template_fp8() -> Config:
+    """Quark 0.13's LLMTemplate.get("llama").get_config(scheme="fp8", kv_cache_scheme="fp8"): FP8 weights and
+    inputs too, the cache after RoPE."""
+    config = LLMTemplate.get("llama").get_config(scheme="fp8", kv_cache_scheme="fp8")
+    config.kv_cache_post_rope = True
+    return config
+
+
 CASES = {
-    "int8": dict(dtype=Dtype.int8),
-    "fp8": dict(dtype=Dtype.fp8_e4m3),
-    "int8_per_head": dict(dtype=Dtype.int8, per_head=True),
+    "int8": lambda: _config(Dtype.int8),
+    "fp8": lambda: _config(Dtype.fp8_e4m3),
+    "int8_per_head": lambda: _config(Dtype.int8, per_head=True),
+    "fp8_template": _template_fp8,
 }
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    model = _quantized(_config(**CASES[request.param]))
+    model = _quantized(CASES[request.param]())
     path = tmp_path_factory.mktemp(request.param) / "decoder.onnx"
     return request.param, model, _export(model, path)
 
@@ -103,7 +112,8 @@ def test_cache_inputs_and_outputs_are_codes_with_the_calibrated_scales(exported)
     for i, scales in enumerate(kv_scales(model)):
         np.testing.assert_array_equal(initializers[f"kv_cache.{i}.key.scale"], scales.key.numpy())
         np.testing.assert_array_equal(initializers[f"kv_cache.{i}.value.scale"], scales.value.numpy())
-    assert report.opset >= (19 if case == "fp8" else 13)
+    assert report.opset >= (19 if case.startswith("fp8") else 13)
+    assert report.cache_dtypes == (onnx.TensorProto.DataType.Name(element),)
 
 
 @pytest.mark.slow
@@ -136,7 +146,7 @@ def test_the_final_onnx_cache_decodes_to_pytorchs_cache(exported) -> None:  # no
     prompt = _prompt(2, 4, 3)
     session = create_ort_session(report.path)
     feed = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
-    codes = torch.float8_e4m3fn if case == "fp8" else torch.int8
+    codes = torch.float8_e4m3fn if case.startswith("fp8") else torch.int8
     for i in range(LAYERS):
         for kind in ("key", "value"):
             feed[f"past_key_values.{i}.{kind}"] = torch.zeros((2, KV_HEADS, 0, HEAD_DIM), dtype=codes)
@@ -158,6 +168,7 @@ def test_quantized_cache_false_keeps_a_float_cache(tmp_path) -> None:  # noqa: A
     graph = onnx.load(str(report.path)).graph
     assert {v.type.tensor_type.elem_type for v in graph.input if v.name.startswith("past_")} == {
         onnx.TensorProto.FLOAT}
+    assert report.cache_dtypes == ("FLOAT",)
     result = greedy_decode(report.path, _prompt(2, 4, 5), steps=3)
     assert result.cache_bytes == 2 * LAYERS * 2 * KV_HEADS * (4 + 3) * HEAD_DIM * 4
 
