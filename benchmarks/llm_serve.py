@@ -26,8 +26,10 @@ ONNX decoding (``--onnx``, also in the default run): the trained Llama exported 
 int8 and to FP8 E4M3 (float weights, the calibration above), each once with the cache stored quantized between steps
 (``INT8`` / ``FLOAT8E4M3FN`` codes, the default) and once as a float cache (``quantized_cache=False``). Each file is
 decoded greedily in onnxruntime (:func:`quark_brevitas.export.onnx.decode.greedy_decode`, one intra-op thread, the
-cache kept in onnxruntime's buffers between steps): a batch of ``DECODE_BATCH`` held-out prompts of ``PROMPT`` tokens,
-then ``STEPS`` tokens. Printed per file: the KV-cache bytes per token measured on the file's presents, decode tokens/s
+cache kept in onnxruntime's buffers between steps): a batch of ``DECODE_BATCH`` held-out prompts of each length in
+``PROMPTS`` (the longer one beyond the 128 positions the model was trained on: the speed, the bytes and the agreement
+with PyTorch do not need a good model there), then ``STEPS`` tokens. Printed per file: the KV-cache bytes per token
+measured on the file's presents, decode tokens/s
 (the one-token steps; median of ``ROUNDS`` runs, the files taken in turn within each round and the order rotated, so
 the shared machine's noise falls on all alike) and its ratio to the same model's float cache, and whether the greedy
 tokens are PyTorch's (the quantized model's own incremental decoding with its DynamicCache) with the largest logit
@@ -60,7 +62,7 @@ _HERE = Path(__file__).resolve().parent
 from benchmarks import llm  # noqa: E402  (benchmarks/llm.py: corpus, tokenizer, trained model)
 
 CALIB, EVAL = 32, 64
-DECODE_BATCH, PROMPT, STEPS, ROUNDS = 4, 64, 128, 5
+DECODE_BATCH, PROMPTS, STEPS, ROUNDS = 4, (64, 896), 128, 5
 
 
 def _perplexity(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> float:
@@ -266,6 +268,36 @@ def _torch_greedy(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> t
     return torch.stack(tokens, dim=1), logits
 
 
+def _decode_rows(models: dict[str, torch.nn.Module], files: dict[str, tuple[str, Path]], sessions: dict[str, Any],
+                 prompt: torch.Tensor) -> None:
+    """Decode ``prompt`` with every file (in turn within each round, the order rotated) and print the rows."""
+    from quark_brevitas.export.onnx.decode import greedy_decode
+
+    rates: dict[str, list[float]] = {label: [] for label in files}
+    results = {}
+    labels = list(files)
+    for round_ in range(ROUNDS):
+        for label in labels[round_ % len(labels):] + labels[:round_ % len(labels)]:
+            result = greedy_decode(files[label][1], prompt, steps=STEPS, session=sessions[label])
+            rates[label].append(prompt.shape[0] * STEPS / sum(result.seconds[1:]))
+            results[label] = result
+    reference = {name: _torch_greedy(quant, prompt, STEPS) for name, quant in models.items()}
+    length = prompt.shape[1]
+    print(f"\nprompt {length} tokens, context up to {length + STEPS}")
+    print(f"{'file':<34} {'KV bytes/token':>14} {'tokens/s':>9} {'vs float cache':>15} {'tokens = PyTorch':>17} "
+          f"{'max |dlogit|':>12}")
+    for label, result in results.items():
+        name = files[label][0]
+        rate = sorted(rates[label])[ROUNDS // 2]
+        base = sorted(rates[f"{name} model, float cache"])[ROUNDS // 2]
+        per_token = result.cache_bytes / (prompt.shape[0] * (length + STEPS))
+        tokens, logits = reference[name]
+        diff = max(float((a - b).abs().max()) for a, b in zip(result.logits, logits))
+        same = "yes" if torch.equal(result.tokens, tokens) else \
+            f"no ({int((result.tokens != tokens).sum())} differ)"
+        print(f"{label:<34} {per_token:>14.0f} {rate:>9.1f} {rate / base:>14.2f}x {same:>17} {diff:>12.2e}")
+
+
 def onnx_decode(model: torch.nn.Module | None = None, calib: list[dict[str, torch.Tensor]] | None = None) -> None:
     """The ONNX decoding rows (see the module docstring)."""
     import tempfile
@@ -275,7 +307,6 @@ def onnx_decode(model: torch.nn.Module | None = None, calib: list[dict[str, torc
 
     from quark_brevitas import ModelQuantizer
     from quark_brevitas.export import export_onnx_qcdq
-    from quark_brevitas.export.onnx.decode import greedy_decode
     from quark_brevitas.types import Dtype
 
     torch.set_num_threads(1)
@@ -284,8 +315,10 @@ def onnx_decode(model: torch.nn.Module | None = None, calib: list[dict[str, torc
         model = transformers.AutoModelForCausalLM.from_pretrained(llm.trained_llama(200)).eval()
     if calib is None:
         calib = llm.windows(splits["calib"], CALIB, 4)
-    prompt = torch.stack([splits["eval"][i * PROMPT:(i + 1) * PROMPT] for i in range(DECODE_BATCH)])
-    example = {"input_ids": prompt[:2, :8], "attention_mask": torch.ones_like(prompt[:2, :8])}
+    print(f"\nONNX decoding in onnxruntime {ort.__version__} (CPU, 1 thread): trained Llama {llm.WIDTH} wide, "
+          f"{model.config.num_hidden_layers} blocks, batch {DECODE_BATCH}, {STEPS} greedy steps; tokens/s: median of "
+          f"{ROUNDS} rounds")
+    example = {"input_ids": splits["eval"][None, :8].repeat(2, 1), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
     models = {"float": model}
     for name, dtype in (("int8", Dtype.int8), ("fp8", Dtype.fp8_e4m3)):
         models[f"KV {name}"] = ModelQuantizer(_kv_config(dtype, True)).quantize_model(model, calib)
@@ -300,34 +333,14 @@ def onnx_decode(model: torch.nn.Module | None = None, calib: list[dict[str, torc
                 start = time.perf_counter()
                 report = export_onnx_qcdq(quant, example, path, past_key_values=True, quantized_cache=quantized)
                 files[f"{name} model, {cache}"] = (name, path)
-                print(f"exported {name} model with a {cache} (opset {report.opset}, verified max |ORT - PyTorch| "
-                      f"{report.max_abs_diff:.2e}) in {time.perf_counter() - start:.1f} s", flush=True)
+                print(f"exported the {name} model, {cache} (opset {report.opset}, cache "
+                      f"{'/'.join(report.cache_dtypes)}, verified max |ORT - PyTorch| {report.max_abs_diff:.2e}) in "
+                      f"{time.perf_counter() - start:.1f} s", flush=True)
         sessions = {label: ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
                     for label, (_, path) in files.items()}
-        rates: dict[str, list[float]] = {label: [] for label in files}
-        results = {}
-        labels = list(files)
-        for round_ in range(ROUNDS):
-            for label in labels[round_ % len(labels):] + labels[:round_ % len(labels)]:
-                result = greedy_decode(files[label][1], prompt, steps=STEPS, session=sessions[label])
-                rates[label].append(DECODE_BATCH * STEPS / sum(result.seconds[1:]))
-                results[label] = result
-    reference = {name: _torch_greedy(quant, prompt, STEPS) for name, quant in models.items()}
-    print(f"\nONNX decoding in onnxruntime {ort.__version__} (CPU, 1 thread): trained Llama {llm.WIDTH} wide, "
-          f"{model.config.num_hidden_layers} blocks, batch {DECODE_BATCH}, prompt {PROMPT} tokens, {STEPS} greedy "
-          f"steps (context up to {PROMPT + STEPS}); median of {ROUNDS} rounds")
-    print(f"{'file':<34} {'KV bytes/token':>14} {'tokens/s':>9} {'vs float cache':>15} {'tokens = PyTorch':>17} "
-          f"{'max |dlogit|':>12}")
-    for label, result in results.items():
-        name = files[label][0]
-        rate = sorted(rates[label])[ROUNDS // 2]
-        base = sorted(rates[f"{name} model, float cache"])[ROUNDS // 2]
-        per_token = result.cache_bytes / (DECODE_BATCH * (PROMPT + STEPS))
-        tokens, logits = reference[name]
-        diff = max(float((a - b).abs().max()) for a, b in zip(result.logits, logits))
-        same = "yes" if torch.equal(result.tokens, tokens) else \
-            f"no ({int((result.tokens != tokens).sum())} differ)"
-        print(f"{label:<34} {per_token:>14.0f} {rate:>9.1f} {rate / base:>14.2f}x {same:>17} {diff:>12.2e}")
+        for length in PROMPTS:
+            _decode_rows(models, files, sessions, torch.stack([splits["eval"][i * length:(i + 1) * length]
+                                                               for i in range(DECODE_BATCH)]))
     print(f"KV bytes per token from the config: float32 {kv_bytes_per_token(model.config, 4):.0f}, "
           f"int8/fp8 {kv_bytes_per_token(model.config, 1):.0f}")
 
