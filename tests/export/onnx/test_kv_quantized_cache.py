@@ -199,3 +199,22 @@ def test_what_cannot_be_stored_quantized_is_refused(tmp_path) -> None:  # noqa: 
     with pytest.raises(ExportError, match="no calibrated, enabled KV-cache quantizer"):
         _export(float_model, tmp_path / "x.onnx", quantized_cache=True)
     assert not (tmp_path / "x.onnx").exists()
+
+
+@pytest.mark.slow
+def test_verify_onnx_feeds_the_codes_of_a_float_past(exported) -> None:  # noqa: ANN001
+    """verify_onnx on a quantized-cache file: the example's float pasts (here off the grid) are rounded to the cache's
+    grid for the reference and fed as codes; the float model (no KV quantizers) cannot say what the codes mean."""
+    from quark_brevitas.export import verify_onnx
+
+    _, model, report = exported
+    ids = _prompt(2, 3, 7)
+    example = {"input_ids": ids, "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+    generator = torch.Generator().manual_seed(0)
+    for i in range(LAYERS):
+        for kind in ("key", "value"):
+            example[f"past_key_values.{i}.{kind}"] = torch.randn((2, KV_HEADS, 4, HEAD_DIM), generator=generator)
+    result = verify_onnx(model, example, report.path)
+    assert result.max_abs_diff <= result.tolerance
+    with pytest.raises(ExportError, match="no calibrated, enabled KV-cache quantizer"):
+        verify_onnx(tiny_llama(layers=LAYERS, kv_heads=KV_HEADS), example, report.path)
