@@ -218,3 +218,29 @@ def test_verify_onnx_feeds_the_codes_of_a_float_past(exported) -> None:  # noqa:
     assert result.max_abs_diff <= result.tolerance
     with pytest.raises(ExportError, match="no calibrated, enabled KV-cache quantizer"):
         verify_onnx(tiny_llama(layers=LAYERS, kv_heads=KV_HEADS), example, report.path)
+
+
+@pytest.mark.slow
+def test_fp8_cache_model_exports_without_a_past_too(tmp_path) -> None:  # noqa: ANN001
+    """The FP8 fake quantization of the new keys/values traces as standard ops (opset 19); before, the exporter
+    failed on torch.float8_e4m3fn ("24 is not a valid JitScalarType")."""
+    model = _quantized(_config(Dtype.fp8_e4m3))
+    ids = _prompt(2, 6, 4)
+    report = export_onnx_qcdq(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / "m.onnx")
+    assert report.opset >= 19 and report.cache_dtypes == ()
+    casts = [n for n in onnx.load(str(report.path)).graph.node if n.op_type == "Cast"
+             and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT8E4M3FN for a in n.attribute)]
+    assert len(casts) == 2 * LAYERS
+
+
+@pytest.mark.slow
+def test_model_exporter_passes_quantized_cache(tmp_path) -> None:  # noqa: ANN001
+    from quark_brevitas import ModelExporter
+
+    model = _quantized(_config(Dtype.int8))
+    ids = _prompt(2, 6, 1)
+    args = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    coded = ModelExporter(tmp_path / "coded.onnx").export_onnx_model(model, args, past_key_values=True)
+    plain = ModelExporter(tmp_path / "plain.onnx").export_onnx_model(model, args, past_key_values=True,
+                                                                      quantized_cache=False)
+    assert (coded.cache_dtypes, plain.cache_dtypes) == (("INT8",), ("FLOAT",))
