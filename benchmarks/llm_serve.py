@@ -21,6 +21,20 @@ Rows (each quantized with ``ModelQuantizer`` from the same calibration data):
 The issue's targets (FP8 KV within 0.5 % of the float-KV model, int8 KV within 1 %) are printed from the run's
 rows, with KV bytes per token (keys and values of every layer, one token, at the cache's element size).
 
+ONNX decoding (``--onnx``, also in the default run): the trained Llama exported with ``past_key_values=True``
+(:func:`quark_brevitas.export.export_onnx_qcdq`) as the float model, and with its KV cache quantized after RoPE to
+int8 and to FP8 E4M3 (float weights, the calibration above), each once with the cache stored quantized between steps
+(``INT8`` / ``FLOAT8E4M3FN`` codes, the default) and once as a float cache (``quantized_cache=False``). Each file is
+decoded greedily in onnxruntime (:func:`quark_brevitas.export.onnx.decode.greedy_decode`, one intra-op thread, the
+cache kept in onnxruntime's buffers between steps): a batch of ``DECODE_BATCH`` held-out prompts of each length in
+``PROMPTS`` (the longer one beyond the 128 positions the model was trained on: the speed, the bytes and the agreement
+with PyTorch do not need a good model there), then ``STEPS`` tokens. Printed per file: the KV-cache bytes per token
+measured on the file's presents, decode tokens/s
+(the one-token steps; median of ``ROUNDS`` runs, the files taken in turn within each round and the order rotated, so
+the shared machine's noise falls on all alike) and its ratio to the same model's float cache, and whether the greedy
+tokens are PyTorch's (the quantized model's own incremental decoding with its DynamicCache) with the largest logit
+difference over the steps.
+
 MoE (``--moe``, also in the default run): a random Mixtral and a random Qwen2-MoE (4 blocks, 256 wide, 8 experts of
 512, top-2; Qwen2-MoE's shared expert 512 wide) from their configs, experts unfused
 (:func:`quark_brevitas.model_parts.moe.unfuse_experts`), GPTQ int4 per group of 128 block by block on 32 random
@@ -48,6 +62,7 @@ _HERE = Path(__file__).resolve().parent
 from benchmarks import llm  # noqa: E402  (benchmarks/llm.py: corpus, tokenizer, trained model)
 
 CALIB, EVAL = 32, 64
+DECODE_BATCH, PROMPTS, STEPS, ROUNDS = 4, (64, 896), 128, 5
 
 
 def _perplexity(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> float:
@@ -237,6 +252,99 @@ def moe() -> None:
         del model
 
 
+def _torch_greedy(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """PyTorch's own incremental greedy decoding (DynamicCache): tokens ``[batch, steps + 1]``, last logits per step."""
+    from quark_brevitas.calibration.data import cache_keyword, output_cache
+
+    ids, mask, cache, tokens, logits = prompt, torch.ones_like(prompt), None, [], []
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_keyword(model): cache})
+            cache = output_cache(out)
+            logits.append(out.logits[:, -1].float())
+            ids = out.logits[:, -1].argmax(-1)[:, None]
+            tokens.append(ids[:, 0])
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+    return torch.stack(tokens, dim=1), logits
+
+
+def _decode_rows(models: dict[str, torch.nn.Module], files: dict[str, tuple[str, Path]], sessions: dict[str, Any],
+                 prompt: torch.Tensor) -> None:
+    """Decode ``prompt`` with every file (in turn within each round, the order rotated) and print the rows."""
+    from quark_brevitas.export.onnx.decode import greedy_decode
+
+    rates: dict[str, list[float]] = {label: [] for label in files}
+    results = {}
+    labels = list(files)
+    for round_ in range(ROUNDS):
+        for label in labels[round_ % len(labels):] + labels[:round_ % len(labels)]:
+            result = greedy_decode(files[label][1], prompt, steps=STEPS, session=sessions[label])
+            rates[label].append(prompt.shape[0] * STEPS / sum(result.seconds[1:]))
+            results[label] = result
+    reference = {name: _torch_greedy(quant, prompt, STEPS) for name, quant in models.items()}
+    length = prompt.shape[1]
+    print(f"\nprompt {length} tokens, context up to {length + STEPS}")
+    print(f"{'file':<34} {'KV bytes/token':>14} {'tokens/s':>9} {'vs float cache':>15} {'tokens = PyTorch':>17} "
+          f"{'max |dlogit|':>12}")
+    for label, result in results.items():
+        name = files[label][0]
+        rate = sorted(rates[label])[ROUNDS // 2]
+        base = sorted(rates[f"{name} model, float cache"])[ROUNDS // 2]
+        per_token = result.cache_bytes / (prompt.shape[0] * (length + STEPS))
+        tokens, logits = reference[name]
+        diff = max(float((a - b).abs().max()) for a, b in zip(result.logits, logits))
+        same = "yes" if torch.equal(result.tokens, tokens) else \
+            f"no ({int((result.tokens != tokens).sum())} differ)"
+        print(f"{label:<34} {per_token:>14.0f} {rate:>9.1f} {rate / base:>14.2f}x {same:>17} {diff:>12.2e}")
+
+
+def onnx_decode(model: torch.nn.Module | None = None, calib: list[dict[str, torch.Tensor]] | None = None) -> None:
+    """The ONNX decoding rows (see the module docstring)."""
+    import tempfile
+
+    import onnxruntime as ort
+    import transformers
+
+    from quark_brevitas import ModelQuantizer
+    from quark_brevitas.export import export_onnx_qcdq
+    from quark_brevitas.types import Dtype
+
+    torch.set_num_threads(1)
+    splits = llm.token_splits()
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(llm.trained_llama(200)).eval()
+    if calib is None:
+        calib = llm.windows(splits["calib"], CALIB, 4)
+    print(f"\nONNX decoding in onnxruntime {ort.__version__} (CPU, 1 thread): trained Llama {llm.WIDTH} wide, "
+          f"{model.config.num_hidden_layers} blocks, batch {DECODE_BATCH}, {STEPS} greedy steps; tokens/s: median of "
+          f"{ROUNDS} rounds")
+    example = {"input_ids": splits["eval"][None, :8].repeat(2, 1), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    models = {"float": model}
+    for name, dtype in (("int8", Dtype.int8), ("fp8", Dtype.fp8_e4m3)):
+        models[f"KV {name}"] = ModelQuantizer(_kv_config(dtype, True)).quantize_model(model, calib)
+    files: dict[str, tuple[str, Path]] = {}
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    with tempfile.TemporaryDirectory(prefix="llm_serve_onnx_") as tmp:
+        for name, quant in models.items():
+            kinds = [("float cache", False)] + ([(f"{name.split()[1]} cache", None)] if name != "float" else [])
+            for cache, quantized in kinds:
+                path = Path(tmp) / f"{name.replace(' ', '_')}_{cache.replace(' ', '_')}.onnx"
+                start = time.perf_counter()
+                report = export_onnx_qcdq(quant, example, path, past_key_values=True, quantized_cache=quantized)
+                files[f"{name} model, {cache}"] = (name, path)
+                print(f"exported the {name} model, {cache} (opset {report.opset}, cache "
+                      f"{'/'.join(report.cache_dtypes)}, verified max |ORT - PyTorch| {report.max_abs_diff:.2e}) in "
+                      f"{time.perf_counter() - start:.1f} s", flush=True)
+        sessions = {label: ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+                    for label, (_, path) in files.items()}
+        for length in PROMPTS:
+            _decode_rows(models, files, sessions, torch.stack([splits["eval"][i * length:(i + 1) * length]
+                                                               for i in range(DECODE_BATCH)]))
+    print(f"KV bytes per token from the config: float32 {kv_bytes_per_token(model.config, 4):.0f}, "
+          f"int8/fp8 {kv_bytes_per_token(model.config, 1):.0f}")
+
+
 def main() -> None:
     import transformers
 
@@ -300,6 +408,9 @@ if __name__ == "__main__":
     if "--moe" in sys.argv[1:]:
         torch.set_num_threads(1)
         moe()
+    elif "--onnx" in sys.argv[1:]:
+        onnx_decode()
     else:
         main()
+        onnx_decode()
         moe()

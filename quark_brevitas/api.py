@@ -143,14 +143,16 @@ class ModelExporter:
         self.container = container if container is not None else Container()
 
     def export_onnx_model(self, model: nn.Module, args: Any, *, past_key_values: bool = False,
-                          int4_kernel: str = "matmulnbits") -> Any:
+                          int4_kernel: str = "matmulnbits", quantized_cache: bool | None = None) -> Any:
         """Write ONNX QCDQ (onnxruntime) to ``export_path`` and verify it; returns an ExportReport.
 
         ``past_key_values=True`` exports a decoder LM with its key/value cache as graph inputs and outputs
         (``past_key_values.{i}.key`` / ``present.{i}.key`` ...) for incremental decoding; ``args`` is then the
         prompt batch (see :func:`~quark_brevitas.export.export_onnx_qcdq`). ``int4_kernel``: weight-only
         Linear layers as onnxruntime's ``MatMulNBits`` (``"matmulnbits"``, default) or as standard ONNX
-        ``DequantizeLinear`` + ``MatMul`` (``"dequantize"``), see ``export_onnx_qcdq``.
+        ``DequantizeLinear`` + ``MatMul`` (``"dequantize"``), see ``export_onnx_qcdq``. ``quantized_cache``: whether
+        a quantized KV cache is stored as int8 / FP8 codes between steps (default: where it is quantized after RoPE),
+        see ``export_onnx_qcdq``.
 
         Raises :class:`~quark_brevitas.export.ExportMismatchError` if onnxruntime's output differs
         from the PyTorch model's by more than one quantization step.
@@ -158,6 +160,8 @@ class ModelExporter:
         options: dict[str, Any] = {"past_key_values": True} if past_key_values else {}
         if int4_kernel != "matmulnbits":  # a registered custom exporter need not know the option
             options["int4_kernel"] = int4_kernel
+        if quantized_cache is not None:
+            options["quantized_cache"] = quantized_cache
         return self.container.onnx_exporter()(model, args, self.export_path, **options)
 
     def export_qonnx_model(self, model: nn.Module, args: Any) -> Any:

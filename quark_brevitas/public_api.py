@@ -81,6 +81,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "export_safetensors", "run_onnx", "run_qonnx", "verify_onnx", "FinnFinding", "finn_readiness",
     ),
     "quark_brevitas.export.intweights": ("IntegerWeight", "integer_weights", "save_integer_weights"),
+    "quark_brevitas.export.onnx.decode": ("DecodeResult", "greedy_decode"),
     "quark_brevitas.export.registry": ("FORMATS", "ExportFormat", "format_names", "get_format", "register_format"),
     "quark_brevitas.hf.streaming": ("load_pretrained_quantized", "quantize_pretrained"),
     "quark_brevitas.hf.export_streamed": ("export_gguf_streamed", "export_safetensors_streamed"),

@@ -42,6 +42,14 @@ from quark_brevitas.export.args import (
 )
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
 from quark_brevitas.export.onnx.kv import export_module, with_past
+from quark_brevitas.export.onnx.kv_quant import (
+    QuantizedCache,
+    exportable_kv_quantizers,
+    float_runner,
+    kv_min_opset,
+    rewrite,
+)
+from quark_brevitas.export.onnx.kv_quant import quantized_cache as cache_plan
 from quark_brevitas.export.onnx.pinned import PinnedSummary, check_pinned
 from quark_brevitas.export.onnx.precision import float32_for_export
 from quark_brevitas.export.onnx.runtime import forget_session
@@ -140,11 +148,13 @@ class ExportFormat(abc.ABC, Generic[ReportT]):
 
 
 def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorArgs, path: PathLike,
-                    tolerance: float | None, *, past_key_values: bool = False) -> ReportT:
+                    tolerance: float | None, *, past_key_values: bool = False,
+                    quantized_cache: bool | None = None) -> ReportT:
     """Export ``model`` in ``fmt`` to the self-contained file ``path``, verify it, return ``fmt``'s report.
 
     With ``past_key_values`` (or an example holding ``past_key_values.{i}.key`` tensors) the decoder's key/value
-    cache becomes graph inputs and outputs (:mod:`~quark_brevitas.export.onnx.kv`).
+    cache becomes graph inputs and outputs (:mod:`~quark_brevitas.export.onnx.kv`); ``quantized_cache`` says whether
+    a model with a quantized KV cache stores it as codes there (:mod:`~quark_brevitas.export.onnx.kv_quant`).
 
     The file is saved under a temporary name beside ``path``, run from disk by the format's runtime, and renamed
     to ``path`` only once it is verified: ``path`` never holds a file that failed (an earlier file there stays).
@@ -168,17 +178,24 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
     with eval_mode(model):
         fmt.inspect(model)
         inputs = with_past(model, inputs) if past_key_values or inputs.past else with_attention_mask(model, inputs)
+        cache = cache_plan(model, inputs, quantized_cache)
+        if cache is not None:
+            inputs = cache.on_grid(inputs)
         called = export_module(model, inputs)
         reference = compute_reference(called, inputs.tensors)
         fmt.prepare(model)
         fmt.require_opset(reference.min_opset)
+        _require_cache_opset(fmt, max(kv_min_opset(model), cache.min_opset if cache is not None else 0))
         names = _graph_names(reference, inputs)
         flat = exported_module(called, reference)
 
         out_dir = out_path.parent
         before = set(os.listdir(out_dir)) if out_dir.is_dir() else set()
-        with tempfile.TemporaryDirectory(prefix=fmt.temp_prefix) as tmp, _keyword_hint(model, inputs):
+        with tempfile.TemporaryDirectory(prefix=fmt.temp_prefix) as tmp, _keyword_hint(model, inputs), \
+                exportable_kv_quantizers(model):
             proto = fmt.write(flat, inputs, names, pathlib.Path(tmp))
+        if cache is not None:
+            rewrite(proto, cache)
         fmt.check_written(proto, out_path)
         out_dir.mkdir(parents=True, exist_ok=True)
         with _staged(out_path) as staged:
@@ -186,7 +203,8 @@ def export_verified(fmt: ExportFormat[ReportT], model: nn.Module, args: TensorAr
             stray = sorted(set(os.listdir(out_dir)) - before - {out_path.name, staged.name})
             if stray:
                 logger.warning("files appeared in %s during export (not written by this export): %s", out_dir, stray)
-            result = _verify(fmt, proto, reference, flat, inputs.tensors, names, staged, rejected_path(out_path), tol)
+            result = _verify(fmt, proto, reference, flat, inputs.tensors, names, staged, rejected_path(out_path), tol,
+                             cache)
     return fmt.report(proto, out_path, result, names)
 
 
@@ -234,6 +252,19 @@ def _keyword_hint(model: nn.Module, inputs: Example) -> Iterator[None]:
                           "the tokenizer's output") from exc
 
 
+def _require_cache_opset(fmt: ExportFormat[Any], opset: int) -> None:
+    """A quantized KV cache in the file needs ``opset`` (19 for FP8 codes and casts): raise the format's opsets to
+    it, or say why the caller's opset cannot hold the cache."""
+    if not opset:
+        return
+    try:
+        fmt.require_opset(opset)
+    except ExportError as exc:
+        raise ExportError(f"the model's quantized KV cache (kv_cache_quant_config) needs opset >= {opset} in the "
+                          f"file (FP8 E4M3 casts and QuantizeLinear/DequantizeLinear from 19, per-axis int8 from "
+                          f"13): use opset=None or >= {opset}") from exc
+
+
 def _require_brevitas_exporter() -> None:
     """Brevitas's TorchScript exporters need onnxoptimizer: say so before the export starts."""
     try:
@@ -248,22 +279,24 @@ def _graph_names(reference: Reference, example: Example) -> GraphNames:
 
 def _verify(fmt: ExportFormat[Any], proto: onnx.ModelProto, reference: Reference, exported: nn.Module,
             example: tuple[torch.Tensor, ...], names: GraphNames, written: pathlib.Path, path: pathlib.Path,
-            tolerance: float | None) -> VerificationResult:
+            tolerance: float | None, cache: QuantizedCache | None = None) -> VerificationResult:
     """Compare the outputs of the file ``written`` (run from disk) with PyTorch; on a mismatch let the format change
     the graph (``recover``) and compare again; if it still differs, the pinned check decides (see
-    :mod:`~quark_brevitas.export.onnx.pinned`). Errors name ``path``, where a rejected file is kept."""
+    :mod:`~quark_brevitas.export.onnx.pinned`). Errors name ``path``, where a rejected file is kept. A file with a
+    quantized ``cache`` is fed the codes of the example's pasts and its presents are compared as float values."""
+    run, run_proto = (fmt.run, fmt.run_proto) if cache is None else float_runner(cache, names.inputs)
     try:
-        result = measure(reference, fmt.run(written, example), path, tolerance)
+        result = measure(reference, run(written, example), path, tolerance)
         if result.max_abs_diff <= result.tolerance:
             return result
         if fmt.recover(proto, mismatch_error(result, path)):
             save_model(proto, written)  # the format changed the graph: verify the new file once more
-            result = measure(reference, fmt.run(written, example), path, tolerance)
+            result = measure(reference, run(written, example), path, tolerance)
 
         def pin(tol: float) -> PinnedSummary:
             on_disk = onnx.load(str(written))  # the file as written, not the graph in memory: it is what is proven
             return check_pinned(fmt.pinnable(on_disk), exported, example, names.inputs, reference.outputs, tol, path,
-                                fmt.run_proto)
+                                run_proto)
 
         return accept(result, path, pin if fmt.can_pin else None)
     except ExportMismatchError as exc:

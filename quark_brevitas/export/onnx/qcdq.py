@@ -22,7 +22,7 @@ from brevitas.export.onnx.standard.qcdq.manager import StdQCDQONNXManager
 from torch import nn
 
 from quark_brevitas.errors import QuarkBrevitasError
-from quark_brevitas.export.args import Example, PathLike, TensorArgs, dynamic_axes
+from quark_brevitas.export.args import Example, PathLike, TensorArgs, dynamic_axes, past_name
 from quark_brevitas.export.errors import ExportError, ExportMismatchError
 from quark_brevitas.export.onnx.blocked import (
     BLOCKED_OPSET,
@@ -96,6 +96,8 @@ class ExportReport:
         rounding_ties: With ``verified_by == "pinned"``: elements whose code differed at a rounding tie.
         n_4bit_weights: Weights of 2-4 bit per-tensor / per-channel quantizers stored as ``INT4``/``UINT4``
             (two codes a byte; the file is then opset 21).
+        cache_dtypes: With ``past_key_values=True``: the ONNX element types of the ``past_key_values.*`` inputs,
+            e.g. ``("INT8",)`` for a cache stored quantized (``quantized_cache``), ``("FLOAT",)`` for a float one.
     """
 
     path: pathlib.Path
@@ -120,6 +122,7 @@ class ExportReport:
     verified_by: str = "outputs"
     rounding_ties: int = 0
     n_4bit_weights: int = 0
+    cache_dtypes: tuple[str, ...] = ()
 
 
 class QCDQFormat(ExportFormat[ExportReport]):
@@ -301,6 +304,8 @@ class QCDQFormat(ExportFormat[ExportReport]):
             verified_by="pinned" if result.pinned is not None else "outputs",
             rounding_ties=result.pinned.tie_elements if result.pinned is not None else 0,
             n_4bit_weights=self.packed,
+            cache_dtypes=tuple(sorted({onnx.TensorProto.DataType.Name(i.type.tensor_type.elem_type)
+                                       for i in graph.input if past_name(i.name) is not None})),
         )
         logger.info(
             "exported %s (opset %d, %d bytes, weights %s): max |ORT - PyTorch| = %.3g, %s tolerance %.3g",
@@ -347,6 +352,7 @@ def export_onnx_qcdq(
     int4_weights: bool | None = None,
     past_key_values: bool = False,
     int4_kernel: str = "matmulnbits",
+    quantized_cache: bool | None = None,
 ) -> ExportReport:
     """Export a Brevitas-quantized model to a verified, self-contained ONNX QCDQ file.
 
@@ -409,6 +415,13 @@ def export_onnx_qcdq(
             outputs: ``logits`` then ``present.{i}.key`` / ``.value`` (past + current tokens). Feed the presents
             back as the next step's pasts; a first step takes pasts of length 0. Models whose forward takes no
             cache, or returns none with ``use_cache=True`` (BERT, ...), raise :class:`ExportError`.
+        quantized_cache: With ``past_key_values=True``, whether the pasts and presents of a model with a quantized
+            KV cache (``kv_cache_quant_config`` with ``kv_cache_post_rope=True``) are stored as codes: ``INT8`` or
+            ``FLOAT8E4M3FN`` with the calibrated scale (``DequantizeLinear`` after each past input,
+            ``QuantizeLinear`` before each present output; 1 byte per element between steps). ``None`` (default):
+            where the model's cache is quantized after RoPE; ``True``: required (:class:`ExportError` otherwise, e.g.
+            for a cache quantized before RoPE); ``False``: a float cache. The file is verified on the codes of the
+            example's pasts. See :mod:`quark_brevitas.export.onnx.kv_quant`.
         int4_kernel: How per-group (and MX) 4-bit weights of Linear layers reach onnxruntime. ``"matmulnbits"``
             (default; onnxruntime is this function's target): as its ``MatMulNBits`` kernel (com.microsoft, 4-bit
             codes packed two a byte, the same codes, scales and zero points, ``accuracy_level`` 1 = float32
@@ -436,4 +449,5 @@ def export_onnx_qcdq(
     """
     fmt = QCDQFormat(opset=opset, dynamic_batch=dynamic_batch, dynamic_sequence=dynamic_sequence,
                      integer_kernels=integer_kernels, int4_weights=int4_weights, int4_kernel=int4_kernel)
-    return export_verified(fmt, model, args, path, tolerance, past_key_values=past_key_values)
+    return export_verified(fmt, model, args, path, tolerance, past_key_values=past_key_values,
+                           quantized_cache=quantized_cache)

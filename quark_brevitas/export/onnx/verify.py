@@ -30,12 +30,14 @@ from quark_brevitas.export.args import (
     TensorArgs,
     check_model,
     normalize_example,
+    past_name,
     type_name,
     with_attention_mask,
 )
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
 from quark_brevitas.export.onnx.inspect import as_int, safe_call
 from quark_brevitas.export.onnx.kv import export_module, with_past
+from quark_brevitas.export.onnx.kv_quant import float_runner, quantized_cache
 from quark_brevitas.export.onnx.pinned import PinnedSummary, check_pinned
 from quark_brevitas.export.onnx.runtime import run_model_proto, run_onnx
 
@@ -370,11 +372,23 @@ def _graph_inputs(path: pathlib.Path) -> list[str]:
     return [i.name for i in onnx.load(str(path), load_external_data=False).graph.input]
 
 
+def _quantized_pasts(path: pathlib.Path) -> bool:
+    """Whether the file's ``past_key_values.*`` inputs are codes (a cache stored quantized), not float."""
+    if not path.is_file():
+        return False
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return any(past_name(i.name) is not None and i.type.tensor_type.elem_type != onnx.TensorProto.FLOAT
+               for i in graph.input)
+
+
 def verify_onnx(
     model: nn.Module, args: TensorArgs, path: PathLike, *, tolerance: float | None = None
 ) -> VerificationResult:
     """Compare an ONNX file with ``model`` on ``args`` (same rules as :func:`export_onnx_qcdq`, the pinned check of
     deep models included; ``args`` as there: a tensor, a tuple of tensors or a dict of keyword tensors).
+
+    A file whose cache is stored quantized (``export_onnx_qcdq(..., past_key_values=True)`` of a model with a quantized
+    KV cache) is fed the codes of the example's float pasts and its presents are compared as float values.
 
     Raises :class:`ExportMismatchError` when the file disagrees with the model. The model's training mode is
     restored afterwards.
@@ -388,14 +402,19 @@ def verify_onnx(
             example = with_past(model, example)
         elif "attention_mask" in _graph_inputs(file):  # the export added one (with_attention_mask): do the same
             example = with_attention_mask(model, example)
+        cache = quantized_cache(model, example, True) if example.past and _quantized_pasts(file) else None
+        if cache is not None:  # a file storing the cache as codes: fed the codes of the example's (float) pasts
+            example = cache.on_grid(example)
         called = export_module(model, example)
         reference = compute_reference(called, example.tensors)
-        result = measure(reference, run_onnx(file, example.tensors), file, tol)
+        run, run_proto = (run_onnx, run_model_proto) if cache is None else \
+            float_runner(cache, _graph_inputs(file))
+        result = measure(reference, run(file, example.tensors), file, tol)
         exported = exported_module(called, reference)
 
         def pin(tolerance: float) -> PinnedSummary:
             proto = onnx.load(str(file))
             return check_pinned(proto, exported, example.tensors, [i.name for i in proto.graph.input],
-                                reference.outputs, tolerance, file, run_model_proto)
+                                reference.outputs, tolerance, file, run_proto)
 
         return accept(result, file, pin)
