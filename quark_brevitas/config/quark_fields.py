@@ -2,8 +2,7 @@
 files (:func:`from_quark_file`: the ``quantization_config`` Quark writes, with its ``export`` section and the per-tensor
 fields of its ``QTensorConfig``).
 
-Quark 0.13's ``QConfig`` carries, beside the hierarchy Config has, fields for Quark's own machinery (softmax
-quantization, FX graph mode, its file-to-file and per-block flows, MoE input syncing) and metadata (its
+Quark 0.13's ``QConfig`` carries, beside the hierarchy Config has, fields for Quark's own machinery (FX graph mode, its file-to-file and per-block flows, MoE input syncing) and metadata (its
 version, the screen log level, ``quant_method`` in its files). Code written for Quark 0.13 sets them, usually to
 their defaults; its config files write them. Each is accepted where it asks for nothing quark_brevitas would do
 differently (a default, or metadata, which has no effect on the result) and otherwise refused with a
@@ -56,8 +55,6 @@ class QuarkField:
 QUARK_ONLY_FIELDS: Mapping[str, QuarkField] = {
     "shared_scale_groups": QuarkField(_empty, "[] or None", "shared global scales belong to nvfp4-style two-level "
                                       "scales, which have no Brevitas quantizer"),
-    "softmax_quant_spec": QuarkField(lambda v: v is None, "None", "softmax (attention probability) quantization is "
-                                     "not supported; quark_brevitas quantizes the inputs/outputs of layers"),
     "quant_mode": QuarkField(lambda v: _named("eager_mode")(v) or _named("fx_graph_mode")(v),
                              "QuantizationMode.eager_mode / 'eager_mode' (Backend.layerwise) or "
                              "QuantizationMode.fx_graph_mode / 'fx_graph_mode' (Backend.graph)",
