@@ -294,7 +294,9 @@ def from_quark_file(data: Mapping[str, Any]) -> dict[str, Any]:
         plain.setdefault("pre_quant_opt_config", [])
     if "global_quant_config" in plain:
         plain["global_quant_config"] = _layer_from_quark(plain["global_quant_config"], "global_quant_config")
-    for level in _LAYER_LEVELS:
+    if isinstance(plain.get("softmax_quant_spec"), dict):
+        plain["softmax_quant_spec"] = _spec_from_quark(plain["softmax_quant_spec"], "softmax_quant_spec")
+    for level in (*_LAYER_LEVELS, "kv_cache_quant_config"):
         if isinstance(plain.get(level), dict):
             plain[level] = {key: _layer_from_quark(layer, key_path(level, key)) for key, layer in plain[level].items()}
     return plain

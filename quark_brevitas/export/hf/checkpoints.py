@@ -75,6 +75,7 @@ from quark_brevitas.export.hf.folder import (
     untie,
     write_tokenizer,
 )
+from quark_brevitas.export.hf.attention_scales import add_attention
 from quark_brevitas.export.hf.kv_scales import add_kv_cache
 from quark_brevitas.export.hf.models import refuse_online_rotations
 from quark_brevitas.export.hf.quark import QUARK
@@ -461,6 +462,7 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
         raise ExportError(f"{type(quant_model).__name__} has no quantized Linear layer to write")
     quantization_config = fmt.quantization_config(entries, float_linears)
     add_kv_cache(quant_model, fmt.name, tensors, quantization_config)
+    add_attention(quant_model, fmt.name, tensors, quantization_config)
     with _output_folder(directory, overwrite=overwrite) as work:
         from safetensors.torch import save_file
 
