@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Annotated, Any
 
 from quark_brevitas.config import algorithms
+from quark_brevitas.config.attention import verify_attention
 from quark_brevitas.config.checks import (
     HIERARCHY_LEVELS,
     INT,
@@ -30,7 +31,6 @@ from quark_brevitas.config.checks import (
     verify_partial_layer_config,
 )
 from quark_brevitas.config.enums import Backend
-from quark_brevitas.config.attention import verify_attention
 from quark_brevitas.config.kv_cache import fold_kv_cache_config, verify_kv_cache
 from quark_brevitas.config.quark_fields import from_quark_file, without_quark_fields
 from quark_brevitas.config.serialization import (

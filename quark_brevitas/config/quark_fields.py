@@ -2,10 +2,11 @@
 files (:func:`from_quark_file`: the ``quantization_config`` Quark writes, with its ``export`` section and the per-tensor
 fields of its ``QTensorConfig``).
 
-Quark 0.13's ``QConfig`` carries, beside the hierarchy Config has, fields for Quark's own machinery (FX graph mode, its file-to-file and per-block flows, MoE input syncing) and metadata (its
-version, the screen log level, ``quant_method`` in its files). Code written for Quark 0.13 sets them, usually to
-their defaults; its config files write them. Each is accepted where it asks for nothing quark_brevitas would do
-differently (a default, or metadata, which has no effect on the result) and otherwise refused with a
+Quark 0.13's ``QConfig`` carries, beside the hierarchy Config has, fields for Quark's own machinery (FX graph
+mode, its file-to-file and per-block flows, MoE input syncing) and metadata (its version, the screen log level,
+``quant_method`` in its files). Code written for Quark 0.13 sets them, usually to their defaults; its config files
+write them. Each is accepted where it asks for nothing quark_brevitas would do differently (a default, or metadata,
+which has no effect on the result) and otherwise refused with a
 :class:`ConfigError` naming the field and why, so a setting is never silently dropped.
 
 Plain data: nothing here imports torch.

@@ -297,7 +297,7 @@ def attention_plan_lines(model: nn.Module, config: Any, specs: Mapping[str, Any]
     found = list(attentions(model))
     prob = attention_format(config.softmax_quant_spec, "softmax_quant_spec")
     lines = [f"Attention: {len(found)} attention layers, probabilities (softmax output) {prob} static per tensor, "
-             f"eager attention; queries quantized {where}"]
+             f"eager attention; queries quantized {where} with the q_proj rows' output spec"]
     for name, _ in found:
         projection = _qualified(name, _QUERY_PROJECTION)
         spec = specs.get(projection)

@@ -43,10 +43,7 @@ def attention_only(spec: QTensorConfig = FP8, *, post_rope: bool = True) -> Conf
 def hand_quantize(x: torch.Tensor, scale: float, fmt: str) -> torch.Tensor:
     """``clamp(cast(x / s)) * s`` written out: FP8 E4M3 through torch's float8 dtype, int8 by rounding half to even."""
     y = x.float() / scale
-    if fmt == "fp8_e4m3":
-        y = y.clamp(-448, 448).to(torch.float8_e4m3fn).float()
-    else:
-        y = torch.round(y).clamp(-128, 127)
+    y = y.clamp(-448, 448).to(torch.float8_e4m3fn).float() if fmt == "fp8_e4m3" else torch.round(y).clamp(-128, 127)
     return (y * scale).to(x.dtype)
 
 
@@ -241,3 +238,24 @@ def test_decoding_through_the_cache_matches_the_full_forward_and_generate_runs()
     generated = quant.generate(tokens[:, :6], attention_mask=torch.ones_like(tokens[:, :6]), max_new_tokens=4,
                                do_sample=False, pad_token_id=0)
     assert generated.shape == (2, 10)
+
+
+def test_cli_plan_shows_the_attention_quantizers(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from quark_brevitas.cli import main
+
+    tiny_llama().save_pretrained(tmp_path / "model")
+    assert main(["plan", "--model", str(tmp_path / "model"), "--template", "llama", "--scheme", "fp8",
+                 "--kv-cache-scheme", "fp8", "--attention-scheme", "fp8"]) == 0
+    shown = capsys.readouterr().out
+    assert "Attention: 2 attention layers, probabilities (softmax output) fp8_e4m3 static per tensor" in shown
+    assert "queries quantized on the q_proj outputs, before RoPE" in shown
+    assert "  model.layers.1.self_attn: probabilities fp8_e4m3, query fp8_e4m3 static per tensor" in shown
+
+
+def test_checkpoints_refuse_attention_quantization_they_would_drop(tmp_path) -> None:
+    from quark_brevitas.checkpoint import CheckpointError, save_quantized
+
+    quant = ModelQuantizer(attention_only()).quantize_model(tiny_llama(), token_batches(1))
+    with pytest.raises(CheckpointError, match="softmax_quant_spec"):
+        save_quantized(quant, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

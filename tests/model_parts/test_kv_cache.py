@@ -95,7 +95,7 @@ def test_quark_013_template_kv_cache_scheme() -> None:
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"kv_cache_scheme": "fp4"}, "kv_cache_scheme"),
-    ({"kv_cache_scheme": "fp8", "attention_scheme": "fp8"}, "attention_scheme"),
+    ({"kv_cache_scheme": "fp8", "attention_scheme": "fp16"}, "attention_scheme"),
 ])
 def test_template_refuses_what_it_cannot_execute(kwargs: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field):

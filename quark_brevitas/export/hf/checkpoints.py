@@ -66,6 +66,7 @@ from quark_brevitas.brevitas_adapter import (
 )
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError
+from quark_brevitas.export.hf.attention_scales import add_attention
 from quark_brevitas.export.hf.folder import (
     HFFormat,
     LayerCodes,
@@ -75,7 +76,6 @@ from quark_brevitas.export.hf.folder import (
     untie,
     write_tokenizer,
 )
-from quark_brevitas.export.hf.attention_scales import add_attention
 from quark_brevitas.export.hf.kv_scales import add_kv_cache
 from quark_brevitas.export.hf.models import refuse_online_rotations
 from quark_brevitas.export.hf.quark import QUARK
