@@ -204,7 +204,7 @@ class Pipeline:
         ``log``: the level of the stage's lines (DEBUG when a checkpoint is rebuilt: a run says each stage once)."""
         logger.log(log, "Applying quantization (%s backend)", self.config.backend.name)
         return self.backend.quantize(model, self.config, check_names=False, log=log,
-                                     outputs_elsewhere=query_projections(model, self.config))
+                                     **self._outputs_elsewhere(model))
 
     def _replace_unit_layers(self, unit: nn.Module, name: str, *,
                              log: int = logging.INFO) -> tuple[nn.Module, list[PlannedLayer]]:
@@ -213,8 +213,14 @@ class Pipeline:
         rows = self.backend.plan(unit, self.config, check_names=False, prefix=name)
         if any(row.quantized for row in rows):
             unit = self.backend.quantize(unit, self.config, check_names=False, prefix=name, log=log,
-                                         outputs_elsewhere=query_projections(unit, self.config))
+                                         **self._outputs_elsewhere(unit))
         return unit, rows
+
+    def _outputs_elsewhere(self, model: nn.Module) -> dict[str, Any]:
+        """The backend's ``outputs_elsewhere`` argument where attention quantizers take the query projections'
+        output specs (only the layerwise backend has it; the graph backend refuses attention quantization)."""
+        projections = query_projections(model, self.config)
+        return {"outputs_elsewhere": frozenset(projections)} if projections else {}
 
     def _attach_attention(self, unit: nn.Module, rows: list[PlannedLayer], prefix: str = "") -> int:
         """The KV-cache and attention quantizers of ``unit`` (``rows``: its plan, before the layers were
