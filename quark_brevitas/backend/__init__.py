@@ -456,11 +456,8 @@ class LayerwiseBackend:
 
 def _without_output(row: PlannedLayer) -> PlannedLayer:
     """``row`` without its output spec (executed elsewhere); a layer left with no spec is not replaced."""
-    layer = row.layer_config
-    if layer is None or layer.output_tensors is None:
-        return row
-    layer = dataclasses.replace(layer, output_tensors=None)
-    empty = all(getattr(layer, role) is None for role in ("weight", "input_tensors", "bias"))
+    layer = dataclasses.replace(row.layer_config, output_tensors=None) if row.layer_config is not None else None
+    empty = layer is None or all(getattr(layer, role) is None for role in ("weight", "input_tensors", "bias"))
     return dataclasses.replace(row, layer_config=None if empty else layer)
 
 
