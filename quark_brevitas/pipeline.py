@@ -43,6 +43,7 @@ from quark_brevitas.calibration.data import BatchToInputs, CalibrationData, mode
 from quark_brevitas.calibration.threads import threads_per_process
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.config.algorithms import BiasCorrection
+from quark_brevitas.config.attention import attention_format
 from quark_brevitas.container import Container
 from quark_brevitas.errors import CalibrationDataError, ModelError
 from quark_brevitas.model_parts.attention import (
@@ -363,6 +364,8 @@ class Pipeline:
         rows = self._checked_plan(model, loaded_later)
         if self.config.softmax_quant_spec is not None:
             use_eager_attention(model)
+            for name, spec in query_specs(rows, query_projections(model, self.config)).items():
+                attention_format(spec, f"{name}.output_tensors (the query)")  # refused before any work
         if self.config.kv_cache_quant_config and not kv_targets(model, self.config):
             raise ModelError(f"kv_cache_quant_config: the patterns {sorted(self.config.kv_cache_quant_config)} match "
                              f"no key/value projection of an attention module of {type(model).__name__} (a module "

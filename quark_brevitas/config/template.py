@@ -446,15 +446,15 @@ ATTENTION_SCHEMES: Mapping[str, Dtype] = {"fp8": Dtype.fp8_e4m3, "int8": Dtype.i
 
 def _with_attention(config: Config, q_layers: Sequence[str], scheme: str) -> Config:
     """Quark's template entries for attention: ``softmax_quant_spec``, and each query pattern keeping the
-    projection's weight/input specs (its layer_quant_config entry, else the global ones; none where ``exclude``
-    names it) with the query spec as ``output_tensors``."""
+    projection's weight/input specs (its layer_quant_config entry, else the global ones) with the query spec as
+    ``output_tensors``; a pattern ``exclude`` names gets none (its query stays float), as in Quark's template."""
     spec = _per_tensor(ATTENTION_SCHEMES[scheme], activation=True)
     layers = dict(config.layer_quant_config)
     for pattern in q_layers:
+        if pattern in config.exclude:
+            continue
         base = layers.get(pattern, config.global_quant_config)
-        excluded = pattern in config.exclude
-        layers[pattern] = QuantizationConfig(weight=None if excluded else base.weight,
-                                             input_tensors=None if excluded else base.input_tensors,
+        layers[pattern] = QuantizationConfig(weight=base.weight, input_tensors=base.input_tensors,
                                              output_tensors=spec)
     return replace(config, softmax_quant_spec=spec, layer_quant_config=layers)
 

@@ -114,6 +114,9 @@ def test_quark_013_template_attention_scheme() -> None:
     assert Config.from_dict(json.loads(config.to_json())).softmax_quant_spec == config.softmax_quant_spec
     int8 = LLMTemplate.get("llama").get_config(scheme="int8", attention_scheme="int8")
     assert int8.softmax_quant_spec.dtype is Dtype.int8
+    # an excluded query projection gets no query spec (Quark's template skips it too)
+    kept = LLMTemplate.get("llama").get_config(scheme="fp8", attention_scheme="fp8", exclude_layers=["*q_proj"])
+    assert "*q_proj" not in kept.layer_quant_config and kept.softmax_quant_spec is not None
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -149,8 +152,10 @@ def test_a_query_spec_that_the_attention_cannot_execute_names_the_projection() -
     config = attention_only()
     config.layer_quant_config["*q_proj"] = QLayerConfig(output_tensors=QTensorConfig(dtype=Dtype.int8,
                                                                                      symmetric=False))
+    model = tiny_llama()
     with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.q_proj\.output_tensors.*symmetric"):
-        ModelQuantizer(config).quantize_model(tiny_llama(), token_batches(1))
+        ModelQuantizer(config).quantize_model(model, token_batches(1))
+    assert model.model.layers[0].self_attn.q_proj.__class__ is torch.nn.Linear  # refused before any work
 
 
 # ===================================================================== numerics
