@@ -35,6 +35,11 @@ the shared machine's noise falls on all alike) and its ratio to the same model's
 tokens are PyTorch's (the quantized model's own incremental decoding with its DynamicCache) with the largest logit
 difference over the steps.
 
+Attention (``--attention``, also in the default run): the float model in eager attention, the FP8 cache alone and
+with FP8 query / probability quantization (Quark's ``softmax_quant_spec`` and q_proj output spec), before and after
+RoPE, and ``get_config(scheme="fp8", kv_cache_scheme="fp8", attention_scheme="fp8")`` (post-RoPE) against the same
+quantized model with its attention, then also its cache, quantizers switched off.
+
 MoE (``--moe``, also in the default run): a random Mixtral and a random Qwen2-MoE (4 blocks, 256 wide, 8 experts of
 512, top-2; Qwen2-MoE's shared expert 512 wide) from their configs, experts unfused
 (:func:`quark_brevitas.model_parts.moe.unfuse_experts`), GPTQ int4 per group of 128 block by block on 32 random
@@ -403,6 +408,63 @@ def main() -> None:
               f"{'met' if abs(on_quant) <= limit else 'NOT met'}")
 
 
+def _attention_config(dtype: Any, post_rope: bool) -> Any:
+    """:func:`_kv_config` with the query and the probabilities quantized too (Quark's spelling of
+    ``attention_scheme``: ``softmax_quant_spec`` and the q_proj output spec)."""
+    from dataclasses import replace
+
+    from quark_brevitas.config import QLayerConfig, QTensorConfig
+
+    spec = QTensorConfig(dtype=dtype, is_dynamic=False, percentile=100.0)
+    config = _kv_config(dtype, post_rope)
+    return replace(config, softmax_quant_spec=spec, layer_quant_config={**config.layer_quant_config,
+                                                                        "*q_proj": QLayerConfig(output_tensors=spec)})
+
+
+def attention() -> None:
+    """The attention rows (``--attention``): FP8 KV cache with and without FP8 query / probability quantization
+    (``attention_scheme``), against the float model, in one run."""
+    import transformers
+
+    from quark_brevitas import ModelQuantizer
+    from quark_brevitas.config.template import LLMTemplate
+    from quark_brevitas.model_parts.attention import attention_quantization_disabled
+    from quark_brevitas.model_parts.kv_cache import kv_quantization_disabled
+    from quark_brevitas.types import Dtype
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    folder = llm.trained_llama(200)
+    splits = llm.token_splits()
+    calib = llm.windows(splits["calib"], CALIB, 4)
+    evaluation = llm.windows(splits["eval"], EVAL, 8)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    rows: dict[str, float] = {"float (eager attention)": _perplexity(model, evaluation)}
+    for post in (False, True):
+        where = "post" if post else "pre"
+        rows[f"KV fp8 ({where}-RoPE)"] = _perplexity(
+            ModelQuantizer(_kv_config(Dtype.fp8_e4m3, post)).quantize_model(model, calib), evaluation)
+        rows[f"KV fp8 + attention fp8 ({where}-RoPE)"] = _perplexity(
+            ModelQuantizer(_attention_config(Dtype.fp8_e4m3, post)).quantize_model(model, calib), evaluation)
+    config = LLMTemplate.get("llama").get_config(scheme="fp8", kv_cache_scheme="fp8", attention_scheme="fp8")
+    config.kv_cache_post_rope = True
+    quant = ModelQuantizer(config).quantize_model(model, calib)
+    rows["fp8 template, KV fp8 + attention fp8"] = _perplexity(quant, evaluation)
+    with attention_quantization_disabled(quant):
+        rows["fp8 template, KV fp8, float attention"] = _perplexity(quant, evaluation)
+        with kv_quantization_disabled(quant):
+            rows["fp8 template, float KV and attention"] = _perplexity(quant, evaluation)
+    print(f"Trained Llama {folder.name}: perplexity on {EVAL} x {llm.SEQ} held-out tokens, calibration "
+          f"{CALIB} x {llm.SEQ} (torch {torch.__version__}, 1 thread)")
+    print(f"{'row':<44} {'perplexity':>10} {'vs float':>10} {'vs its float KV+attn':>22}")
+    base = rows["float (eager attention)"]
+    own = rows["fp8 template, float KV and attention"]
+    for label, value in rows.items():
+        delta = "" if label.startswith("float") else f"{100 * (value / base - 1):+.3f} %"
+        mine = f"{100 * (value / own - 1):+.3f} %" if label.startswith("fp8 template") else ""
+        print(f"{label:<44} {value:>10.4f} {delta:>10} {mine:>22}")
+
+
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "--moe" in sys.argv[1:]:
@@ -410,7 +472,10 @@ if __name__ == "__main__":
         moe()
     elif "--onnx" in sys.argv[1:]:
         onnx_decode()
+    elif "--attention" in sys.argv[1:]:
+        attention()
     else:
         main()
         onnx_decode()
+        attention()
         moe()

@@ -43,8 +43,16 @@ from quark_brevitas.calibration.data import BatchToInputs, CalibrationData, mode
 from quark_brevitas.calibration.threads import threads_per_process
 from quark_brevitas.config import Config, verify_config
 from quark_brevitas.config.algorithms import BiasCorrection
+from quark_brevitas.config.attention import attention_format
 from quark_brevitas.container import Container
 from quark_brevitas.errors import CalibrationDataError, ModelError
+from quark_brevitas.model_parts.attention import (
+    attach_attention_quantizers,
+    finish_attention_calibration,
+    query_projections,
+    query_specs,
+    use_eager_attention,
+)
 from quark_brevitas.model_parts.kv_cache import attach_kv_quantizers, finish_kv_calibration, kv_targets
 from quark_brevitas.model_parts.moe import log_expert_coverage
 from quark_brevitas.model_parts.moe_calibration import all_expert_calibration
@@ -164,9 +172,13 @@ class Pipeline:
         rows = self.plan(model)
         self.backend.require_values(model, loaded_later)
         model_device_dtype(model)
-        if not self.config.kv_cache_quant_config:  # a KV-cache-only config quantizes the cache, no layer
+        if not self._quantizes_attention():  # a KV-cache/attention-only config quantizes no layer
             self.backend.require_targets(model, rows)
         return rows
+
+    def _quantizes_attention(self) -> bool:
+        """Whether the config quantizes the KV cache or attention (quantizers outside the layers)."""
+        return bool(self.config.kv_cache_quant_config) or self.config.softmax_quant_spec is not None
 
     def _calibrates(self, rows: list[PlannedLayer], kv_attentions: int = 0) -> bool:
         """Whether calibration runs: static activation specs, or KV-cache quantizers to calibrate."""
@@ -174,7 +186,7 @@ class Pipeline:
 
     def _require_data(self, rows: list[PlannedLayer], data: CalibrationData | None) -> bool:
         """Whether activations need calibration; raises if some stage needs data and there is none."""
-        activations = self._calibrates(rows, 1 if self.config.kv_cache_quant_config else 0)
+        activations = self._calibrates(rows, 1 if self._quantizes_attention() else 0)
         needs = [type(a).__name__ for a in [*self.config.pre_quant_opt_config, *self.config.algo_config]
                  if a.needs_data]
         if activations:
@@ -192,7 +204,8 @@ class Pipeline:
         they are not re-checked on the pre-processed copy, whose BatchNorm layers may be merged away).
         ``log``: the level of the stage's lines (DEBUG when a checkpoint is rebuilt: a run says each stage once)."""
         logger.log(log, "Applying quantization (%s backend)", self.config.backend.name)
-        return self.backend.quantize(model, self.config, check_names=False, log=log)
+        return self.backend.quantize(model, self.config, check_names=False, log=log,
+                                     **self._outputs_elsewhere(model))
 
     def _replace_unit_layers(self, unit: nn.Module, name: str, *,
                              log: int = logging.INFO) -> tuple[nn.Module, list[PlannedLayer]]:
@@ -200,8 +213,26 @@ class Pipeline:
         without a layer to quantize is returned as it is."""
         rows = self.backend.plan(unit, self.config, check_names=False, prefix=name)
         if any(row.quantized for row in rows):
-            unit = self.backend.quantize(unit, self.config, check_names=False, prefix=name, log=log)
+            unit = self.backend.quantize(unit, self.config, check_names=False, prefix=name, log=log,
+                                         **self._outputs_elsewhere(unit))
         return unit, rows
+
+    def _outputs_elsewhere(self, model: nn.Module) -> dict[str, Any]:
+        """The backend's ``outputs_elsewhere`` argument where attention quantizers take the query projections'
+        output specs (only the layerwise backend has it; the graph backend refuses attention quantization)."""
+        projections = query_projections(model, self.config)
+        return {"outputs_elsewhere": frozenset(projections)} if projections else {}
+
+    def _attach_attention(self, unit: nn.Module, rows: list[PlannedLayer], prefix: str = "") -> int:
+        """The KV-cache and attention quantizers of ``unit`` (``rows``: its plan, before the layers were
+        replaced); returns how many attentions got some."""
+        kv = attach_kv_quantizers(unit, self.config, prefix=prefix) if self.config.kv_cache_quant_config else 0
+        specs = query_specs(rows, query_projections(unit, self.config))
+        return kv + attach_attention_quantizers(unit, self.config, specs, prefix=prefix)
+
+    def _finish_attention(self, unit: nn.Module) -> None:
+        finish_kv_calibration(unit, self.config)
+        finish_attention_calibration(unit)
 
     def _stage(self, stage: str) -> list[Any]:
         """The algorithms of a stage, in the order they run: ``"pre_quant_opt_config"``: those on the float model
@@ -257,10 +288,10 @@ class Pipeline:
                 unit = self._run_algorithms("pre_quant_opt_config", unit, data, data_driven=True,
                                             log=logging.DEBUG, unit=(name, block))
                 unit, rows = self._replace_unit_layers(unit, name)
-                kv = attach_kv_quantizers(unit, self.config, prefix=name) if self.config.kv_cache_quant_config else 0
-                if data is not None and self._calibrates(rows, kv):
+                attached = self._attach_attention(unit, rows, prefix=name)
+                if data is not None and self._calibrates(rows, attached):
                     unit = self.container.calibrator()(unit, data)
-                    finish_kv_calibration(unit, self.config)
+                    self._finish_attention(unit)
                 unit = self._run_algorithms("algo_config", unit, data, log=logging.DEBUG, unit=(name, block))
                 log_expert_coverage(unit, name)
             return unit
@@ -331,6 +362,10 @@ class Pipeline:
         """The checks before any work (the plan resolved against ``model``, data present where needed) and
         the calibration data as the data phase will read it (sharded under ``torch.distributed``)."""
         rows = self._checked_plan(model, loaded_later)
+        if self.config.softmax_quant_spec is not None:
+            use_eager_attention(model)
+            for name, spec in query_specs(rows, query_projections(model, self.config)).items():
+                attention_format(spec, f"{name}.output_tensors (the query)")  # refused before any work
         if self.config.kv_cache_quant_config and not kv_targets(model, self.config):
             raise ModelError(f"kv_cache_quant_config: the patterns {sorted(self.config.kv_cache_quant_config)} match "
                              f"no key/value projection of an attention module of {type(model).__name__} (a module "
@@ -369,16 +404,16 @@ class Pipeline:
         activations calibrated over the whole model (when the plan has static activation specs, or the KV cache
         is quantized). ``model`` is changed in place; ``data``: ``None`` when no stage needs data."""
         activations = data is not None and self._calibrates(self.plan(model),
-                                                            1 if self.config.kv_cache_quant_config else 0)
+                                                            1 if self._quantizes_attention() else 0)
         with all_expert_calibration(model, data, self.config):
             model = self._run_algorithms("pre_quant_opt_config", model, data)
+            rows = self.backend.plan(model, self.config, check_names=False)
             model = self.replace_layers(model)
-            if self.config.kv_cache_quant_config:
-                attach_kv_quantizers(model, self.config)
+            self._attach_attention(model, rows)
             if activations:
                 logger.info("Applying calibration")
                 model = self.container.calibrator()(model, data)
-                finish_kv_calibration(model, self.config)
+                self._finish_attention(model)
             model = self._run_algorithms("algo_config", model, data)
             log_expert_coverage(model)
         return model

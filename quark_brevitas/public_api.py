@@ -41,6 +41,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "quark_brevitas.backend.graph": ("FINN_QAT_RECIPE", "GraphBackend", "end_layers", "finn_config", "plan_points",
                                      "points_table"),
+    "quark_brevitas.model_parts.attention": ("attention_quantization_disabled", "attention_scales"),
     "quark_brevitas.model_parts.kv_cache": ("kv_quantization_disabled", "kv_scales"),
     "quark_brevitas.model_parts.moe": ("unfuse_experts",),
     "quark_brevitas.quark_compat": (

@@ -150,7 +150,7 @@ def test_package_has_no_import_cycle() -> None:
 
 #: The config package from the bottom up: each module may import only those before it (and ``errors``).
 CONFIG_LAYERS = ["enums", "kquants", "formats", "serialization", "specs", "algorithms", "rotation", "checks",
-                 "quark_fields", "kv_cache", "model_config",
+                 "quark_fields", "kv_cache", "attention", "model_config",
                  "families", "template", "rounding"]
 
 

@@ -17,11 +17,12 @@ Which config each layer gets (global, per layer type, per layer name, excluded) 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import importlib
 import importlib.util
 import logging
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -407,14 +408,17 @@ class LayerwiseBackend:
         )
 
     def quantize(self, model: nn.Module, config: Config, *, check_names: bool = True, prefix: str = "",
-                 log: int = logging.INFO) -> nn.Module:
+                 log: int = logging.INFO, outputs_elsewhere: Collection[str] = ()) -> nn.Module:
         """Replace the planned layers of ``model`` in place and return it (``check_names``, ``prefix``: see
         :meth:`plan`). ``log``: the level of the "Quantized N layers" summary -- INFO when quantizing, DEBUG when
-        a checkpoint's structure is rebuilt for loading (one summary line per stage of a run, not per reload)."""
+        a checkpoint's structure is rebuilt for loading (one summary line per stage of a run, not per reload).
+        ``outputs_elsewhere``: layers (names relative to ``model``) whose ``output_tensors`` spec another
+        quantizer executes (an attention's query quantizer): they get no output quantizer here."""
         rows = self.plan(model, config, check_names=check_names, prefix=prefix)
         self.require_values(model)
-        if not config.kv_cache_quant_config:  # a KV-cache-only config quantizes the cache, no layer
+        if not (config.kv_cache_quant_config or config.softmax_quant_spec):  # cache/attention-only: no layer
             self.require_targets(model, rows)
+        rows = [_without_output(row) if row.name in outputs_elsewhere else row for row in rows]
         targets = {row.name for row in rows if row.layer_config is not None}
         modules = dict(model.named_modules())
         # The float state dict has no quantizer parameters (scales are initialised from statistics on
@@ -448,6 +452,13 @@ class LayerwiseBackend:
         logger.log(logging.DEBUG if prefix else log, "Quantized %d layers%s; kept in float: %s", len(targets),
                    f" of {prefix}" if prefix else "", ", ".join(kept) if kept else "none")
         return model
+
+
+def _without_output(row: PlannedLayer) -> PlannedLayer:
+    """``row`` without its output spec (executed elsewhere); a layer left with no spec is not replaced."""
+    layer = dataclasses.replace(row.layer_config, output_tensors=None) if row.layer_config is not None else None
+    empty = layer is None or all(getattr(layer, role) is None for role in ("weight", "input_tensors", "bias"))
+    return dataclasses.replace(row, layer_config=None if empty else layer)
 
 
 @contextlib.contextmanager

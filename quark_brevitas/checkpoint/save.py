@@ -67,6 +67,10 @@ def save_quantized(
                               "reloaded model would run a float cache. Export the model instead "
                               "(export_safetensors, format 'quark' or 'compressed-tensors'), or save it without "
                               "kv_cache_quant_config")
+    if config.softmax_quant_spec is not None:
+        raise CheckpointError("checkpoints do not carry attention quantization (softmax_quant_spec) yet: the reloaded "
+                              "model would run float attention. Export the model instead (export_safetensors, format "
+                              "'quark' or 'compressed-tensors'), or save it without softmax_quant_spec")
     if Path(directory).exists() and not Path(directory).is_dir():
         raise CheckpointError(f"checkpoint directory {str(directory)!r} exists and is not a directory")
     path = check_output_dir(directory, overwrite=overwrite)

@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "applied in that order")
     template.add_argument("--kv-cache-scheme", default=None, choices=("fp8", "int8"),
                           help="quantize the key/value cache too (Quark's get_config(kv_cache_scheme=...))")
+    template.add_argument("--attention-scheme", default=None, choices=("fp8", "int8"),
+                          help="quantize the query and the attention probabilities too (Quark's "
+                               "get_config(attention_scheme=...))")
     plan.set_defaults(func="quark_brevitas.cli.plan:cmd_plan")
 
     presets = sub.add_parser("presets", parents=[verbosity], help="list the presets")

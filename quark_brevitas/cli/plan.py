@@ -39,6 +39,7 @@ def _plan_model(args: argparse.Namespace) -> int:
     from quark_brevitas.blocks.stack import RUN_STACK, find_block_stack
     from quark_brevitas.hf.lm import default_llm_config
     from quark_brevitas.hf.streaming import load_skeleton
+    from quark_brevitas.model_parts.attention import attention_plan_lines, query_projections, query_specs
     from quark_brevitas.model_parts.kv_cache import kv_plan_lines
 
     if not (Path(args.model) / "config.json").is_file():
@@ -61,6 +62,7 @@ def _plan_model(args: argparse.Namespace) -> int:
     print(f"block stack: {blocks}")
     print(plan_table(rows))
     kv_lines = kv_plan_lines(skeleton, config)
+    kv_lines += attention_plan_lines(skeleton, config, query_specs(rows, query_projections(skeleton, config)))
     if kv_lines:
         print("\n" + "\n".join(kv_lines))
     print("\n" + "\n".join(run_order_lines(config)))
@@ -82,7 +84,8 @@ def _template_config(args: argparse.Namespace) -> tuple[Config, str]:
     try:
         template = LLMTemplate.get(args.template)
         config = template.get_config(scheme=args.scheme, algorithm=args.algorithm,
-                                     kv_cache_scheme=getattr(args, "kv_cache_scheme", None))
+                                     kv_cache_scheme=getattr(args, "kv_cache_scheme", None),
+                                     attention_scheme=getattr(args, "attention_scheme", None))
     except ConfigError as exc:
         raise CLIError(f"--template {args.template}: {exc}") from exc
     chosen = LLMTemplate.get_scheme(args.scheme)

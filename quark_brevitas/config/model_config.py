@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Annotated, Any
 
 from quark_brevitas.config import algorithms
+from quark_brevitas.config.attention import verify_attention
 from quark_brevitas.config.checks import (
     HIERARCHY_LEVELS,
     INT,
@@ -98,6 +99,10 @@ class Config:
       KV-cache quantization (:mod:`quark_brevitas.config.kv_cache`): the cache spec of the key/value
       projections' patterns (``output_tensors`` of each entry), the patterns whose scales are shared within an
       attention layer (their maximum), the smallest scale written, and whether keys are quantized after RoPE.
+    - ``softmax_quant_spec``: Quark 0.13's attention quantization (:mod:`quark_brevitas.config.attention`): the
+      spec of the attention probabilities (the softmax output). With it set, the ``output_tensors`` spec of each
+      attention's query projection (where Quark's ``attention_scheme`` writes it) quantizes the query, after RoPE
+      when ``kv_cache_post_rope`` is set (where vLLM applies ``q_scale``), else on the projection's output.
     - ``moe_calibrate_all_experts`` / ``moe_min_expert_tokens``: all-expert calibration of mixture-of-experts
       blocks (:mod:`quark_brevitas.model_parts.moe_calibration`; only experts unfused by
       :func:`~quark_brevitas.model_parts.moe.unfuse_experts`): an expert that routing sends fewer than
@@ -119,6 +124,7 @@ class Config:
     kv_cache_group: list[LayerName] = field(default_factory=list)
     min_kv_scale: float = 0.0
     kv_cache_post_rope: bool = False
+    softmax_quant_spec: QuantizationSpec | None = None
     moe_calibrate_all_experts: bool = True
     moe_min_expert_tokens: int = 1
 
@@ -344,6 +350,7 @@ def verify_config(config: Config) -> None:
             verify_partial_layer_config(layer, key_path(level, key))
     verify_algorithms(config.pre_quant_opt_config, config.algo_config, config)
     verify_kv_cache(config)
+    verify_attention(config)
     _verify_moe_fields(config)
 
 

@@ -2,11 +2,11 @@
 files (:func:`from_quark_file`: the ``quantization_config`` Quark writes, with its ``export`` section and the per-tensor
 fields of its ``QTensorConfig``).
 
-Quark 0.13's ``QConfig`` carries, beside the hierarchy Config has, fields for Quark's own machinery (softmax
-quantization, FX graph mode, its file-to-file and per-block flows, MoE input syncing) and metadata (its
-version, the screen log level, ``quant_method`` in its files). Code written for Quark 0.13 sets them, usually to
-their defaults; its config files write them. Each is accepted where it asks for nothing quark_brevitas would do
-differently (a default, or metadata, which has no effect on the result) and otherwise refused with a
+Quark 0.13's ``QConfig`` carries, beside the hierarchy Config has, fields for Quark's own machinery (FX graph
+mode, its file-to-file and per-block flows, MoE input syncing) and metadata (its version, the screen log level,
+``quant_method`` in its files). Code written for Quark 0.13 sets them, usually to their defaults; its config files
+write them. Each is accepted where it asks for nothing quark_brevitas would do differently (a default, or metadata,
+which has no effect on the result) and otherwise refused with a
 :class:`ConfigError` naming the field and why, so a setting is never silently dropped.
 
 Plain data: nothing here imports torch.
@@ -56,8 +56,6 @@ class QuarkField:
 QUARK_ONLY_FIELDS: Mapping[str, QuarkField] = {
     "shared_scale_groups": QuarkField(_empty, "[] or None", "shared global scales belong to nvfp4-style two-level "
                                       "scales, which have no Brevitas quantizer"),
-    "softmax_quant_spec": QuarkField(lambda v: v is None, "None", "softmax (attention probability) quantization is "
-                                     "not supported; quark_brevitas quantizes the inputs/outputs of layers"),
     "quant_mode": QuarkField(lambda v: _named("eager_mode")(v) or _named("fx_graph_mode")(v),
                              "QuantizationMode.eager_mode / 'eager_mode' (Backend.layerwise) or "
                              "QuantizationMode.fx_graph_mode / 'fx_graph_mode' (Backend.graph)",
@@ -297,7 +295,9 @@ def from_quark_file(data: Mapping[str, Any]) -> dict[str, Any]:
         plain.setdefault("pre_quant_opt_config", [])
     if "global_quant_config" in plain:
         plain["global_quant_config"] = _layer_from_quark(plain["global_quant_config"], "global_quant_config")
-    for level in _LAYER_LEVELS:
+    if isinstance(plain.get("softmax_quant_spec"), dict):
+        plain["softmax_quant_spec"] = _spec_from_quark(plain["softmax_quant_spec"], "softmax_quant_spec")
+    for level in (*_LAYER_LEVELS, "kv_cache_quant_config"):
         if isinstance(plain.get(level), dict):
             plain[level] = {key: _layer_from_quark(layer, key_path(level, key)) for key, layer in plain[level].items()}
     return plain

@@ -49,6 +49,7 @@ from quark_brevitas.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ATTENTION_SCHEMES",
     "KV_CACHE_SCHEMES",
     "SCHEMES",
     "TEMPLATE_ALGORITHMS",
@@ -348,9 +349,13 @@ class LLMTemplate:
         schemes (``layer_config``: pattern -> scheme; ``layer_type_config``: layer type -> scheme) and the layers
         kept in float (``exclude_layers``; ``None``: the template's). ``kv_cache_scheme`` (``"fp8"``, ``"int8"``)
         quantizes the key/value cache (:mod:`quark_brevitas.config.kv_cache`), floored at ``min_kv_scale``, K and V
-        sharing one scale per layer (``kv_cache_group``: the template's key/value patterns). Verified before it is
+        sharing one scale per layer (``kv_cache_group``: the template's key/value patterns). ``attention_scheme``
+        (``"fp8"``, ``"int8"``) quantizes the attention probabilities (``softmax_quant_spec``) and the query (the
+        ``output_tensors`` of the template's query projections, ``q_layer_name``), as Quark's template writes them
+        (:mod:`quark_brevitas.config.attention`). Verified before it is
         returned, so an algorithm that cannot serve the scheme (AWQ with fp8 weights) is refused here."""
-        _refuse_unexecutable(kv_cache_scheme, self.kv_layers_name, attention_scheme, shared_scale_groups)
+        _refuse_unexecutable(kv_cache_scheme, self.kv_layers_name, attention_scheme, self.q_layer_name,
+                             shared_scale_groups)
         chosen = self.get_scheme(scheme)
         by_name = {pattern: self.get_scheme(name, f"layer_config[{pattern!r}]").layer_config()
                    for pattern, name in (layer_config or {}).items()}
@@ -367,6 +372,9 @@ class LLMTemplate:
             # After the per-layer schemes, as Quark's template does: the projections keep theirs.
             config = replace(config, kv_cache_quant_config=_kv_cache_entries(config, self.kv_layers_name or [],
                                                                              kv_cache_scheme))
+        if attention_scheme is not None:
+            # Last, as Quark's template does: the query projections keep their weight/input specs.
+            config = _with_attention(config, _names(self.q_layer_name) or [], attention_scheme)
         verify_config(config)
         return config
 
@@ -431,17 +439,39 @@ def _kv_cache_entries(config: Config, kv_layers: Sequence[str], scheme: str) -> 
     return entries
 
 
+#: The ``attention_scheme`` names get_config takes: Quark 0.13's ``fp8`` (static FP8 E4M3 per tensor, min-max) and
+#: ``int8`` (static int8 per tensor, min-max), which Quark's template does not offer.
+ATTENTION_SCHEMES: Mapping[str, Dtype] = {"fp8": Dtype.fp8_e4m3, "int8": Dtype.int8}
+
+
+def _with_attention(config: Config, q_layers: Sequence[str], scheme: str) -> Config:
+    """Quark's template entries for attention: ``softmax_quant_spec``, and each query pattern keeping the
+    projection's weight/input specs (its layer_quant_config entry, else the global ones) with the query spec as
+    ``output_tensors``; a pattern ``exclude`` names gets none (its query stays float), as in Quark's template."""
+    spec = _per_tensor(ATTENTION_SCHEMES[scheme], activation=True)
+    layers = dict(config.layer_quant_config)
+    for pattern in q_layers:
+        if pattern in config.exclude:
+            continue
+        base = layers.get(pattern, config.global_quant_config)
+        layers[pattern] = QuantizationConfig(weight=base.weight, input_tensors=base.input_tensors,
+                                             output_tensors=spec)
+    return replace(config, softmax_quant_spec=spec, layer_quant_config=layers)
+
+
 def _refuse_unexecutable(kv_cache_scheme: str | None, kv_layers: Sequence[str] | None, attention_scheme: str | None,
-                         shared_scale_groups: list[list[str]] | None) -> None:
+                         q_layers: str | Sequence[str] | None, shared_scale_groups: list[list[str]] | None) -> None:
     """Quark's get_config arguments whose machinery quark_brevitas does not have: refused when used."""
     if kv_cache_scheme is not None and kv_cache_scheme not in KV_CACHE_SCHEMES:
         raise ConfigError("kv_cache_scheme", f"{kv_cache_scheme!r}; allowed: {', '.join(KV_CACHE_SCHEMES)} or None")
     if kv_cache_scheme is not None and not kv_layers:
         raise ConfigError("kv_cache_scheme", "the template names no key/value projections (kv_layers_name); "
                           "register one with kv_layers_name=['*k_proj', '*v_proj']")
-    if attention_scheme is not None:
-        raise ConfigError("attention_scheme", f"{attention_scheme!r}: query/softmax (attention) quantization is not "
-                          "supported; leave it None (kv_cache_scheme quantizes the cache)")
+    if attention_scheme is not None and attention_scheme not in ATTENTION_SCHEMES:
+        raise ConfigError("attention_scheme", f"{attention_scheme!r}; allowed: {', '.join(ATTENTION_SCHEMES)} or None")
+    if attention_scheme is not None and not q_layers:
+        raise ConfigError("attention_scheme", "the template names no query projection (q_layer_name); register one "
+                          "with q_layer_name='*q_proj'")
     if shared_scale_groups:
         raise ConfigError("shared_scale_groups", "shared global scales belong to the nvfp4 scheme, which is not "
                           "supported; leave it None")

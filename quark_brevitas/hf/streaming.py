@@ -90,6 +90,9 @@ def quantize_pretrained(
     if getattr(config, "kv_cache_quant_config", None):
         raise CheckpointError("quantize_pretrained writes a checkpoint, which does not carry KV-cache quantization "
                               "(kv_cache_quant_config) yet; quantize the model in memory (ModelQuantizer), export it")
+    if getattr(config, "softmax_quant_spec", None) is not None:
+        raise CheckpointError("quantize_pretrained writes a checkpoint, which does not carry attention quantization "
+                              "(softmax_quant_spec) yet; quantize the model in memory (ModelQuantizer), export it")
     if Path(output_dir).exists() and not Path(output_dir).is_dir():
         raise CheckpointError(f"output directory {str(output_dir)!r} exists and is not a directory")
     output = check_output_dir(output_dir, overwrite=overwrite, sources=[model_dir])

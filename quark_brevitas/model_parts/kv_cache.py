@@ -45,6 +45,7 @@ __all__ = [
     "KVCacheQuantizer",
     "KVScales",
     "QuantizingCache",
+    "StaticQuantizer",
     "attach_kv_quantizers",
     "finish_kv_calibration",
     "kv_plan_lines",
@@ -57,10 +58,10 @@ PROJECTION_QUANTIZER = "kv_cache_quantizer"
 KEY_QUANTIZER, VALUE_QUANTIZER = "k_cache_quantizer", "v_cache_quantizer"
 
 
-class KVCacheQuantizer(nn.Module):
-    """Static quantizer of one attention's keys or values: ``fmt`` (a :data:`KV_FORMATS` name), one scale
-    (``per_head=False``) or one per key/value head (tensors ``[batch, heads, sequence, head_dim]``);
-    ``target`` is the projection it stands for (``model.layers.0.self_attn.k_proj``), the name exports use."""
+class StaticQuantizer(nn.Module):
+    """A static quantizer of one tensor of attention: ``fmt`` (a :data:`KV_FORMATS` name), one scale
+    (``per_head=False``) or one per head (tensors ``[batch, heads, sequence, head_dim]``); ``target`` is the name
+    exports use. Observes ``max |x|`` while ``calibrating``, then quantizes with :func:`fake_quantize`."""
 
     def __init__(self, fmt: str, target: str, heads: int | None = None) -> None:
         super().__init__()
@@ -94,6 +95,11 @@ class KVCacheQuantizer(nn.Module):
             self.seen += 1
             return x
         return fake_quantize(x, self._view(self.scale, x), self.fmt)
+
+
+class KVCacheQuantizer(StaticQuantizer):
+    """Static quantizer of one attention's keys or values (see :class:`StaticQuantizer`); ``target`` is the
+    projection it stands for (``model.layers.0.self_attn.k_proj``)."""
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -329,7 +329,8 @@ def test_quarks_qconfig_fields_at_their_defaults_and_metadata_are_accepted() -> 
         eager_mode = 1
         fx_graph_mode = 2
 
-    kv_fields = {"kv_cache_quant_config", "kv_cache_group", "min_kv_scale", "kv_cache_post_rope"}  # Config's own now
+    kv_fields = {"kv_cache_quant_config", "kv_cache_group", "min_kv_scale", "kv_cache_post_rope",
+                 "softmax_quant_spec"}  # Config's own now
     assert (set(QUARK_DEFAULTS) - kv_fields) | {"quant_method"} == set(QUARK_ONLY_FIELDS)
     plain = QConfig(global_quant_config=W4, algo_config=[AWQConfig()])
     spelled_out = QConfig(global_quant_config=W4, algo_config=[AWQConfig()],
@@ -341,7 +342,6 @@ def test_quarks_qconfig_fields_at_their_defaults_and_metadata_are_accepted() -> 
 
 
 @pytest.mark.parametrize(("field", "value", "fragment"), [
-    ("softmax_quant_spec", QTensorConfig(), "a QuantizationSpec is not supported: softmax"),
     ("quant_mode", "dynamic_mode", "'dynamic_mode' is not supported: quant_mode picks the backend"),
     ("quant_flow", "per_block", "quantize_pretrained"),
     ("keep_prequantized_layers", False, "float models only"),

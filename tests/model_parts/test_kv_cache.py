@@ -95,7 +95,7 @@ def test_quark_013_template_kv_cache_scheme() -> None:
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"kv_cache_scheme": "fp4"}, "kv_cache_scheme"),
-    ({"kv_cache_scheme": "fp8", "attention_scheme": "fp8"}, "attention_scheme"),
+    ({"kv_cache_scheme": "fp8", "attention_scheme": "fp16"}, "attention_scheme"),
 ])
 def test_template_refuses_what_it_cannot_execute(kwargs: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -238,6 +238,10 @@ def test_quark_folder_carries_output_scales_and_kv_config(tmp_path: Path) -> Non
             entry = quantization["kv_cache_quant_config"][target]
             assert entry["output_tensors"]["dtype"] == "fp8_e4m3" and entry["weight"]["dtype"] == "fp8_e4m3"
             assert quantization["layer_quant_config"][target]["output_tensors"] == entry["output_tensors"]
+    # the file's recipe (Quark's spelling of every spec, kv_cache_quant_config's included) reads back as a Config
+    again = Config.from_dict(quantization)
+    assert set(again.kv_cache_quant_config) == {s.key_target for s in kv_scales(quant)} | {
+        s.value_target for s in kv_scales(quant)}
 
 
 @pytest.mark.slow

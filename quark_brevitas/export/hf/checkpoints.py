@@ -66,6 +66,7 @@ from quark_brevitas.brevitas_adapter import (
 )
 from quark_brevitas.errors import QuarkBrevitasError
 from quark_brevitas.export.errors import ExportArgumentError, ExportError
+from quark_brevitas.export.hf.attention_scales import add_attention
 from quark_brevitas.export.hf.folder import (
     HFFormat,
     LayerCodes,
@@ -461,6 +462,7 @@ def export_safetensors(quant_model: nn.Module, output_dir: str | os.PathLike[str
         raise ExportError(f"{type(quant_model).__name__} has no quantized Linear layer to write")
     quantization_config = fmt.quantization_config(entries, float_linears)
     add_kv_cache(quant_model, fmt.name, tensors, quantization_config)
+    add_attention(quant_model, fmt.name, tensors, quantization_config)
     with _output_folder(directory, overwrite=overwrite) as work:
         from safetensors.torch import save_file
 
