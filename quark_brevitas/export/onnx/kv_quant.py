@@ -47,7 +47,13 @@ from torch import nn
 from quark_brevitas.config.kv_cache import KV_FORMATS
 from quark_brevitas.export.args import Example, past_name
 from quark_brevitas.export.errors import ExportError
-from quark_brevitas.model_parts.kv_cache import KEY_QUANTIZER, VALUE_QUANTIZER, KVCacheQuantizer, fake_quantize
+from quark_brevitas.model_parts.kv_cache import (
+    KEY_QUANTIZER,
+    VALUE_QUANTIZER,
+    KVCacheQuantizer,
+    StaticQuantizer,
+    fake_quantize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +70,17 @@ def _quantizers(model: nn.Module) -> list[KVCacheQuantizer]:
     return [m for m in model.modules() if isinstance(m, KVCacheQuantizer) and m.enabled and not m.calibrating]
 
 
+def _fp8_quantizers(model: nn.Module) -> list[StaticQuantizer]:
+    """The calibrated, enabled FP8 quantizers of attention: the cache's and the query's / probabilities'
+    (``attention_scheme``, :mod:`quark_brevitas.model_parts.attention`), which share :class:`StaticQuantizer`."""
+    return [m for m in model.modules() if isinstance(m, StaticQuantizer) and m.enabled and not m.calibrating
+            and m.fmt == "fp8_e4m3"]
+
+
 def kv_min_opset(model: nn.Module) -> int:
-    """The opset the model's enabled KV-cache quantizers need in a file (19 for FP8 casts, else 0)."""
-    return max((MIN_OPSETS[q.fmt] for q in _quantizers(model) if q.fmt == "fp8_e4m3"), default=0)
+    """The opset the model's enabled attention quantizers (KV cache, query, probabilities) need in a file (19 for
+    FP8 casts, else 0)."""
+    return max((MIN_OPSETS[q.fmt] for q in _fp8_quantizers(model)), default=0)
 
 
 # ===================================================================== tracing the FP8 fake quantization
@@ -87,12 +101,12 @@ class _FP8CacheQuant(torch.autograd.Function):
         return g.op("Mul", y, scale)
 
 
-def _scale_view(quantizer: KVCacheQuantizer, x: torch.Tensor) -> torch.Tensor:
+def _scale_view(quantizer: StaticQuantizer, x: torch.Tensor) -> torch.Tensor:
     scale = quantizer.scale.to(device=x.device, dtype=torch.float32)
     return scale.view(1, -1, *([1] * (x.dim() - 2))) if quantizer.per_head else scale
 
 
-def _traceable_forward(self: KVCacheQuantizer, x: torch.Tensor) -> torch.Tensor:
+def _traceable_forward(self: StaticQuantizer, x: torch.Tensor) -> torch.Tensor:
     if not self.enabled:
         return x
     return _FP8CacheQuant.apply(x, _scale_view(self, x)).to(x.dtype)
@@ -100,9 +114,10 @@ def _traceable_forward(self: KVCacheQuantizer, x: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def exportable_kv_quantizers(model: nn.Module) -> Iterator[None]:
-    """Within the block, ``model``'s calibrated FP8 KV-cache quantizers compute the same values through
-    :class:`_FP8CacheQuant`, which the TorchScript exporter can write (int8 quantizers are left as they are)."""
-    patched = [q for q in _quantizers(model) if q.fmt == "fp8_e4m3"]
+    """Within the block, ``model``'s calibrated FP8 quantizers of attention (KV cache, query, probabilities)
+    compute the same values through :class:`_FP8CacheQuant`, which the TorchScript exporter can write (int8
+    quantizers are left as they are)."""
+    patched = _fp8_quantizers(model)
     for quantizer in patched:
         quantizer.forward = types.MethodType(_traceable_forward, quantizer)
     try:

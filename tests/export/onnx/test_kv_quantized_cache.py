@@ -10,6 +10,8 @@ operation order) and the tokens exactly; the final ONNX cache, decoded with its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 import pytest
@@ -24,6 +26,7 @@ from quark_brevitas.calibration.data import cache_keyword, output_cache  # noqa:
 from quark_brevitas.config import Config, LLMTemplate, QLayerConfig, QTensorConfig  # noqa: E402
 from quark_brevitas.export import ExportError, export_onnx_qcdq  # noqa: E402
 from quark_brevitas.export.onnx.decode import greedy_decode  # noqa: E402
+from quark_brevitas.model_parts.attention import attention_quantization_disabled  # noqa: E402
 from quark_brevitas.model_parts.kv_cache import kv_scales  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
 
@@ -78,8 +81,20 @@ def _template_fp8() -> Config:
     return config
 
 
+def _template_attention(fmt: str) -> Callable[[], Config]:
+    """int8 weights and inputs; ``fmt`` cache, query and attention probabilities (``attention_scheme``), after
+    RoPE."""
+    def build() -> Config:
+        config = LLMTemplate.get("llama").get_config(scheme="int8", kv_cache_scheme=fmt, attention_scheme=fmt)
+        config.kv_cache_post_rope = True
+        return config
+    return build
+
+
 CASES = {
     "int8": lambda: _config(Dtype.int8),
+    "int8_attention": _template_attention("int8"),
+    "fp8_attention": _template_attention("fp8"),
     "fp8": lambda: _config(Dtype.fp8_e4m3),
     "int8_per_head": lambda: _config(Dtype.int8, per_head=True),
     "fp8_template": _template_fp8,
@@ -244,3 +259,22 @@ def test_model_exporter_passes_quantized_cache(tmp_path) -> None:  # noqa: ANN00
     plain = ModelExporter(tmp_path / "plain.onnx").export_onnx_model(model, args, past_key_values=True,
                                                                       quantized_cache=False)
     assert (coded.cache_dtypes, plain.cache_dtypes) == (("INT8",), ("FLOAT",))
+
+
+@pytest.mark.slow
+def test_quantized_attention_is_in_the_file(exported) -> None:  # noqa: ANN001
+    """The query and probability quantizers are traced into the decoder (FP8 ones as the FP8 cache's, opset 19):
+    onnxruntime's logits are the quantized attention's, not those of the same model with its attention quantizers
+    off."""
+    case, model, report = exported
+    if not case.endswith("_attention"):
+        pytest.skip("a model without attention quantizers")
+    prompt = _prompt(2, 5, 4)
+    result = greedy_decode(report.path, prompt, torch.ones_like(prompt), steps=0)
+    with torch.no_grad(), attention_quantization_disabled(model):
+        off = model(input_ids=prompt, attention_mask=torch.ones_like(prompt)).logits[:, -1]
+    with torch.no_grad():
+        on = model(input_ids=prompt, attention_mask=torch.ones_like(prompt)).logits[:, -1]
+    tolerance = 1e-4 * max(1.0, float(on.abs().max()))
+    assert float((result.logits[0] - on).abs().max()) <= tolerance
+    assert float((on - off).abs().max()) > 100 * tolerance
