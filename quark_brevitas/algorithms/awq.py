@@ -241,6 +241,14 @@ class AWQConfigHandler(BlockwiseHandler):
         quantized = self.quantized_layers(algo, block, where)
         clipped = {n: layer for n, layer in quantized.items()
                    if not int_weight_format(layer).per_tensor and not any(key in n for key in NO_CLIPPING)}
+        # A group none of whose layers quantizes its weight (all excluded) has nothing to protect: every ratio
+        # leaves its weights as they are, so its search would choose ratio 0, unit scales, and fold nothing.
+        searched = [group for group in groups if any(int_weight_format(block.get_submodule(n)) is not None
+                                                     for n in group.layers)]
+        for group in groups:
+            if group not in searched:
+                logger.debug("AWQ %s %s: no layer quantizes its weight, no scales searched", where, group)
+        groups = searched
         with torch.no_grad(), quantization_disabled(block):
             inputs = {group.inp: block.get_submodule(group.inp) for group in groups}
             inspected = {name: block.get_submodule(name) for group in groups for name in _inspected(group)}
