@@ -252,7 +252,7 @@ class AWQConfigHandler(BlockwiseHandler):
         with torch.no_grad(), quantization_disabled(block):
             inputs = {group.inp: block.get_submodule(group.inp) for group in groups}
             inspected = {name: block.get_submodule(name) for group in groups for name in _inspected(group)}
-            stacked = stacked_batches(data)
+            stacked = stacked_batches(data, first_alone=False)
             for tracker in ([BatchTracker(stacked)] if stacked is not None else []) + [BatchTracker(None)]:
                 stats, sample = ChannelStats(), _TokenSample()
                 try:

@@ -140,3 +140,16 @@ def test_gram_matrix_from_stacked_calls_sums_the_original_calls_in_order() -> No
     stacked = awq._LinearError.of(calls, weight, layout)
     assert stacked.tokens == plain.tokens == 7 * 5
     assert torch.equal(stacked.gram, plain.gram)
+
+
+def test_the_first_batch_is_stacked_too_when_asked() -> None:
+    from quark_brevitas.calibration.data import BlockInputs, CalibrationData
+
+    calls = [((torch.zeros(rows, 4, 8),), {"mask": torch.ones(rows, 4)}) for rows in (1, 2, 1, 3)]
+    data = BlockInputs.of(calls, CalibrationData([0]), "block")
+    budget = 4 * 4 * 8 * 4  # four rows of hidden state
+    assert stacking.stacked_batches(data, budget_bytes=budget).parts == [[1], [2, 1], [3]]
+    together = stacking.stacked_batches(data, budget_bytes=budget, first_alone=False)
+    assert together.parts == [[1, 2, 1], [3]]
+    args, kwargs = together.data.loader[0]
+    assert args[0].shape == (4, 4, 8) and kwargs["mask"].shape == (4, 4)
