@@ -16,6 +16,11 @@ Per decoder layer (block), on its cached inputs, with all quantization off excep
    AutoAWQ): for each output channel and weight group, the clipping range ``max|w| * (1 - i/20)`` for i in 0..9
    that minimises the layer's output error on up to 512 sampled input tokens; the weight is clamped to it.
 
+Block by block, the statistics pass and every candidate's forwards run on the block's cached batches stacked into
+a few calls (:mod:`quark_brevitas.algorithms.awq_stacking`), every sum still taken per original batch in the
+original order, so the choices are those of the batch-by-batch run. A group none of whose layers is quantized is
+not searched (its search could only choose ratio 0: unit scales, nothing folded).
+
 Every weight quantizer of the block is then re-initialised from its final weight, so its grid is the one AWQ
 measured. The algorithm runs after activation calibration: if the block has static activation quantizers, they
 are calibrated again on the block's inputs (the folded scales changed what they see). Loss sums and statistics
