@@ -57,7 +57,7 @@ from quark_brevitas.brevitas_adapter import (
     weight_grid,
 )
 from quark_brevitas.calibration import calibrate
-from quark_brevitas.calibration.data import BlockInputs, CalibrationData, CalibrationDataError
+from quark_brevitas.calibration.data import CalibrationData, CalibrationDataError, call_model
 from quark_brevitas.calibration.stacking import stacked_batches
 from quark_brevitas.config.algorithms import AWQConfig
 
@@ -186,17 +186,17 @@ class AWQConfigHandler(BlockwiseHandler):
         return quantization_disabled(model)
 
     def _inspected_error(self, module: nn.Module, recorded: CallRecorder, layout: CallLayout, name: str,
-                         data: CalibrationData, desc: str) -> torch.Tensor:
+                         desc: str) -> torch.Tensor:
         """Squared error sum and element count of ``module``'s outputs on its recorded calls against the recorded
         float outputs, summed per original call in their order (``layout``: where they are in stacked calls)."""
         pieces: list[list[tuple[torch.Tensor, int]]] = []
-
-        def accumulate(index: int, output: Any) -> None:
-            result = main_output(output).float()
+        # The recorded calls are run directly rather than through a calibration pass: quantization is off, so the
+        # pass's per-call weight cache and progress bar would be pure overhead (a sizeable share of a small block's
+        # search); the inputs are the module's own, already on its device.
+        for index, (args, kwargs) in enumerate(recorded.calls[name]):
+            result = main_output(call_model(module, args, kwargs, index, f"{desc}: {name}")).float()
             difference = result - recorded.outputs[name][index].to(result.device)
             pieces.append([(piece.pow(2).sum(), piece.numel()) for piece in layout.split(index, difference)])
-
-        BlockInputs.of(recorded.calls[name], data, name).forward(module, desc, on_output=accumulate)
         total = torch.zeros(2)  # on the CPU: one number per call leaves the model's device
         for squares, count in layout.in_order(pieces):
             total[0] += squares.cpu()
@@ -226,7 +226,7 @@ class AWQConfigHandler(BlockwiseHandler):
             total = torch.zeros(2)
             for name in inspected:
                 total += by_gram[name].error(candidates[name]) if name in by_gram else self._inspected_error(
-                    block.get_submodule(name), recorded, layouts[name], name, data,
+                    block.get_submodule(name), recorded, layouts[name], name,
                     f"{algo.name}: {where} {group} ratio {step / GRID:.2f}")
             data.all_reduce(total, "sum")
             losses.append(float(total[0] / total[1]))
