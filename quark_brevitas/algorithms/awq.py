@@ -16,6 +16,11 @@ Per decoder layer (block), on its cached inputs, with all quantization off excep
    AutoAWQ): for each output channel and weight group, the clipping range ``max|w| * (1 - i/20)`` for i in 0..9
    that minimises the layer's output error on up to 512 sampled input tokens; the weight is clamped to it.
 
+Block by block, the statistics pass and every candidate's forwards run on the block's cached batches stacked into
+a few calls (:mod:`quark_brevitas.algorithms.awq_stacking`), every sum still taken per original batch in the
+original order, so the choices are those of the batch-by-batch run. A group none of whose layers is quantized is
+not searched (its search could only choose ratio 0: unit scales, nothing folded).
+
 Every weight quantizer of the block is then re-initialised from its final weight, so its grid is the one AWQ
 measured. The algorithm runs after activation calibration: if the block has static activation quantizers, they
 are calibrated again on the block's inputs (the folded scales changed what they see). Loss sums and statistics
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quark_brevitas.algorithms.awq_stacking import BatchTracker, CallLayout, NotPerRow, not_per_row
 from quark_brevitas.algorithms.base import register
 from quark_brevitas.algorithms.blocks import BlockwiseHandler
 from quark_brevitas.algorithms.scaling import (
@@ -51,7 +57,8 @@ from quark_brevitas.brevitas_adapter import (
     weight_grid,
 )
 from quark_brevitas.calibration import calibrate
-from quark_brevitas.calibration.data import BlockInputs, CalibrationData
+from quark_brevitas.calibration.data import CalibrationData, CalibrationDataError, call_model
+from quark_brevitas.calibration.stacking import stacked_batches
 from quark_brevitas.config.algorithms import AWQConfig
 
 logger = logging.getLogger(__name__)
@@ -117,14 +124,19 @@ class _LinearError:
         self.gram, self.tokens, self.weight = gram, tokens, weight.detach().double()
 
     @classmethod
-    def of(cls, calls: list[Any], weight: torch.Tensor) -> _LinearError:
-        """From the layer's recorded ``(args, kwargs)`` calls and its float ``[out, in]`` weight."""
+    def of(cls, calls: list[Any], weight: torch.Tensor, layout: CallLayout | None = None) -> _LinearError:
+        """From the layer's recorded ``(args, kwargs)`` calls and its float ``[out, in]`` weight; ``layout``: where
+        the original calls' rows are in stacked ones (the products are summed in the original calls' order)."""
         channels = weight.shape[1]
+        layout = layout or CallLayout.unstacked(len(calls))
         gram = torch.zeros(channels, channels, dtype=torch.float64, device=weight.device)
         tokens = 0
-        for args, kwargs in calls:
-            rows = (args[0] if args else next(iter(kwargs.values()))).detach().reshape(-1, channels)
-            rows = rows.to(device=gram.device, dtype=torch.float64)
+        pieces = []
+        for call, (args, kwargs) in enumerate(calls):
+            value = (args[0] if args else next(iter(kwargs.values()))).detach()
+            rows = value.reshape(-1, channels).to(device=gram.device, dtype=torch.float64)
+            pieces.append(layout.split(call, rows, rows.shape[0] // max(1, value.shape[0])))
+        for rows in layout.in_order(pieces):
             gram.addmm_(rows.t(), rows)
             tokens += rows.shape[0]
         return cls(gram, tokens, weight)
@@ -173,28 +185,33 @@ class AWQConfigHandler(BlockwiseHandler):
         """Earlier blocks run in float (AWQ's scales and clipping applied, nothing quantized), as in AutoAWQ."""
         return quantization_disabled(model)
 
-    def _inspected_error(self, module: nn.Module, recorded: CallRecorder, name: str, data: CalibrationData,
+    def _inspected_error(self, module: nn.Module, recorded: CallRecorder, layout: CallLayout, name: str,
                          desc: str) -> torch.Tensor:
         """Squared error sum and element count of ``module``'s outputs on its recorded calls against the recorded
-        float outputs."""
-        total = torch.zeros(2)  # on the CPU: one number per call leaves the model's device
-
-        def accumulate(index: int, output: Any) -> None:
-            result = main_output(output).float()
+        float outputs, summed per original call in their order (``layout``: where they are in stacked calls)."""
+        pieces: list[list[tuple[torch.Tensor, int]]] = []
+        # The recorded calls are run directly rather than through a calibration pass: quantization is off, so the
+        # pass's per-call weight cache and progress bar would be pure overhead (a sizeable share of a small block's
+        # search); the inputs are the module's own, already on its device.
+        for index, (args, kwargs) in enumerate(recorded.calls[name]):
+            result = main_output(call_model(module, args, kwargs, index, f"{desc}: {name}")).float()
             difference = result - recorded.outputs[name][index].to(result.device)
-            total[0] += difference.pow(2).sum().cpu()
-            total[1] += difference.numel()
-
-        BlockInputs.of(recorded.calls[name], data, name).forward(module, desc, on_output=accumulate)
+            pieces.append([(piece.pow(2).sum(), piece.numel()) for piece in layout.split(index, difference)])
+        total = torch.zeros(2)  # on the CPU: one number per call leaves the model's device
+        for squares, count in layout.in_order(pieces):
+            total[0] += squares.cpu()
+            total[1] += count
         return total
 
     def _search_scales(self, algo: Any, block: nn.Module, data: CalibrationData, group: ScalingGroup,
-                       mean_abs: torch.Tensor, recorded: CallRecorder, where: str) -> torch.Tensor:
+                       mean_abs: torch.Tensor, recorded: CallRecorder, layouts: dict[str, CallLayout],
+                       where: str) -> torch.Tensor:
         layers = [block.get_submodule(name) for name in group.layers]
         inspected = _inspected(group)
         # A group's own Linear-like layer, inspected alone, is judged from the Gram matrix of its inputs
         # (_LinearError): the same error as running it on every recorded call, a small fraction of the cost.
-        by_gram = {name: _LinearError.of(recorded.calls[name], linear_weight(block.get_submodule(name)))
+        by_gram = {name: _LinearError.of(recorded.calls[name], linear_weight(block.get_submodule(name)),
+                                         layouts[name])
                    for name in inspected if name in group.layers and is_linear(block.get_submodule(name))}
         originals = [linear_weight(layer).detach().float().clone() for layer in layers]
         has_grid = [int_weight_format(layer) is not None for layer in layers]
@@ -209,7 +226,7 @@ class AWQConfigHandler(BlockwiseHandler):
             total = torch.zeros(2)
             for name in inspected:
                 total += by_gram[name].error(candidates[name]) if name in by_gram else self._inspected_error(
-                    block.get_submodule(name), recorded, name, data,
+                    block.get_submodule(name), recorded, layouts[name], name,
                     f"{algo.name}: {where} {group} ratio {step / GRID:.2f}")
             data.all_reduce(total, "sum")
             losses.append(float(total[0] / total[1]))
@@ -229,15 +246,36 @@ class AWQConfigHandler(BlockwiseHandler):
         quantized = self.quantized_layers(algo, block, where)
         clipped = {n: layer for n, layer in quantized.items()
                    if not int_weight_format(layer).per_tensor and not any(key in n for key in NO_CLIPPING)}
+        # A group none of whose layers quantizes its weight (all excluded) has nothing to protect: every ratio
+        # leaves its weights as they are, so its search would choose ratio 0, unit scales, and fold nothing.
+        searched = [group for group in groups if any(int_weight_format(block.get_submodule(n)) is not None
+                                                     for n in group.layers)]
+        for group in groups:
+            if group not in searched:
+                logger.debug("AWQ %s %s: no layer quantizes its weight, no scales searched", where, group)
+        groups = searched
         with torch.no_grad(), quantization_disabled(block):
-            stats, sample = ChannelStats(), _TokenSample()
             inputs = {group.inp: block.get_submodule(group.inp) for group in groups}
             inspected = {name: block.get_submodule(name) for group in groups for name in _inspected(group)}
-            with layer_inputs(clipped, sample.add), CallRecorder(inspected) as recorded:
-                stats.collect(block, data, inputs, f"{algo.name}: statistics of {where}")
+            stacked = stacked_batches(data, first_alone=False)
+            for tracker in ([BatchTracker(stacked)] if stacked is not None else []) + [BatchTracker(None)]:
+                stats, sample = ChannelStats(), _TokenSample()
+                try:
+                    with layer_inputs(clipped, tracker.per_batch(sample.add)), CallRecorder(inspected) as recorded:
+                        tracker.recorder = recorded
+                        stats.collect(block, stacked.data if tracker.stacked else data, inputs,
+                                      f"{algo.name}: statistics of {where}", on_output=tracker.on_output,
+                                      per_batch=tracker.per_batch)
+                    layouts = tracker.layouts()
+                    break
+                except (CalibrationDataError, NotPerRow) as exc:
+                    if tracker.stacked is None or not not_per_row(exc):
+                        raise
+                    logger.debug("AWQ %s: a layer's rows are not its call's rows, batches not stacked", where)
             input_scales: dict[str, torch.Tensor] = {}
             for group in groups:
-                scales = self._search_scales(algo, block, data, group, stats.mean(group.inp), recorded, where)
+                scales = self._search_scales(algo, block, data, group, stats.mean(group.inp), recorded, layouts,
+                                             where)
                 fold_scales(block.get_submodule(group.prev_op), [block.get_submodule(n) for n in group.layers], scales)
                 for layer_name in group.layers:
                     input_scales[layer_name] = input_scales.get(layer_name, 1) * scales

@@ -23,7 +23,10 @@ from quark_brevitas.algorithms.structure import input_channels, is_linear
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ModelError
 
-__all__ = ["ChannelStats", "fold_scales", "layer_inputs", "linear_weight", "set_linear_weight"]
+#: What sees each input of a layer: ``(layer name, rows as tokens x features, the object it was called with)``.
+Consumer = Callable[[str, torch.Tensor, Any], None]
+
+__all__ = ["ChannelStats", "Consumer", "fold_scales", "layer_inputs", "linear_weight", "set_linear_weight"]
 
 
 def _input_rows(args: tuple[Any, ...], kwargs: dict[str, Any], channels: int) -> torch.Tensor:
@@ -33,7 +36,7 @@ def _input_rows(args: tuple[Any, ...], kwargs: dict[str, Any], channels: int) ->
 
 
 @contextmanager
-def layer_inputs(layers: Mapping[str, nn.Module], consume: Callable[[str, torch.Tensor, Any], None]) -> Iterator[None]:
+def layer_inputs(layers: Mapping[str, nn.Module], consume: Consumer) -> Iterator[None]:
     """While the context lasts, ``consume(name, rows, raw)`` sees every input of each Linear-like layer of ``layers``
     (``rows``: a float copy as tokens x input features; ``raw``: the object the layer was called with)."""
     handles = []
@@ -75,10 +78,13 @@ class ChannelStats:
             self.count[name] = torch.tensor(float(rows.shape[0]))
 
     def collect(self, module: nn.Module, data: CalibrationData, layers: Mapping[str, nn.Module], desc: str,
-                on_output: Callable[[int, Any], None] | None = None) -> None:
+                on_output: Callable[[int, Any], None] | None = None,
+                per_batch: Callable[[Consumer], Consumer] | None = None) -> None:
         """One pass of ``data`` through ``module`` (``on_output`` sees its outputs), recording the inputs of
-        ``layers``; then the reduction over processes."""
-        with torch.no_grad(), layer_inputs(layers, self.add):
+        ``layers``; then the reduction over processes. ``per_batch``: wraps the consumer of the inputs (AWQ on
+        stacked batches splits each call's rows per original batch, so that the sums keep their order)."""
+        consume = self.add if per_batch is None else per_batch(self.add)
+        with torch.no_grad(), layer_inputs(layers, consume):
             data.forward(module, desc, on_output=on_output)
         missing = sorted(set(layers) - set(self.max))
         if missing:

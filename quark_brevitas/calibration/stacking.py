@@ -80,10 +80,12 @@ def _stack(values: Sequence[Any], rows: Sequence[int]) -> Any:
     raise _Unstackable
 
 
-def stacked_batches(data: CalibrationData, budget_bytes: int | None = None) -> Stacked | None:
+def stacked_batches(data: CalibrationData, budget_bytes: int | None = None, *,
+                    first_alone: bool = True) -> Stacked | None:
     """``data`` (a block's cached inputs) with its batches after the first stacked into calls of at most
     ``budget_bytes`` of hidden state (default :data:`STACK_BYTES`), or ``None`` when nothing would be stacked or
-    the batches cannot be (see the module docstring)."""
+    the batches cannot be (see the module docstring). ``first_alone=False``: the first batch is stacked too (for
+    an algorithm that does not learn the block's call structure from it)."""
     budget = STACK_BYTES if budget_bytes is None else budget_bytes
     # Exactly the block engine's cached inputs: a subclass may do more per pass than run its batches.
     if type(data) is not BlockInputs or len(data) < 3 or budget <= 0:
@@ -93,10 +95,10 @@ def stacked_batches(data: CalibrationData, budget_bytes: int | None = None) -> S
     if not all(isinstance(h, torch.Tensor) and h.dim() >= 2 for h in hidden):
         return None
     groups: list[list[int]] = [[0]]
-    size = 0
+    size = 0 if first_alone else hidden[0].numel() * hidden[0].element_size()
     for position in range(1, len(calls)):
         nbytes = hidden[position].numel() * hidden[position].element_size()
-        if position == 1 or size + nbytes > budget:
+        if (position == 1 and first_alone) or size + nbytes > budget:
             groups.append([])
             size = 0
         groups[-1].append(position)
