@@ -130,16 +130,19 @@ def test_a_stacked_call_whose_output_has_other_rows_cannot_be_laid_out() -> None
 
 def test_gram_matrix_from_stacked_calls_sums_the_original_calls_in_order() -> None:
     """_LinearError.of on stacked calls adds each original call's product in the original order: the very same
-    float64 Gram matrix as from the unstacked calls."""
+    float64 Gram matrix as from the unstacked calls. A module called twice per batch, stacked as (first calls,
+    second calls): summed in the stacked calls' order, the Gram matrix differs in its last bits (checked here too,
+    so the test can tell the two orders apart)."""
     torch.manual_seed(0)
-    originals = [torch.randn(r, 5, 8) * 10 ** r for r in (1, 2, 1, 3)]
+    b0c0, b0c1, b1c0, b1c1 = (torch.randn(r, 16, 8) * s for r, s in ((2, 1.0), (2, 1e3), (3, 1e-3), (3, 1.0)))
     weight = torch.randn(4, 8)
-    plain = awq._LinearError.of([((x,), {}) for x in originals], weight)
-    layout = awq_stacking.CallLayout([[1], [2, 1, 3]], [(0, 0), (1, 0), (1, 1), (1, 2)])
-    calls = [((originals[0],), {}), ((torch.cat(originals[1:]),), {})]
+    plain = awq._LinearError.of([((x,), {}) for x in (b0c0, b0c1, b1c0, b1c1)], weight)
+    calls = [((torch.cat([b0c0, b1c0]),), {}), ((torch.cat([b0c1, b1c1]),), {})]
+    layout = awq_stacking.CallLayout([[2, 3], [2, 3]], [(0, 0), (1, 0), (0, 1), (1, 1)])
     stacked = awq._LinearError.of(calls, weight, layout)
-    assert stacked.tokens == plain.tokens == 7 * 5
+    assert stacked.tokens == plain.tokens == 10 * 16
     assert torch.equal(stacked.gram, plain.gram)
+    assert not torch.equal(awq._LinearError.of(calls, weight).gram, plain.gram)  # the stacked calls' order
 
 
 def test_the_first_batch_is_stacked_too_when_asked() -> None:
