@@ -33,8 +33,8 @@ from torch import nn
 from quark_brevitas.errors import ModelError
 
 __all__ = ["KQUANT_MINIMUM_LETS", "OFFSET_SIGNIFICANT_BITS", "KQuantMinimumSearch", "KQuantMinimumShift",
-           "KQuantOffsetIntQuant", "KQuantRangeSearch", "offset_of", "search_scale_minimum", "snap_kquant_minimums",
-           "uses_offset_dequantization"]
+           "KQuantOffsetIntQuant", "KQuantRangeSearch", "offset_dequantize", "offset_of", "search_scale_minimum",
+           "snap_kquant_minimums", "uses_offset_dequantization"]
 
 #: Significant bits of a sub-minimum ``dmin * m``: float16's 11 times a 6-bit integer.
 OFFSET_SIGNIFICANT_BITS = 17
@@ -101,16 +101,21 @@ class KQuantMinimumShift(nn.Module):
         return straight + (snapped - straight).detach()
 
 
+def offset_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """``codes * scale - offset_of(zero_point, scale)``, with the gradient of ``(codes - zero_point) * scale`` (the
+    same number up to an ulp; the rounding inside :func:`offset_of` would stop it): QAT, AutoRound."""
+    straight = (codes - zero_point) * scale
+    exact = codes.detach() * scale.detach() - offset_of(zero_point.detach(), scale.detach())
+    return straight + (exact - straight).detach()
+
+
 class KQuantOffsetIntQuant(IntQuant):
     """Brevitas's ``IntQuant`` (same codes) whose dequantization is ``q * s - offset_of(z, s)``: llama.cpp's
     ``d * sc * q - dmin * m`` with its single rounding (see the module docstring)."""
 
     def forward(self, scale: torch.Tensor, zero_point: torch.Tensor, bit_width: torch.Tensor,
                 x: torch.Tensor) -> torch.Tensor:
-        y_int = self.to_int(scale, zero_point, bit_width, x)
-        offset = offset_of(zero_point.detach(), scale.detach())
-        straight = (y_int - zero_point) * scale  # Brevitas's product, for the gradient (QAT)
-        return straight + (y_int * scale - offset - straight).detach()
+        return offset_dequantize(self.to_int(scale, zero_point, bit_width, x), scale, zero_point)
 
 
 def uses_offset_dequantization(proxy: nn.Module) -> bool:

@@ -137,9 +137,13 @@ def test_gguf_k_refuses_a_layout_no_k_quant_has() -> None:
     from quark_brevitas import Config, QLayerConfig
 
     spec = QTensorConfig(bit_width=4, qscheme=QSchemeType.per_group, group_size=16, scale_type=ScaleType.gguf_k)
-    with pytest.raises(ConfigError, match=r"gguf_k scales are GGUF K-quant.*Q4_K: int4 symmetric per_group "
-                                          r"group_size=32"):
+    with pytest.raises(ConfigError, match=r"gguf_k scales are GGUF K-quant.*Q4_K: int4 symmetric or asymmetric "
+                                          r"per_group group_size=32"):
         ModelQuantizer(Config(QLayerConfig(weight=spec)))
+    q3_asymmetric = QTensorConfig(bit_width=3, symmetric=False, qscheme=QSchemeType.per_group, group_size=16,
+                                  scale_type=ScaleType.gguf_k)  # Q3_K stores no sub-minimums
+    with pytest.raises(ConfigError, match=r"Q3_K: int3 symmetric per_group group_size=16"):
+        ModelQuantizer(Config(QLayerConfig(weight=q3_asymmetric)))
 
 
 @pytest.mark.parametrize(("preset", "fallback"), [("gguf_q6_k", "Q8_0"), ("gguf_q5_k", "Q8_0"), ("gguf_q4_k", "Q4_0"),
