@@ -37,15 +37,16 @@ Q6_K_SUPER_BLOCK = KQUANT_SUPER_BLOCK
 Q6_K_GROUP = KQUANT_TYPES["Q6_K"].group_size
 
 
-def kquant_scales(name: str, scales: np.ndarray, qtype: str, per_row: int, what: str = "scales",
+def kquant_scales(name: str, scales: np.ndarray, qtype: str, per_row: int, minimums: bool = False,
                   top_sub: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``d`` (float16, one per super-block) and ``s`` (int, one per sub-block, ``1..sub_scale_max``) with
     ``d * s == scales`` exactly; ``scales`` is ``[super-blocks, sub-blocks]`` (``per_row``: super-blocks per row,
     for the message). The candidates ``d = max(scales) / k`` are tried for ``k = 1, 2, ...``: the first that is a
     float16 number dividing every scale of the super-block into an integer in range is the largest ``d``.
-    ``what="minimums"``: the sub-minimums (``0..top_sub``; a super-block of zeros gets ``d = 0``)."""
+    ``minimums``: the sub-minimums (``0..top_sub``; a super-block of zeros gets ``d = 0``)."""
     top_sub = KQUANT_TYPES[qtype].sub_scale_max if top_sub is None else top_sub
-    lowest = 1 if what == "scales" else 0
+    lowest = 0 if minimums else 1
+    what = "sub-minimums" if minimums else "16 scales"
     values = scales.astype(np.float64)
     top = values.max(axis=1)
     d = np.zeros(len(values))
@@ -165,7 +166,7 @@ def _minimum_form(name: str, entry: IntegerWeight, qtype: str) -> tuple[np.ndarr
     if entry.offset_dequantization:
         offsets = offset_of(entry.zero_point.float(), entry.scale.float()).numpy()
         per_row = entry.int_weight.shape[1] // KQUANT_SUPER_BLOCK
-        dmin, minimums = kquant_scales(name, offsets.reshape(sub.shape), qtype, per_row, "minimums",
+        dmin, minimums = kquant_scales(name, offsets.reshape(sub.shape), qtype, per_row, True,
                                        kquant.minimum_max)
         halves = np.stack([d, dmin], axis=1).view(np.uint8)
         return codes.astype(np.uint8), halves, sub.astype(np.uint8), minimums.astype(np.uint8)
