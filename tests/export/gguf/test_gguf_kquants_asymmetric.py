@@ -159,3 +159,19 @@ def test_llama_cpp_runs_our_asymmetric_q4_k_m_file_like_the_quantized_model(tmp_
         ours, float_logits = quant(tokens[None]).logits[0], _llama(2)(tokens[None]).logits[0]
     error, float_error = (float((logits - ours).norm() / ours.norm()) for logits in (theirs, float_logits))
     assert error < 0.05 and error < 0.25 * float_error, (error, float_error)
+
+
+def test_a_checkpoint_of_an_asymmetric_k_grid_reloads_to_the_same_weights_and_file(tmp_path: Path) -> None:
+    """The checkpoint keeps the unsnapped scale and minimum parameters; the snapping is a pure function of them,
+    so the reloaded model has the same quantized weights, and its GGUF file the same bytes."""
+    from quark_brevitas.checkpoint import load_quantized, save_quantized
+
+    config = _every_linear("Q4_K", algos.GPTQ())
+    quant = ModelQuantizer(config).quantize_model(_llama(), token_batches(2))
+    save_quantized(quant, tmp_path / "ckpt")
+    loaded = load_quantized(_llama(), tmp_path / "ckpt")
+    ours, theirs = integer_weights(quant), integer_weights(loaded)
+    for name, entry in ours.items():
+        assert torch.equal(entry.dequantize(), theirs[name].dequantize()), name
+    first, second = export_gguf(quant, tmp_path / "a"), export_gguf(loaded, tmp_path / "b")
+    assert Path(first).read_bytes() == Path(second).read_bytes()
