@@ -81,6 +81,7 @@ def test_asymmetric_q4_k_decodes_to_the_quantized_weight_exactly_by_hand_and_by_
     assert bool((entry.zero_point.float() != entry.zero_point.float().round()).any())  # a float minimum
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("qtype", "algo"), [("Q5_K", None), ("Q2_K", None), ("Q4_K", "gptq"),
                                              ("Q4_K", "autoround"), ("Q2_K", "qronos")])
 def test_every_asymmetric_k_tensor_decodes_exactly_whatever_rounds_on_the_grid(qtype: str, algo: str | None,
@@ -161,6 +162,7 @@ def test_llama_cpp_runs_our_asymmetric_q4_k_m_file_like_the_quantized_model(tmp_
     assert error < 0.05 and error < 0.25 * float_error, (error, float_error)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_an_asymmetric_k_grid_reloads_to_the_same_weights_and_file(tmp_path: Path) -> None:
     """The checkpoint keeps the unsnapped scale and minimum parameters; the snapping is a pure function of them,
     so the reloaded model has the same quantized weights, and its GGUF file the same bytes."""
