@@ -27,7 +27,7 @@ from quark_brevitas.brevitas_adapter.introspection import (
     iter_quantizers,
     quant_switched,
 )
-from quark_brevitas.brevitas_adapter.kquant_minimum import offset_dequantize, uses_offset_dequantization
+from quark_brevitas.brevitas_adapter.kquant_minimum import KQuantOffsetIntQuant, offset_dequantize
 from quark_brevitas.errors import QuarkBrevitasError
 
 __all__ = [
@@ -223,7 +223,7 @@ def weight_grid(layer: nn.Module, weight: torch.Tensor | None = None) -> WeightG
     zero_point = torch.as_tensor(quant.zero_point, dtype=scale.dtype, device=scale.device).expand_as(target).detach()
     return WeightGrid(scale, zero_point, int_quant.min_int(bit_width), int_quant.max_int(bit_width),
                       int_quant.float_to_int_impl, int_quant.tensor_clamp_impl, int(bit_width),
-                      uses_offset_dequantization(proxy))
+                      isinstance(int_quant, KQuantOffsetIntQuant))
 
 
 def fixed_weight_grid(layer: nn.Module) -> WeightGrid | None:
@@ -250,7 +250,7 @@ def fixed_weight_grid(layer: nn.Module) -> WeightGrid | None:
     zero_point = torch.as_tensor(quant.zero_point, dtype=scale.dtype, device=scale.device).expand_as(layer.weight)
     return WeightGrid(scale, zero_point.detach(), int_quant.min_int(bit_width), int_quant.max_int(bit_width),
                       int_quant.float_to_int_impl, int_quant.tensor_clamp_impl, int(bit_width),
-                      uses_offset_dequantization(proxy))
+                      isinstance(int_quant, KQuantOffsetIntQuant))
 
 
 class IntWeightFormat(NamedTuple):
