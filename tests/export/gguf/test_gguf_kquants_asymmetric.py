@@ -177,3 +177,28 @@ def test_a_checkpoint_of_an_asymmetric_k_grid_reloads_to_the_same_weights_and_fi
         assert torch.equal(entry.dequantize(), theirs[name].dequantize()), name
     first, second = export_gguf(quant, tmp_path / "a"), export_gguf(loaded, tmp_path / "b")
     assert Path(first).read_bytes() == Path(second).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_streamed_q4_k_m_checkpoint_writes_the_same_asymmetric_file(tmp_path: Path) -> None:
+    """A gguf_q4_k_m checkpoint quantized block by block is written block by block with the tensors (types and
+    bytes) export_gguf writes for the loaded model; its Q4_K tensors are the asymmetric ones."""
+    from quark_brevitas.hf.export_streamed import export_gguf_streamed
+    from quark_brevitas.hf.streaming import load_pretrained_quantized, quantize_pretrained
+
+    float_dir = tmp_path / "float"
+    model = _llama(2)
+    model.save_pretrained(float_dir)
+    checkpoint = quantize_pretrained(float_dir, get_preset("gguf_q4_k_m", model.config),
+                                     [{"input_ids": t} for t in token_batches(1)], tmp_path / "ckpt")
+    streamed = export_gguf_streamed(checkpoint, tmp_path / "streamed")
+    loaded = load_pretrained_quantized(checkpoint)
+    whole = export_gguf(loaded, tmp_path / "whole")
+    written = {t.name: t for t in gguf.GGUFReader(str(streamed)).tensors}
+    expected = {t.name: t for t in gguf.GGUFReader(str(whole)).tensors}
+    assert written.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert written[name].tensor_type == tensor.tensor_type
+        assert np.array_equal(np.asarray(written[name].data), np.asarray(tensor.data)), name
+    assert integer_weights(loaded)["model.layers.0.mlp.up_proj"].offset_dequantization
+    assert sum(t.tensor_type.name == "Q4_K" for t in written.values()) > 0
