@@ -12,6 +12,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+from helpers.gguf_files import same_tensors  # noqa: E402
 from helpers.llm_models import VOCAB, token_batches  # noqa: E402
 
 from quark_brevitas import Config, ModelQuantizer, QLayerConfig, algos  # noqa: E402
@@ -194,11 +195,6 @@ def test_a_streamed_q4_k_m_checkpoint_writes_the_same_asymmetric_file(tmp_path: 
     streamed = export_gguf_streamed(checkpoint, tmp_path / "streamed")
     loaded = load_pretrained_quantized(checkpoint)
     whole = export_gguf(loaded, tmp_path / "whole")
-    written = {t.name: t for t in gguf.GGUFReader(str(streamed)).tensors}
-    expected = {t.name: t for t in gguf.GGUFReader(str(whole)).tensors}
-    assert written.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert written[name].tensor_type == tensor.tensor_type
-        assert np.array_equal(np.asarray(written[name].data), np.asarray(tensor.data)), name
+    written = same_tensors(streamed, whole)
     assert integer_weights(loaded)["model.layers.0.mlp.up_proj"].offset_dequantization
     assert sum(t.tensor_type.name == "Q4_K" for t in written.values()) > 0
