@@ -45,7 +45,8 @@ GGML_F32 = 0
 
 def with_mse_scales(config: Any) -> Any:
     """``config`` with MSE-searched scales in every layer config that has one to search (not the signed Q5_0 / Q4_0
-    block scale, ``scale_type=gguf_0``, of the mixes' 32-channel fallback types)."""
+    block scale, ``scale_type=gguf_0``, of the mixes' 32-channel fallback types, nor the asymmetric K grids, whose
+    scales and minimums come from a least-squares search already)."""
     import dataclasses
 
     from quark_brevitas import QLayerConfig
@@ -53,7 +54,9 @@ def with_mse_scales(config: Any) -> Any:
 
     for level in (config.layer_type_quant_config, config.layer_quant_config):
         for key, layer in level.items():
-            if layer.weight.scale_type is not ScaleType.gguf_0:
+            spec = layer.weight
+            if spec.scale_type is not ScaleType.gguf_0 and not (spec.scale_type is ScaleType.gguf_k
+                                                                 and spec.symmetric is False):
                 level[key] = QLayerConfig(weight=dataclasses.replace(layer.weight, param_type=ParamType.mse))
     return config
 

@@ -66,6 +66,7 @@ from torch import nn
 from quark_brevitas.brevitas_adapter import RECIPROCAL_INT8_LETS
 from quark_brevitas.brevitas_adapter import generative_quantizers as bq_gen
 from quark_brevitas.brevitas_adapter.kquant import KQuantScaleRestrict
+from quark_brevitas.brevitas_adapter.kquant_minimum import KQUANT_MINIMUM_LETS
 from quark_brevitas.config.checks import (
     BIAS_BIT_WIDTHS,
     DEFAULT_PERCENTILE,
@@ -288,9 +289,13 @@ def _scale_lets(spec: QuantizationSpec) -> dict[str, Any]:
                 "restrict_scaling_type": RestrictValueType.SIGNED_FP}
     if spec.scale_type is ScaleType.gguf_k:
         kquant = KQUANT_BY_BITS[spec.bit_width]
-        return {"restrict_scale_threshold_impl": KQuantScaleRestrict,
+        lets = {"restrict_scale_threshold_impl": KQuantScaleRestrict,
                 "kquant_groups_per_super_block": kquant.groups_per_super_block,
                 "kquant_sub_scale_max": kquant.sub_scale_max}
+        if not spec.symmetric:  # llama.cpp's d * sc * q - dmin * m (quark_brevitas.brevitas_adapter.kquant_minimum)
+            lets.update(KQUANT_MINIMUM_LETS, kquant_minimum_max=kquant.minimum_max,
+                        kquant_code_max=2 ** spec.bit_width - 1)
+        return lets
     return _SCALE_LETS[spec.scale_type]
 
 class _RoundHalfAwayFromZero(torch.autograd.Function):

@@ -137,15 +137,17 @@ class LearnedRounding:
             return self.grid.scale * self._expand(ratio), self.grid.zero_point
         ratio = (high * high_factor - low * low_factor) / (high - low).clamp_min(1e-12)
         scale = self.grid.scale * self._expand(ratio)
-        zero_point = _round_ste(-self._expand(low * low_factor) / scale, self.grid.to_int)
-        return scale, zero_point
+        zero_point = -self._expand(low * low_factor) / scale
+        if self.grid.offset_dequantization:  # a float minimum per group (asymmetric K grids)
+            return scale, zero_point
+        return scale, _round_ste(zero_point, self.grid.to_int)
 
     def fake_quantized(self) -> torch.Tensor:
         """The weight rounded with the current offsets and clipping, differentiable in both (``[out, in]``)."""
         scale, zero_point = self._scale_zero_point()
         codes = _round_ste(self.weight / scale + zero_point + self.offsets, self.grid.to_int)
         codes = torch.clamp(codes, self.grid.min_int, self.grid.max_int)
-        return (codes - zero_point) * scale
+        return self.grid.dequantize(codes, scale, zero_point)
 
     def step(self, lr: float, clip_lr: float) -> None:
         """One signed-gradient step, then the parameters back into their ranges."""
@@ -168,7 +170,7 @@ class LearnedRounding:
         grid = weight_grid(self.layer, target)
         codes = grid.clamp(grid.to_int(self.weight / grid.scale + grid.zero_point + self.offsets.detach()),
                            min_val=grid.min_int, max_val=grid.max_int)
-        return (codes - grid.zero_point) * grid.scale
+        return grid.dequantize(codes, grid.scale, grid.zero_point)
 
 
 def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

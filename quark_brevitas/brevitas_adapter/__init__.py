@@ -100,6 +100,11 @@ from quark_brevitas.brevitas_adapter.introspection import (  # noqa: E402
     weight_quant_disabled,
     weight_quantization_pairs,
 )
+from quark_brevitas.brevitas_adapter.kquant_minimum import (  # noqa: E402
+    KQUANT_MINIMUM_LETS,
+    offset_of,
+    uses_offset_dequantization,
+)
 from quark_brevitas.brevitas_adapter.memo import (  # noqa: E402
     LAYER_OUTPUT_BUDGET,
     Handoff,
@@ -172,6 +177,7 @@ __all__ = [
     "SUPPORTED_BREVITAS",
     "EqualizedModule",
     "OnlineHadamard",
+    "KQUANT_MINIMUM_LETS",
     "RECIPROCAL_INT8_LETS",
     "ReciprocalIntQuant",
     "RotatedInput",
@@ -224,6 +230,7 @@ __all__ = [
     "load_quant_model_mode",
     "mark_scale_initialised",
     "norm_correction_mode",
+    "offset_of",
     "plain_tensor",
     "quantization_disabled",
     "quantized_units",
@@ -242,6 +249,7 @@ __all__ = [
     "swap_parameter",
     "symbolic_trace",
     "weight_grid",
+    "uses_offset_dequantization",
     "uses_reciprocal_codes",
     "weight_quant_disabled",
     "weight_quantization_pairs",

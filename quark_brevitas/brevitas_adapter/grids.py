@@ -27,6 +27,7 @@ from quark_brevitas.brevitas_adapter.introspection import (
     iter_quantizers,
     quant_switched,
 )
+from quark_brevitas.brevitas_adapter.kquant_minimum import KQuantOffsetIntQuant, offset_dequantize
 from quark_brevitas.errors import QuarkBrevitasError
 
 __all__ = [
@@ -105,6 +106,9 @@ class WeightGrid(NamedTuple):
     to_int: Callable[[torch.Tensor], torch.Tensor]
     clamp: Callable[..., torch.Tensor]
     bit_width: int
+    #: An asymmetric K grid: values are ``codes * scale - offset_of(zero_point, scale)``
+    #: (:mod:`quark_brevitas.brevitas_adapter.kquant_minimum`), not ``(codes - zero_point) * scale``.
+    offset_dequantization: bool = False
 
     def quantize(self, weight: torch.Tensor, columns: Any = slice(None)) -> torch.Tensor:
         """``weight`` (the weight, or its ``columns``) quantized and dequantized on this grid."""
@@ -113,8 +117,15 @@ class WeightGrid(NamedTuple):
     def plain_rounding(self) -> bool:
         """Whether this grid rounds half to even and clamps as Brevitas's plain ``RoundSte`` / ``TensorClamp`` do
         (:func:`plain_round_and_clamp`): then :meth:`quantize_values` is a fixed sequence of element-wise operations
-        that code outside torch (GPTQ's NumPy column loop) can repeat exactly."""
-        return plain_round_and_clamp(self.to_int, self.clamp)
+        that code outside torch (GPTQ's NumPy column loop) can repeat exactly (not for an offset grid)."""
+        return not self.offset_dequantization and plain_round_and_clamp(self.to_int, self.clamp)
+
+    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+        """The values of ``codes`` on this grid (``scale`` / ``zero_point``: slices of its own), as the quantizer
+        computes them."""
+        if self.offset_dequantization:
+            return offset_dequantize(codes, scale, zero_point)
+        return (codes - zero_point) * scale
 
     def column_quantizer(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         """:meth:`quantize_values` as a function whose rounding path is chosen once, for a loop over columns."""
@@ -131,13 +142,13 @@ class WeightGrid(NamedTuple):
             codes = torch.clamp(torch.round(values / scale + zero_point), self.min_int, self.max_int)
         else:
             codes = self.clamp(self.to_int(values / scale + zero_point), min_val=self.min_int, max_val=self.max_int)
-        return (codes - zero_point) * scale
+        return self.dequantize(codes, scale, zero_point)
 
 
 def _column_quantizer(grid: WeightGrid) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """:meth:`WeightGrid.quantize_values` with the choice of path made once (GPTQ's column loop calls it per
     column): the same operations, so the same values."""
-    if not plain_round_and_clamp(grid.to_int, grid.clamp):
+    if grid.offset_dequantization or not plain_round_and_clamp(grid.to_int, grid.clamp):
         return grid.quantize_values
     min_int, max_int = grid.min_int, grid.max_int
 
@@ -211,7 +222,8 @@ def weight_grid(layer: nn.Module, weight: torch.Tensor | None = None) -> WeightG
     scale = quant.scale.expand_as(target).detach()
     zero_point = torch.as_tensor(quant.zero_point, dtype=scale.dtype, device=scale.device).expand_as(target).detach()
     return WeightGrid(scale, zero_point, int_quant.min_int(bit_width), int_quant.max_int(bit_width),
-                      int_quant.float_to_int_impl, int_quant.tensor_clamp_impl, int(bit_width))
+                      int_quant.float_to_int_impl, int_quant.tensor_clamp_impl, int(bit_width),
+                      isinstance(int_quant, KQuantOffsetIntQuant))
 
 
 def fixed_weight_grid(layer: nn.Module) -> WeightGrid | None:
@@ -237,7 +249,8 @@ def fixed_weight_grid(layer: nn.Module) -> WeightGrid | None:
     scale = quant.scale.expand_as(layer.weight).detach()
     zero_point = torch.as_tensor(quant.zero_point, dtype=scale.dtype, device=scale.device).expand_as(layer.weight)
     return WeightGrid(scale, zero_point.detach(), int_quant.min_int(bit_width), int_quant.max_int(bit_width),
-                      int_quant.float_to_int_impl, int_quant.tensor_clamp_impl, int(bit_width))
+                      int_quant.float_to_int_impl, int_quant.tensor_clamp_impl, int(bit_width),
+                      isinstance(int_quant, KQuantOffsetIntQuant))
 
 
 class IntWeightFormat(NamedTuple):

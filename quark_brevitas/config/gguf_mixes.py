@@ -19,7 +19,8 @@ Q5_K -> Q5_1, Q4_K -> Q5_0, Q3_K and Q2_K -> Q4_0 (all-MiniLM-L6-v2's 384-wide l
 
 The rules depend on the number of layers (and query heads per key/value head), so a mix is built for a model:
 :func:`gguf_mix_config` (the presets ``gguf_q4_k_m`` ... take them from the model folder on the command line).
-The grids are the ``scale_type=gguf_k`` ones of :mod:`quark_brevitas.config.kquants`; embeddings stay float.
+The grids are the ``scale_type=gguf_k`` ones of :mod:`quark_brevitas.config.kquants`, asymmetric (a minimum per
+sub-block, as llama.cpp's quantizer fills them) for Q2_K, Q4_K and Q5_K; embeddings stay float.
 """
 
 from __future__ import annotations
@@ -78,15 +79,17 @@ def _block_layer(qtype: str) -> QuantizationConfig:
         narrow_range=(qtype == "Q8_0") if symmetric else None))
 
 
-def gguf_kquant_layer(qtype: str) -> QuantizationConfig:
-    """The layer config of one GGUF type: a K-quant's ``gguf_k`` grid (what the ``gguf_q*_k`` presets give every
-    Linear layer), or a 32-channel fallback type's float16 grid (Q8_0, Q5_0, Q5_1, Q4_0)."""
+def gguf_kquant_layer(qtype: str, symmetric: bool | None = None) -> QuantizationConfig:
+    """The layer config of one GGUF type: a K-quant's ``gguf_k`` grid, or a 32-channel fallback type's float16 grid
+    (Q8_0, Q5_0, Q5_1, Q4_0). Q2_K / Q4_K / Q5_K get llama.cpp's asymmetric grid (a minimum per sub-block) unless
+    ``symmetric=True`` (the signed grid of the ``gguf_q2_k`` / ``gguf_q4_k`` / ``gguf_q5_k`` presets)."""
     if qtype in _BLOCK_TYPES:
         return _block_layer(qtype)
     kquant = KQUANT_TYPES[qtype]
+    asymmetric = kquant.with_minimum and not symmetric
     return QuantizationConfig(weight=QuantizationSpec(
-        bit_width=kquant.bit_width, qscheme=QSchemeType.per_group, group_size=kquant.group_size,
-        scale_type=ScaleType.gguf_k, narrow_range=False))
+        bit_width=kquant.bit_width, symmetric=not asymmetric, qscheme=QSchemeType.per_group,
+        group_size=kquant.group_size, scale_type=ScaleType.gguf_k, narrow_range=None if asymmetric else False))
 
 
 def _use_more_bits(layer: int, layers: int) -> bool:

@@ -10,11 +10,15 @@ restriction is :class:`quark_brevitas.brevitas_adapter.kquant.KQuantScaleRestric
 
 ``Q6_K`` (int6 codes -32..31, int8 sub-scales) and ``Q3_K`` (int3 codes -4..3, 6-bit signed sub-scales) are
 symmetric. ``Q2_K``, ``Q4_K`` and ``Q5_K`` store unsigned codes ``q`` and a second per-sub-block term:
-``d * s * q - dmin * m`` (sub-minimums ``m`` of the same width as ``s``). Brevitas's ``(q - zero_point) * scale``
-reproduces that bit for bit only when ``dmin * m / (d * s)`` is an integer, so they are written here with the
-symmetric code range: ``dmin = 2 ** (bits - 1) * d`` and ``m = s`` make ``d * s * q - dmin * m`` equal
-``d * s * (q - 2 ** (bits - 1))``, a signed code on the sub-block's scale (llama.cpp's quantizer fits a minimum
-per sub-block instead; GPTQ on the symmetric grid is what this exporter offers in its place).
+``d * s * q - dmin * m`` (sub-minimums ``m`` of the same width as ``s``, one float16 ``dmin`` per super-block).
+Two grids hold them:
+
+- ``symmetric=False`` (uint2 / uint4 / uint5): llama.cpp's own, a minimum per sub-block
+  (:mod:`quark_brevitas.brevitas_adapter.kquant_minimum` snaps the zero points to ``dmin * m`` and dequantizes as
+  ``d * s * q - dmin * m``); the ``gguf_q4_k_m`` / ``gguf_q5_k_m`` / ``gguf_q3_k_m`` / ``gguf_q2_k_mix`` mixes use it;
+- ``symmetric=True`` (int2 / int4 / int5, the presets ``gguf_q2_k``, ``gguf_q4_k``, ``gguf_q5_k``): a signed code on
+  the sub-block's scale, written with ``dmin = 2 ** (bits - 1) * d`` and ``m = s`` (``d * s * q - dmin * m`` then
+  equals ``d * s * (q - 2 ** (bits - 1))``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ class KQuantType:
     with_minimum: bool = False
 
     @property
+    def minimum_max(self) -> int:
+        """The largest sub-minimum ``m`` (types with sub-minimums: as wide as the sub-scales)."""
+        return self.sub_scale_max if self.with_minimum else 0
+
+    @property
     def groups_per_super_block(self) -> int:
         return KQUANT_SUPER_BLOCK // self.group_size
 
@@ -61,14 +70,17 @@ KQUANT_BY_BITS: dict[int, KQuantType] = {t.bit_width: t for t in KQUANT_TYPES.va
 
 
 def _verify_kquant(spec: Any, kind: str, per_group: bool, path: str) -> None:
-    """``scale_type=gguf_k``: symmetric integer weights per group of 16 with the bits of a K-quant type."""
+    """``scale_type=gguf_k``: integer weights per group with the bits and sub-block of a K-quant type, symmetric, or
+    asymmetric (a float minimum per sub-block) for the types that store sub-minimums."""
     kquant = KQUANT_BY_BITS.get(spec.bit_width)
-    fits = ", ".join(f"{t.name}: int{t.bit_width} symmetric per_group group_size={t.group_size}"
-                     for t in KQUANT_TYPES.values())
-    if (kind != "weight" or spec.quant_type is not QuantType.int_quant or not per_group or not spec.symmetric
-            or kquant is None or spec.group_size != kquant.group_size):
+    fits = ", ".join(f"{t.name}: int{t.bit_width} {'symmetric or asymmetric' if t.with_minimum else 'symmetric'} "
+                     f"per_group group_size={t.group_size}" for t in KQUANT_TYPES.values())
+    if (kind != "weight" or spec.quant_type is not QuantType.int_quant or not per_group
+            or kquant is None or spec.group_size != kquant.group_size
+            or not (spec.symmetric or (kquant.with_minimum and spec.param_type is ParamType.stats))):
         raise ConfigError(f"{path}.scale_type", f"gguf_k scales are GGUF K-quant super-blocks of weights; allowed: "
-                          f"{fits} (presets gguf_q2_k .. gguf_q6_k)")
+                          f"{fits}; asymmetric ones with param_type=stats (presets gguf_q2_k .. gguf_q6_k, "
+                          f"gguf_q4_k_m ...)")
 
 
 #: Bit widths of ``scale_type=gguf_0`` (GGUF Q4_0 and Q5_0) and its group size.

@@ -67,8 +67,10 @@ class QuantizationSpec:
     - ``scale_type``: ``float`` or ``pof2`` (power-of-two) scales; ``per_group`` with ``pof2`` is the OCP MX
       shared-exponent rule; ``float16`` (integer weights): every scale is a float16 number, as GGUF stores it
       (asymmetric: with ``11 - bit_width`` significant bits, so that ``scale * zero_point`` is one too);
-      ``gguf_k`` (int6 / int3 symmetric weights per group of 16): per 256 input channels, integer multiples of
-      one float16 number, as GGUF's K-quants Q6_K / Q3_K store them; ``gguf_0`` (int4 / int5 symmetric weights
+      ``gguf_k`` (integer weights per group of 16 / 32 with a K-quant's bits): per 256 input channels, integer
+      multiples of one float16 number, as GGUF's K-quants Q2_K .. Q6_K store them (asymmetric uint2 / uint4 /
+      uint5: a minimum per group too, multiples of a second float16 number, llama.cpp's Q2_K / Q4_K / Q5_K);
+      ``gguf_0`` (int4 / int5 symmetric weights
       per group of 32): a signed float16 scale per group, the group's largest-magnitude weight on the most
       negative code, as llama.cpp's quantizer fills GGUF Q4_0 / Q5_0.
     - ``quant_type``: ``int_quant`` or ``float_quant`` (then give exponent and mantissa widths).

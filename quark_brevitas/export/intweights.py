@@ -40,6 +40,8 @@ from quark_brevitas.brevitas_adapter import (
     injector_value,
     is_groupwise,
     iter_quantizers,
+    offset_of,
+    uses_offset_dequantization,
 )
 from quark_brevitas.errors import ModelError, QuarkBrevitasError
 from quark_brevitas.export.readback import records_of, verify_npz_file, verify_safetensors_file
@@ -79,6 +81,10 @@ class IntegerWeight:
         group_size: Consecutive elements along ``axis`` sharing one scale (per-group and MX), else ``None``.
         shared_exponent: MX (power-of-two group scales) only: ``scale == 2 ** shared_exponent`` as int16,
             the unbiased exponent (OCP MX's E8M0 stores it plus 127).
+        offset_dequantization: Asymmetric K-quant grids (``scale_type=gguf_k``, ``symmetric=False``) only: the
+            weight is ``int_weight * scale - offset`` with ``offset`` = ``zero_point * scale`` rounded to 17
+            significant bits (llama.cpp's ``d * sc * q - dmin * m``, one rounding;
+            :func:`quark_brevitas.brevitas_adapter.offset_of`), not ``(int_weight - zero_point) * scale``.
     """
 
     name: str
@@ -95,6 +101,7 @@ class IntegerWeight:
     exponent_bias: int | None = None
     group_size: int | None = None
     shared_exponent: torch.Tensor | None = None
+    offset_dequantization: bool = False
 
     def expanded(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (``scale`` or ``zero_point``) broadcastable to ``int_weight``: per group, each element
@@ -110,6 +117,8 @@ class IntegerWeight:
         model: exactly before the layer rounds it to its dtype)."""
         dtype = self.scale.dtype
         scale, zero_point = self.expanded(self.scale), self.expanded(self.zero_point)
+        if self.offset_dequantization:
+            return self.int_weight.to(dtype) * scale - offset_of(zero_point.to(dtype), scale)
         return (self.int_weight.to(dtype) - zero_point.to(dtype)) * scale
 
     def metadata(self) -> dict[str, Any]:
@@ -245,6 +254,8 @@ def _extract(label: str, proxy: nn.Module, qt: Any) -> IntegerWeight:
                          "supports integer and minifloat quantizers")
     if grouped is not None and _is_power_of_two_scaled(proxy):
         entry = _with_shared_exponent(label, entry)
+    if uses_offset_dequantization(proxy):
+        entry = replace(entry, offset_dequantization=True)
     return entry
 
 

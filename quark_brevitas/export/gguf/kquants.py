@@ -10,8 +10,9 @@ integer sub-scale ``s``, per super-block one float16 ``d``; a weight is ``d * s 
 So an int6 / int3 symmetric weight per group of 16 is exact in the K-quant when, in every super-block, the 16
 group scales are integer multiples of one float16 number within the sub-scale's range. ``scale_type=gguf_k`` (the
 presets ``gguf_q2_k`` .. ``gguf_q6_k``) makes them so; power-of-two scales (``scale_type=pof2``) usually are too.
-Q2_K, Q4_K and Q5_K (``d * s * q - dmin * m``) hold symmetric codes with ``dmin = 2 ** (bits - 1) * d`` and
-``m = s`` (:mod:`quark_brevitas.config.kquants`).
+Q2_K, Q4_K and Q5_K (``d * s * q - dmin * m``) hold the asymmetric K grids (unsigned codes, a sub-minimum per
+sub-block: :mod:`quark_brevitas.brevitas_adapter.kquant_minimum`), and symmetric codes with
+``dmin = 2 ** (bits - 1) * d`` and ``m = s`` (:mod:`quark_brevitas.config.kquants`).
 This module finds, per super-block, the largest such float16 ``d`` (the scales over each candidate sub-scale of
 the largest one) and refuses a super-block that has none.
 """
@@ -23,6 +24,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from quark_brevitas.brevitas_adapter import offset_of
 from quark_brevitas.config.kquants import KQUANT_SUPER_BLOCK, KQUANT_TYPES
 from quark_brevitas.export.errors import ExportError
 from quark_brevitas.export.intweights import IntegerWeight
@@ -35,18 +37,22 @@ Q6_K_SUPER_BLOCK = KQUANT_SUPER_BLOCK
 Q6_K_GROUP = KQUANT_TYPES["Q6_K"].group_size
 
 
-def kquant_scales(name: str, scales: np.ndarray, qtype: str, per_row: int) -> tuple[np.ndarray, np.ndarray]:
+def kquant_scales(name: str, scales: np.ndarray, qtype: str, per_row: int, minimums: bool = False,
+                  top_sub: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``d`` (float16, one per super-block) and ``s`` (int, one per sub-block, ``1..sub_scale_max``) with
     ``d * s == scales`` exactly; ``scales`` is ``[super-blocks, sub-blocks]`` (``per_row``: super-blocks per row,
     for the message). The candidates ``d = max(scales) / k`` are tried for ``k = 1, 2, ...``: the first that is a
-    float16 number dividing every scale of the super-block into an integer in range is the largest ``d``."""
-    top_sub = KQUANT_TYPES[qtype].sub_scale_max
+    float16 number dividing every scale of the super-block into an integer in range is the largest ``d``.
+    ``minimums``: the sub-minimums (``0..top_sub``; a super-block of zeros gets ``d = 0``)."""
+    top_sub = KQUANT_TYPES[qtype].sub_scale_max if top_sub is None else top_sub
+    lowest = 0 if minimums else 1
+    what = "sub-minimums" if minimums else "16 scales"
     values = scales.astype(np.float64)
     top = values.max(axis=1)
     d = np.zeros(len(values))
     sub = np.zeros(values.shape, dtype=np.int64)
-    found = np.zeros(len(values), dtype=bool)
-    if (values > 0).all():
+    found = (top == 0) & (lowest == 0) & (values == 0).all(axis=1)
+    if (values >= lowest * np.finfo(np.float64).tiny).all():
         for k in range(1, top_sub + 1):
             todo = ~found
             if not todo.any():
@@ -61,7 +67,7 @@ def kquant_scales(name: str, scales: np.ndarray, qtype: str, per_row: int) -> tu
             d[index], sub[index], found[index] = candidate[ok], rounded[ok], True
     if not found.all():
         row, start = divmod(int(np.flatnonzero(~found)[0]), per_row)
-        raise ExportError(f"layer '{name}': the 16 scales of row {row}, input channels {start * KQUANT_SUPER_BLOCK}.."
+        raise ExportError(f"layer '{name}': the {what} of row {row}, input channels {start * KQUANT_SUPER_BLOCK}.."
                           f"{(start + 1) * KQUANT_SUPER_BLOCK - 1} are not integer multiples (at most {top_sub}) of "
                           f"one float16 number, so {qtype} cannot store them exactly; quantize with "
                           f"scale_type=gguf_k (presets gguf_q6_k, gguf_q3_k) or scale_type=pof2")
@@ -134,6 +140,9 @@ def kquant_fallback(name: str, entry: IntegerWeight, qtype: str) -> tuple[Intege
     itself: ``d * q`` has more significant bits than float16 holds)."""
     cols = entry.int_weight.shape[1]
     scale = entry.scale.detach()
+    if entry.offset_dequantization:  # the quantizer refuses such rows; an entry built by hand may still have them
+        raise ExportError(f"layer '{name}' has {cols} input channels, not a multiple of {KQUANT_SUPER_BLOCK}: its "
+                          f"asymmetric {qtype} grid has no whole super-blocks")
     if cols % 32:
         return entry, "F32"
     per_32 = 32 // entry.group_size
@@ -145,63 +154,76 @@ def kquant_fallback(name: str, entry: IntegerWeight, qtype: str) -> tuple[Intege
     return replace(entry, scale=scale[:, 0::per_32].contiguous(), group_size=32), KQUANT_FALLBACK[qtype]
 
 
-def _minimum_form(name: str, entry: IntegerWeight, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A type with sub-minimums holding a symmetric weight: unsigned codes ``q = code + 2 ** (bits - 1)``, the
-    super-blocks' ``d`` and ``dmin = 2 ** (bits - 1) * d`` as float16 bytes ``[n, 4]``, and the sub-scales (which
-    are the sub-minimums too): ``d * s * q - dmin * s == d * s * code`` exactly."""
+def _minimum_form(name: str, entry: IntegerWeight, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                         np.ndarray]:
+    """A type with sub-minimums: unsigned codes ``q``, the super-blocks' ``d`` and ``dmin`` as float16 bytes
+    ``[n, 4]``, the sub-scales and the sub-minimums. An asymmetric K grid (``entry.offset_dequantization``) has
+    them: ``zero_point * scale`` is ``dmin * m`` (:func:`~quark_brevitas.brevitas_adapter.offset_of`). A symmetric
+    weight gets ``q = code + 2 ** (bits - 1)``, ``dmin = 2 ** (bits - 1) * d`` and ``m = s``:
+    ``d * s * q - dmin * s == d * s * code`` exactly."""
+    kquant = KQUANT_TYPES[qtype]
     codes, d, sub = _codes_and_scales(name, entry, qtype)
-    half = 2 ** (KQUANT_TYPES[qtype].bit_width - 1)
+    if entry.offset_dequantization:
+        offsets = offset_of(entry.zero_point.float(), entry.scale.float()).numpy()
+        per_row = entry.int_weight.shape[1] // KQUANT_SUPER_BLOCK
+        dmin, minimums = kquant_scales(name, offsets.reshape(sub.shape), qtype, per_row, True,
+                                       kquant.minimum_max)
+        halves = np.stack([d, dmin], axis=1).view(np.uint8)
+        return codes.astype(np.uint8), halves, sub.astype(np.uint8), minimums.astype(np.uint8)
+    half = 2 ** (kquant.bit_width - 1)
     dmin = (d.astype(np.float32) * half).astype(np.float16)
     if not np.array_equal(dmin.astype(np.float32), d.astype(np.float32) * half):  # only at float16's top end
         raise ExportError(f"layer '{name}': a super-block scale {float(d.max())} times {half} overflows float16, "
                           f"so {qtype} cannot store its minimum")
     halves = np.stack([d, dmin], axis=1).view(np.uint8)
-    return (codes + half).astype(np.uint8), halves, sub.astype(np.uint8)
+    return (codes + half).astype(np.uint8), halves, sub.astype(np.uint8), sub.astype(np.uint8)
 
 
 def pack_q2_k(name: str, entry: IntegerWeight) -> np.ndarray:
     """Q2_K blocks (``block_q2_K``: 16 bytes of 4-bit sub-scale | sub-minimum << 4, 64 bytes of 2-bit codes,
     float16 ``d`` and ``dmin``; element ``128 * h + 32 * j + l`` at bits ``2 * j`` of byte ``32 * h + l``)."""
     rows = entry.int_weight.shape[0]
-    q, halves, sub = _minimum_form(name, entry, "Q2_K")
+    q, halves, sub, minimums = _minimum_form(name, entry, "Q2_K")
     q = q.reshape(-1, 2, 4, 32)
     qs = (q[:, :, 0] | (q[:, :, 1] << np.uint8(2)) | (q[:, :, 2] << np.uint8(4))
           | (q[:, :, 3] << np.uint8(6))).reshape(-1, 64)
-    scales = sub | (sub << np.uint8(4))
+    scales = sub | (minimums << np.uint8(4))
     return np.concatenate([scales, qs, halves], axis=1).reshape(rows, -1)
 
 
-def _scale_min_bytes(sub: np.ndarray) -> np.ndarray:
-    """Q4_K / Q5_K's 12 bytes of eight 6-bit sub-scales and eight 6-bit sub-minimums (here equal): bytes 0..3 /
-    4..7 hold scales / minimums 0..3 and the top two bits of 4..7; bytes 8..11 the low nibbles of 4..7."""
-    low, high = sub[:, :4], sub[:, 4:]
-    first = low | ((high >> np.uint8(4)) << np.uint8(6))
-    last = (high & np.uint8(0x0F)) | ((high & np.uint8(0x0F)) << np.uint8(4))
-    return np.concatenate([first, first, last], axis=1)
+def _scale_min_bytes(sub: np.ndarray, minimums: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's 12 bytes of eight 6-bit sub-scales and eight 6-bit sub-minimums: bytes 0..3 / 4..7 hold
+    scales / minimums 0..3 and the top two bits of 4..7; bytes 8..11 the low nibbles of 4..7 (scale low, minimum
+    high)."""
+    def first(values: np.ndarray) -> np.ndarray:
+        return values[:, :4] | ((values[:, 4:] >> np.uint8(4)) << np.uint8(6))
+
+    last = (sub[:, 4:] & np.uint8(0x0F)) | ((minimums[:, 4:] & np.uint8(0x0F)) << np.uint8(4))
+    return np.concatenate([first(sub), first(minimums), last], axis=1)
 
 
 def pack_q4_k(name: str, entry: IntegerWeight) -> np.ndarray:
     """Q4_K blocks (``block_q4_K``: float16 ``d``, ``dmin``, 12 bytes of sub-scales / sub-minimums, 128 bytes of
     4-bit codes; element ``64 * h + 32 * k + l`` in nibble ``k`` of byte ``32 * h + l``)."""
     rows = entry.int_weight.shape[0]
-    q, halves, sub = _minimum_form(name, entry, "Q4_K")
+    q, halves, sub, minimums = _minimum_form(name, entry, "Q4_K")
     q = q.reshape(-1, 4, 2, 32)
     qs = (q[:, :, 0] | (q[:, :, 1] << np.uint8(4))).reshape(-1, 128)
-    return np.concatenate([halves, _scale_min_bytes(sub), qs], axis=1).reshape(rows, -1)
+    return np.concatenate([halves, _scale_min_bytes(sub, minimums), qs], axis=1).reshape(rows, -1)
 
 
 def pack_q5_k(name: str, entry: IntegerWeight) -> np.ndarray:
     """Q5_K blocks (``block_q5_K``: Q4_K's layout of the low four bits, after 32 bytes whose bit ``b`` of byte
     ``l`` is the fifth bit of element ``32 * b + l``)."""
     rows = entry.int_weight.shape[0]
-    q, halves, sub = _minimum_form(name, entry, "Q5_K")
+    q, halves, sub, minimums = _minimum_form(name, entry, "Q5_K")
     low = (q & np.uint8(0x0F)).reshape(-1, 4, 2, 32)
     qs = (low[:, :, 0] | (low[:, :, 1] << np.uint8(4))).reshape(-1, 128)
     top = (q >> np.uint8(4)).reshape(-1, 8, 32)
     qh = np.zeros((top.shape[0], 32), dtype=np.uint8)
     for bit in range(8):
         qh |= top[:, bit] << np.uint8(bit)
-    return np.concatenate([halves, _scale_min_bytes(sub), qh, qs], axis=1).reshape(rows, -1)
+    return np.concatenate([halves, _scale_min_bytes(sub, minimums), qh, qs], axis=1).reshape(rows, -1)
 
 
 #: K-quant type -> its packer.

@@ -140,6 +140,9 @@ def gguf_type(name: str, entry: IntegerWeight, kquant: bool = False) -> str:
     qtype = GGUF_WEIGHT_TYPES.get((entry.format, symmetric))
     if kquant and symmetric and entry.format in {f"int{bits}" for bits in KQUANT_BY_BITS}:
         qtype = KQUANT_BY_BITS[entry.bit_width].name
+    elif kquant and entry.offset_dequantization and entry.format in {
+            f"uint{t.bit_width}" for t in KQUANT_TYPES.values() if t.with_minimum}:
+        qtype = KQUANT_BY_BITS[entry.bit_width].name  # asymmetric K grid: d * sc * q - dmin * m
     layout = (f"per group of {entry.group_size}" if entry.group_size else
               "per channel" if entry.axis is not None else "per tensor")
     group, row = _LAYOUTS.get(qtype, (0, 0))

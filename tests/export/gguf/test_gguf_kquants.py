@@ -18,6 +18,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+from helpers.gguf_files import same_tensors  # noqa: E402
 from helpers.llm_models import VOCAB, token_batches  # noqa: E402
 
 from quark_brevitas import ModelQuantizer, QTensorConfig, algos  # noqa: E402
@@ -137,9 +138,13 @@ def test_gguf_k_refuses_a_layout_no_k_quant_has() -> None:
     from quark_brevitas import Config, QLayerConfig
 
     spec = QTensorConfig(bit_width=4, qscheme=QSchemeType.per_group, group_size=16, scale_type=ScaleType.gguf_k)
-    with pytest.raises(ConfigError, match=r"gguf_k scales are GGUF K-quant.*Q4_K: int4 symmetric per_group "
-                                          r"group_size=32"):
+    with pytest.raises(ConfigError, match=r"gguf_k scales are GGUF K-quant.*Q4_K: int4 symmetric or asymmetric "
+                                          r"per_group group_size=32"):
         ModelQuantizer(Config(QLayerConfig(weight=spec)))
+    q3_asymmetric = QTensorConfig(bit_width=3, symmetric=False, qscheme=QSchemeType.per_group, group_size=16,
+                                  scale_type=ScaleType.gguf_k)  # Q3_K stores no sub-minimums
+    with pytest.raises(ConfigError, match=r"Q3_K: int3 symmetric per_group group_size=16"):
+        ModelQuantizer(Config(QLayerConfig(weight=q3_asymmetric)))
 
 
 @pytest.mark.parametrize(("preset", "fallback"), [("gguf_q6_k", "Q8_0"), ("gguf_q5_k", "Q8_0"), ("gguf_q4_k", "Q4_0"),
@@ -179,12 +184,7 @@ def test_streamed_checkpoint_writes_the_same_k_quant_file(tmp_path: Path) -> Non
                                      tmp_path / "ckpt")
     streamed = export_gguf_streamed(checkpoint, tmp_path / "streamed")
     whole = export_gguf(load_pretrained_quantized(checkpoint), tmp_path / "whole")
-    written = {t.name: t for t in gguf.GGUFReader(str(streamed)).tensors}
-    expected = {t.name: t for t in gguf.GGUFReader(str(whole)).tensors}
-    assert written.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert written[name].tensor_type == tensor.tensor_type
-        assert np.array_equal(np.asarray(written[name].data), np.asarray(tensor.data)), name
+    written = same_tensors(streamed, whole)
     assert sum(t.tensor_type.name == "Q3_K" for t in written.values()) == 15
 
 
