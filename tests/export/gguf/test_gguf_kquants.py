@@ -21,8 +21,9 @@ transformers = pytest.importorskip("transformers")
 from helpers.gguf_files import same_tensors  # noqa: E402
 from helpers.llm_models import VOCAB, token_batches  # noqa: E402
 
-from quark_brevitas import ModelQuantizer, QTensorConfig, algos  # noqa: E402
+from quark_brevitas import Config, ModelQuantizer, QLayerConfig, QTensorConfig, algos  # noqa: E402
 from quark_brevitas.brevitas_adapter.kquant import snap_kquant_scales  # noqa: E402
+from quark_brevitas.config.gguf_mixes import gguf_kquant_layer  # noqa: E402
 from quark_brevitas.config.presets import get_preset  # noqa: E402
 from quark_brevitas.errors import ConfigError  # noqa: E402
 from quark_brevitas.export import export_gguf  # noqa: E402
@@ -44,8 +45,13 @@ def _model(family: str, layers: int = 1) -> torch.nn.Module:
     return model(config(**{**_WIDE, "num_hidden_layers": layers})).eval()
 
 
+#: llama.cpp's asymmetric Q2_K / Q4_K / Q5_K (a minimum per sub-block), as the ``gguf_q*_k_m`` mixes use them.
+ASYMMETRIC = {"gguf_q5_k_asymmetric": "Q5_K", "gguf_q4_k_asymmetric": "Q4_K", "gguf_q2_k_asymmetric": "Q2_K"}
+
+
 def _quantize(model: torch.nn.Module, preset: str, gptq: bool = False) -> torch.nn.Module:
-    config = get_preset(preset)
+    config = (Config(QLayerConfig(), layer_type_quant_config={torch.nn.Linear: gguf_kquant_layer(ASYMMETRIC[preset])})
+              if preset in ASYMMETRIC else get_preset(preset))
     if gptq:
         config.algo_config = [algos.GPTQ()]
     return ModelQuantizer(config).quantize_model(model, token_batches(2))
@@ -84,10 +90,12 @@ def test_the_grid_holds_every_scale_as_a_sub_scale_of_a_float16_super_block_scal
 @pytest.mark.parametrize(("family", "preset", "gptq"), [
     ("llama", "gguf_q6_k", False), ("llama", "gguf_q5_k", True), ("llama", "gguf_q4_k", False),
     ("llama", "gguf_q3_k", True), ("llama", "gguf_q2_k", False), ("qwen2", "gguf_q4_k", True),
-    ("qwen2", "gguf_q3_k", False), ("mistral", "gguf_q2_k", True), ("mistral", "gguf_q5_k", False)])
+    ("qwen2", "gguf_q3_k", False), ("mistral", "gguf_q2_k", True), ("mistral", "gguf_q5_k", False),
+    ("qwen2", "gguf_q4_k_asymmetric", True), ("mistral", "gguf_q5_k_asymmetric", False),
+    ("llama", "gguf_q2_k_asymmetric", True), ("qwen2", "gguf_q2_k_asymmetric", False)])
 def test_every_tensor_dequantizes_exactly_and_transformers_computes_the_same_logits(
         family: str, preset: str, gptq: bool, tmp_path: Path) -> None:
-    qtype = KQUANTS[preset][0]
+    qtype = ASYMMETRIC[preset] if preset in ASYMMETRIC else KQUANTS[preset][0]
     quant = _quantize(_model(family), preset, gptq)
     path = export_gguf(quant, tmp_path / "out")
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
