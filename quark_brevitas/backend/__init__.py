@@ -28,7 +28,6 @@ from typing import Any
 
 import brevitas.nn as qnn
 import torch
-from brevitas.graph.base import ModuleToModuleByInstance
 from brevitas.graph.utils import set_module
 from torch import nn
 
@@ -38,11 +37,11 @@ from quark_brevitas.brevitas_adapter import (
     HALF_DTYPES,
     EqualizedModule,
     RotatedInput,
-    adopt_parameters,
     float32_quantizer_kwargs,
     ignore_missing_keys,
     init_weight_scales,
     keep_quantizers_float32,
+    quant_layer_for,
 )
 from quark_brevitas.calibration.data import model_device_dtype
 from quark_brevitas.config import Config, QuantizationConfig
@@ -435,8 +434,8 @@ class LayerwiseBackend:
                 half = _floating_dtype(old) in HALF_DTYPES
                 if half:
                     kwargs = float32_quantizer_kwargs(kwargs)
-                new = ModuleToModuleByInstance(old, mapping.quant_class, **kwargs).init_new_module(old, name=row.name)
-                adopt_parameters(new, old)  # tied weights stay tied (quark_brevitas.algorithms.ties)
+                # Tied weights stay tied (the float layer's own parameters: quark_brevitas.algorithms.ties).
+                new = quant_layer_for(old, mapping.quant_class, kwargs, row.name)
                 new.to(model_device_dtype(old)[0])  # Brevitas builds the quantizers' state on the CPU
                 if half:
                     keep_quantizers_float32(new)

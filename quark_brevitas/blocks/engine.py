@@ -40,6 +40,7 @@ from quark_brevitas.blocks.capture import BlockCapture, Clock, CountingRunner, R
 from quark_brevitas.blocks.protocol import Branches, UnitQuantizer
 from quark_brevitas.blocks.sources import BlockSink, BlockSource, SoloLayer
 from quark_brevitas.blocks.stack import outside_layers
+from quark_brevitas.blocks.stacked_outputs import stacked_forward
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory, detached
 from quark_brevitas.brevitas_adapter import layer_output_budget, outputs_handed_over, weight_cache_budget
 from quark_brevitas.calibration.data import BlockInputs, CalibrationData
@@ -300,7 +301,14 @@ class BlockwiseEngine:
             outputs.append(detached(output))
 
         with self.inputs_context(self.model):
-            self._block_inputs(hidden, name).forward(block, f"{name}: outputs", on_output=keep)
+            inputs = self._block_inputs(hidden, name)
+            # Stacked into a few calls where the block treats rows independently, unless the user asked for
+            # memory (activations on disk); otherwise (or if a layer reads other rows) one call per batch.
+            results = stacked_forward(block, inputs, f"{name}: outputs") if self.stores.directory is None else None
+            if results is None:
+                inputs.forward(block, f"{name}: outputs", on_output=keep)
+            for position, output in enumerate(results or ()):
+                keep(position, output)
         hidden.close()
         self.stack[index] = self._finish(index, block)
         return outputs

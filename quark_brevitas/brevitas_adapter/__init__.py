@@ -154,6 +154,7 @@ from quark_brevitas.brevitas_adapter.rotation import (  # noqa: E402
 from quark_brevitas.brevitas_adapter.structure import (  # noqa: E402
     adopt_parameters,
     equalized_scale_shape,
+    quant_layer_for,
     swap_parameter,
     wrap_equalized,
 )
@@ -246,6 +247,7 @@ __all__ = [
     "sampled_activation_mse",
     "scale_impl",
     "scale_parameters",
+    "quant_layer_for",
     "swap_parameter",
     "symbolic_trace",
     "weight_grid",

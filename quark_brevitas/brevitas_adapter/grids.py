@@ -292,8 +292,12 @@ def int_weight_format(layer: nn.Module) -> IntWeightFormat | None:
         found = None
     else:
         with torch.no_grad(), quant_switched(proxy, False):
-            bit_width = int(proxy.bit_width())
-            scale = proxy.scale()
+            # What proxy.bit_width() and proxy.scale() each read (Brevitas's retrieve_attribute), one run of the
+            # quantizer on the whole weight instead of two.
+            cached = proxy._cached_weight
+            quant = cached if cached is not None else proxy(proxy.tracked_parameter_list[0])
+            bit_width = int(quant.bit_width)
+            scale = quant.scale
         group_size = int(injector_value(proxy, "group_size")) if is_groupwise(proxy) else -1
         found = IntWeightFormat(bit_width, group_size, group_size == -1 and scale.numel() == 1)
     if remembered is not None:

@@ -9,11 +9,19 @@ in ``tests/brevitas_adapter/test_adapter_structure.py``.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from brevitas.graph.base import ModuleToModuleByInstance, load_old_module_state_dict
+from brevitas.graph.utils import signature_keys
 from brevitas.nn.equalized_layer import EqualizedModule
 from brevitas.nn.quant_scale_bias import ScaleBias
+from brevitas.proxy.parameter_quant import ParameterQuantProxyFromInjector
+from brevitas.proxy.quant_proxy import QuantProxyFromInjector
 from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
 
-__all__ = ["adopt_parameters", "equalized_scale_shape", "swap_parameter", "wrap_equalized"]
+__all__ = ["adopt_parameters", "equalized_scale_shape", "quant_layer_for", "swap_parameter", "wrap_equalized"]
 
 
 # ===================================================================== equalized layers
@@ -50,6 +58,63 @@ def adopt_parameters(new: nn.Module, old: nn.Module) -> None:
             continue
         if current.shape == param.shape and current.dtype == param.dtype:
             setattr(new, name, param)
+
+
+def quant_layer_for(old: nn.Module, quant_class: type[nn.Module], kwargs: dict[str, Any], name: str) -> nn.Module:
+    """Brevitas's replacement of the float layer ``old`` by ``quant_class`` (quantizer keyword arguments
+    ``kwargs``), holding ``old``'s own ``Parameter`` objects (:func:`adopt_parameters`).
+
+    Brevitas builds the layer on the ``meta`` device, loads ``old``'s state dict into it (registering each
+    parameter re-initialises its quantizer, and so does loading each quantizer's empty state) and then the
+    parameters are adopted (a third initialisation): each weight quantizer is built four times, the last one
+    being the one kept, which was a third of a 4-block Llama's layer replacement. For a plain layer (its state
+    is its own parameters: no buffers, submodules, parametrizations or state-dict hooks, a layout shared with
+    the quantized class), registering ``old``'s parameters on the built layer is what that load and adoption
+    leave, with one initialisation of the weight and bias quantizers instead of three; the activation
+    quantizers are then initialised again, as loading re-initialises them (with the weight in place). Other
+    layers go through Brevitas's load."""
+    plain = "device" in signature_keys(quant_class) and _plain_state(old) \
+        and not getattr(quant_class, "float_layout_differs", ())
+    if not plain:
+        new = ModuleToModuleByInstance(old, quant_class, **kwargs).init_new_module(old, name=name)
+        adopt_parameters(new, old)
+        return new
+    # What init_new_module builds before loading the state dict (with load_state_dict=True it picks meta too).
+    new = ModuleToModuleByInstance(old, quant_class, **kwargs, device=torch.device("meta")).init_new_module(
+        old, name=name, load_state_dict=False)
+    if not _takes_parameters_of(new, old):
+        load_old_module_state_dict(old, new, True)
+        adopt_parameters(new, old)
+        return new
+    for param_name, param in old._parameters.items():
+        if param is not None:
+            setattr(new, param_name, param)  # the weight and bias quantizers are (re-)initialised for it
+    for proxy in new.children():
+        if isinstance(proxy, QuantProxyFromInjector) and not isinstance(proxy, ParameterQuantProxyFromInjector):
+            training = proxy.training
+            proxy.init_tensor_quant()
+            proxy.train(training)
+    return new
+
+
+def _plain_state(module: nn.Module) -> bool:
+    """Whether ``module``'s state dict is its own parameters and nothing else, read as they are."""
+    return not module._modules and not module._buffers and not is_parametrized(module) \
+        and not hasattr(module, "weight_orig") and not module._state_dict_hooks \
+        and not getattr(module, "_state_dict_pre_hooks", None)
+
+
+def _takes_parameters_of(new: nn.Module, old: nn.Module) -> bool:
+    """Whether loading ``old``'s state into ``new`` only sets ``new``'s own parameters (the same names, shapes and
+    dtypes; no load hooks in ``new`` that would do more)."""
+    params = {name for name, param in old._parameters.items() if param is not None}
+    if params != {name for name, param in new._parameters.items() if param is not None}:
+        return False
+    if any(new._parameters[name].shape != old._parameters[name].shape
+           or new._parameters[name].dtype != old._parameters[name].dtype for name in params):
+        return False
+    return not any(module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks
+                   for module in new.modules())
 
 
 def swap_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:

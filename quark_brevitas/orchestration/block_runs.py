@@ -36,6 +36,7 @@ from quark_brevitas.blocks.sources import BlockSink, BlockSource, CopiedBlocks, 
 from quark_brevitas.blocks.store import ActivationStore, StoreFactory
 from quark_brevitas.calibration.data import CalibrationData
 from quark_brevitas.errors import ModelError
+from quark_brevitas.orchestration.collector import existing_objects_frozen
 
 logger = logging.getLogger(__name__)
 
@@ -132,16 +133,20 @@ def run_blocks(quantizer: WholeModelQuantizer, model: nn.Module, stack: str | No
     :meth:`WholeModelQuantizer.quantize_whole` on ``data`` itself, nothing is cached); only the model's own source
     and the in-memory sink take it, since a folder's source or a checkpoint sink address the blocks of a stack."""
     stores = stores if stores is not None else StoreFactory()
-    try:
-        if stack is None:
-            return _run_whole(quantizer, model, data, source, sink, on_block)
-        logger.info("%s block by block (%d blocks in %s)", "Calibrating" if data is not None else "Quantizing",
-                    len(model.get_submodule(stack)), stack)
-        engine = BlockwiseEngine(quantizer, model, stack, data, source, sink=sink, stores=stores, on_block=on_block)
-        engine.on_captured = on_captured
-        return engine.run(start=start, hidden=hidden)
-    finally:
-        stores.cleanup()
+    # The collector does not walk the objects that existed before the run (the libraries', the model's) at each
+    # full collection the run's many new objects set off (see quark_brevitas.orchestration.collector).
+    with existing_objects_frozen():
+        try:
+            if stack is None:
+                return _run_whole(quantizer, model, data, source, sink, on_block)
+            logger.info("%s block by block (%d blocks in %s)", "Calibrating" if data is not None else "Quantizing",
+                        len(model.get_submodule(stack)), stack)
+            engine = BlockwiseEngine(quantizer, model, stack, data, source, sink=sink, stores=stores,
+                                     on_block=on_block)
+            engine.on_captured = on_captured
+            return engine.run(start=start, hidden=hidden)
+        finally:
+            stores.cleanup()
 
 
 def _run_whole(quantizer: WholeModelQuantizer, model: nn.Module, data: CalibrationData | None, source: BlockSource,

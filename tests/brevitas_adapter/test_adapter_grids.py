@@ -89,6 +89,32 @@ def test_int_weight_format() -> None:
     assert adapter.int_weight_format(nn.Linear(2, 2)) is None
 
 
+def test_int_weight_format_runs_the_quantizer_once_for_what_bit_width_and_scale_read(monkeypatch) -> None:
+    """Guards Brevitas's ``retrieve_attribute`` (``_cached_weight``, else a run on ``tracked_parameter_list[0]``),
+    which ``proxy.bit_width()`` and ``proxy.scale()`` each go through: int_weight_format reads both from one run."""
+    from quark_brevitas.config import QTensorConfig
+    from quark_brevitas.types import QSchemeType
+
+    for spec in (QTensorConfig(), QTensorConfig(qscheme=QSchemeType.per_channel)):
+        layer = quant_linear(spec)
+        proxy = layer.weight_quant
+        with torch.no_grad():
+            expected = (int(proxy.bit_width()), proxy.scale().numel() == 1)
+        runs = _count_runs(monkeypatch, type(proxy))
+        found = adapter.int_weight_format(layer)
+        monkeypatch.undo()
+        assert (found.bit_width, found.per_tensor) == expected and found.group_size == -1
+        assert len(runs) == 1
+
+
+def _count_runs(monkeypatch, proxy_class: type) -> list[int]:  # type: ignore[no-untyped-def]
+    """A list that grows by one at each call of ``proxy_class``'s ``forward`` until the monkeypatch is undone."""
+    runs: list[int] = []
+    forward = proxy_class.forward
+    monkeypatch.setattr(proxy_class, "forward", lambda self, *a, **k: (runs.append(1), forward(self, *a, **k))[1])
+    return runs
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_restart_activation_statistics_gives_a_fresh_calibration(symmetric: bool) -> None:
     """Guards ``ParameterFromRuntimeStatsScaling`` / ``ParameterFromRuntimeZeroPoint``: ``counter``, ``buffer``
