@@ -33,6 +33,7 @@ from quark_brevitas.config import (
     QuantType,
     verify_config,
 )
+from quark_brevitas.config.formats import OBSERVER_FIELDS
 from quark_brevitas.errors import ConfigError, ModelError
 from quark_brevitas.types import Dtype, QSchemeType, RoundType, ScaleType, ZeroPointType
 
@@ -262,6 +263,8 @@ def _bad_value(path: tuple, value: Any) -> st.SearchStrategy[Any]:
         return _junk("text", "none") | st.text(max_size=12).filter(lambda t: t not in _ENUM_NAMES)
     if last in _NULLABLE_SCALAR_FIELDS:
         return _junk(*_NULLABLE_SCALAR_FIELDS[last], "none")
+    if last == "observer_cls":  # None or one of Quark's observers by name
+        return _junk("text", "none") | st.text(max_size=12).filter(lambda t: t not in OBSERVER_FIELDS)
     if last in _ENUM_FIELDS or last == "name":
         allowed = _ENUM_NAMES if last in _ENUM_FIELDS else _ALGO_NAMES
         return _junk("text") | st.text(max_size=12).filter(lambda t: t not in allowed)
@@ -273,7 +276,9 @@ def _bad_value(path: tuple, value: Any) -> st.SearchStrategy[Any]:
         return _junk("int")
     if isinstance(value, float):
         return _junk("int", "float")
-    if last in ("input_tensors", "output_tensors", "weight", "bias"):
+    if last in ("input_tensors", "output_tensors", "weight", "bias", "softmax_quant_spec"):
+        return _junk("none")
+    if last in ("algo_config", "pre_quant_opt_config"):  # None is Quark's default there: no algorithms
         return _junk("none")
     if isinstance(last, int) and len(path) >= 2 and path[-2] == "exclude":
         return _junk("text") | st.just("")

@@ -340,9 +340,9 @@ def _ort_value(value: torch.Tensor | np.ndarray, ort_type: str) -> Any:
             raise ExportError(f"a FLOAT8E4M3FN input needs torch.float8_e4m3fn codes; got {codes.dtype}")
         bits = codes.detach().cpu().contiguous().view(torch.uint8).numpy()
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, TensorProto.FLOAT8E4M3FN)
-    from quark_brevitas.export.onnx.runtime import _feed_array
+    from quark_brevitas.export.onnx.runtime import feed_array
 
-    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(_feed_array(value, ort_type)))
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(feed_array(value, ort_type)))
 
 
 def to_torch(value: Any) -> torch.Tensor:
@@ -374,7 +374,7 @@ def float_runner(cache: QuantizedCache, names: Sequence[str]
     """Runners for the verification: float pasts in (encoded to codes), presents out as float values (decoded),
     so the file is compared with the float reference of :class:`~quark_brevitas.export.onnx.kv.CachedDecoder`.
     The first runs a file on positional tensors, the second an in-memory graph on named arrays (the pinned check)."""
-    from quark_brevitas.export.onnx.runtime import _cached_session, create_ort_session
+    from quark_brevitas.export.onnx.runtime import cached_session, create_ort_session
 
     by_past, by_present = cache.by_past, cache.by_present
 
@@ -389,7 +389,7 @@ def float_runner(cache: QuantizedCache, names: Sequence[str]
                 for n, v in outputs.items()}
 
     def run(path: Any, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
-        session = _cached_session(path)
+        session = cached_session(path)
         outputs = decode(run_session(session, {n: encode(n, a) for n, a in zip(names, args)}))
         return [outputs[o.name] for o in session.get_outputs()]
 

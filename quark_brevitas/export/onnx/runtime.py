@@ -99,7 +99,9 @@ def create_ort_session(path: PathLike) -> ort.InferenceSession:
         raise ExportError(f"onnxruntime (CPU) cannot load {file}: {exc}") from exc
 
 
-def _cached_session(path: PathLike) -> ort.InferenceSession:
+def cached_session(path: PathLike) -> ort.InferenceSession:
+    """One onnxruntime session per file (path, size and modification time), shared by the checks and decoders that
+    run the same file many times: building a session costs more than a small model's run."""
     file = pathlib.Path(path).resolve()
     try:
         stat = file.stat()
@@ -139,7 +141,7 @@ _ORT_NUMPY_TYPES: dict[str, type] = {
 }
 
 
-def _feed_array(value: torch.Tensor | np.ndarray, ort_type: str) -> np.ndarray:
+def feed_array(value: torch.Tensor | np.ndarray, ort_type: str) -> np.ndarray:
     """Convert an input to numpy, casting within the same kind (float/int) to the graph's type."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu()
@@ -164,7 +166,7 @@ def run_onnx(path: PathLike | ort.InferenceSession,
     Outputs come back in graph order, which for files of :func:`export_onnx_qcdq` is the
     flattening order of the model's output.
     """
-    session = path if isinstance(path, ort.InferenceSession) else _cached_session(path)
+    session = path if isinstance(path, ort.InferenceSession) else cached_session(path)
     graph_inputs = session.get_inputs()
     names = ", ".join(i.name for i in graph_inputs)
     if isinstance(args, Mapping):
@@ -173,14 +175,14 @@ def run_onnx(path: PathLike | ort.InferenceSession,
         extra = [k for k in given if k not in {gi.name for gi in graph_inputs}]
         if missing or extra:
             raise ExportArgumentError(f"the ONNX graph takes inputs {names}; got {', '.join(given)}")
-        feed = {gi.name: _feed_array(given[gi.name], gi.type) for gi in graph_inputs}
+        feed = {gi.name: feed_array(given[gi.name], gi.type) for gi in graph_inputs}
     else:
         inputs = normalize_args(args, allow_numpy=True)
         if len(graph_inputs) != len(inputs):
             raise ExportArgumentError(
                 f"the ONNX graph takes {len(graph_inputs)} inputs ({names}); got {len(inputs)}"
             )
-        feed = {gi.name: _feed_array(x, gi.type) for gi, x in zip(graph_inputs, inputs)}
+        feed = {gi.name: feed_array(x, gi.type) for gi, x in zip(graph_inputs, inputs)}
     try:
         outputs = session.run(None, feed)
     except Exception as exc:  # onnxruntime raises its own exception types
@@ -197,7 +199,7 @@ def run_model_proto(proto: onnx.ModelProto, feed: Mapping[str, np.ndarray]) -> d
         session = create_ort_session(file)
     inputs = {gi.name: gi.type for gi in session.get_inputs()}
     try:
-        outputs = session.run(None, {name: _feed_array(value, inputs[name]) for name, value in feed.items()})
+        outputs = session.run(None, {name: feed_array(value, inputs[name]) for name, value in feed.items()})
     except Exception as exc:  # onnxruntime raises its own exception types
         raise ExportError(f"onnxruntime failed to run the ONNX graph: {exc}") from exc
     return {o.name: np.asarray(v) for o, v in zip(session.get_outputs(), outputs)}
