@@ -14,6 +14,7 @@ Submodules, one concept each:
 - :mod:`.version`: the supported Brevitas range (checked once, at import) and FX tracing;
 - :mod:`.introspection`: the quantizer walk and questions about proxies and quant tensors;
 - :mod:`.grids`: scales, their initialisation state, and integer weight grids;
+- :mod:`.candidate_grids`: many candidate weights of one layer on their own grids, without a quantizer call each;
 - :mod:`.modes`: global flags, calibration / algorithm contexts, export-mode clean-up;
 - :mod:`.structure`: equalized wrappers and parameter identity of replaced layers;
 - :mod:`.distributed`: sharded calibration data and combining statistics across processes;
@@ -52,6 +53,7 @@ from quark_brevitas.brevitas_adapter.cache import (  # noqa: E402
     weight_cache_budget,
     weights_quantized_once,
 )
+from quark_brevitas.brevitas_adapter.candidate_grids import candidate_quantizer  # noqa: E402
 from quark_brevitas.brevitas_adapter.distributed import (  # noqa: E402
     Reducer,
     Shard,
@@ -193,6 +195,7 @@ __all__ = [
     "bias_correction_mode",
     "brevitas_version",
     "calibration_mode",
+    "candidate_quantizer",
     "check_supported_version",
     "current_shard",
     "equalization_statistics",
