@@ -58,9 +58,8 @@ from quark_brevitas.brevitas_adapter import (
     restart_activation_statistics,
     weight_grid,
 )
-from quark_brevitas.calibration import calibrate
+from quark_brevitas.calibration import calibrate, stacking
 from quark_brevitas.calibration.data import CalibrationData, CalibrationDataError, call_model
-from quark_brevitas.calibration.stacking import stacked_batches
 from quark_brevitas.config.algorithms import AWQConfig
 
 logger = logging.getLogger(__name__)
@@ -74,6 +73,14 @@ CLIP_STEPS = 10
 CLIP_TOKENS = 512
 #: Layers whose name contains one of these are not clipped (AutoAWQ's avoid_clipping, plus GPT-2's fused c_attn).
 NO_CLIPPING = ("q_", "k_", "query", "key", "Wqkv", "c_attn")
+#: At most this many bytes of stacked hidden state per call of the statistics pass and the candidates' forwards
+#: (never more than the engine's :data:`~quark_brevitas.calibration.stacking.STACK_BYTES`, so 0 there still turns
+#: stacking off). Smaller than the engine's: each candidate's forward makes a dozen temporaries a few times the
+#: hidden state (rotary embeddings, the MLP's products), and temporaries of a few MiB are returned to the system
+#: and faulted in again on every operation (measured on the trained 4-block Llama, 256 wide, 128-token rows:
+#: rotary embeddings at 16 rows per call 400-650 page faults per call, 3-4x the CPU time per row of 4 rows per
+#: call, none; the whole AWQ run 20 s at 512 KiB against 25-27 s at 2 MiB, about 21 s at 256 KiB and 1 MiB).
+STACK_BYTES = 512 * 2**10
 
 
 def _inspected(group: ScalingGroup) -> list[str]:
@@ -268,7 +275,7 @@ class AWQConfigHandler(BlockwiseHandler):
         with torch.no_grad(), quantization_disabled(block):
             inputs = {group.inp: block.get_submodule(group.inp) for group in groups}
             inspected = {name: block.get_submodule(name) for group in groups for name in _inspected(group)}
-            stacked = stacked_batches(data, first_alone=False)
+            stacked = stacking.stacked_batches(data, min(STACK_BYTES, stacking.STACK_BYTES), first_alone=False)
             for tracker in ([BatchTracker(stacked)] if stacked is not None else []) + [BatchTracker(None)]:
                 stats, sample = ChannelStats(), _TokenSample()
                 try:
