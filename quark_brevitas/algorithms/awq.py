@@ -54,6 +54,7 @@ from quark_brevitas.brevitas_adapter import (
     candidate_quantizer,
     has_static_activation_quantizers,
     int_weight_format,
+    plain_linear_forwards,
     quantization_disabled,
     restart_activation_statistics,
     weight_grid,
@@ -272,7 +273,7 @@ class AWQConfigHandler(BlockwiseHandler):
             if group not in searched:
                 logger.debug("AWQ %s %s: no layer quantizes its weight, no scales searched", where, group)
         groups = searched
-        with torch.no_grad(), quantization_disabled(block):
+        with torch.no_grad(), quantization_disabled(block), plain_linear_forwards(block.modules()):
             inputs = {group.inp: block.get_submodule(group.inp) for group in groups}
             inspected = {name: block.get_submodule(name) for group in groups for name in _inspected(group)}
             stacked = stacking.stacked_batches(data, min(STACK_BYTES, stacking.STACK_BYTES), first_alone=False)

@@ -18,6 +18,7 @@ Submodules, one concept each:
 - :mod:`.modes`: global flags, calibration / algorithm contexts, export-mode clean-up;
 - :mod:`.structure`: equalized wrappers and parameter identity of replaced layers;
 - :mod:`.distributed`: sharded calibration data and combining statistics across processes;
+- :mod:`.plain_layers`: switched-off quantized Linear layers run as torch's ``linear``;
 - :mod:`.precision`: float32 quantizers for half-precision models;
 - :mod:`.mse`: sampled MSE calibration of activation quantizers;
 - :mod:`.rotation`: Hadamard rotations from Brevitas's blocks and the online rotation module;
@@ -131,6 +132,7 @@ from quark_brevitas.brevitas_adapter.modes import (  # noqa: E402
 )
 from quark_brevitas.brevitas_adapter.mse import MSE_SAMPLE_ELEMENTS, sampled_activation_mse  # noqa: E402
 from quark_brevitas.brevitas_adapter.pickling import register_pickling  # noqa: E402
+from quark_brevitas.brevitas_adapter.plain_layers import plain_linear_forwards  # noqa: E402
 from quark_brevitas.brevitas_adapter.precision import (  # noqa: E402
     HALF_DTYPES,
     float32_quantizer_kwargs,
@@ -227,6 +229,7 @@ __all__ = [
     "load_quant_model_mode",
     "mark_scale_initialised",
     "norm_correction_mode",
+    "plain_linear_forwards",
     "plain_tensor",
     "quantization_disabled",
     "quantized_units",
