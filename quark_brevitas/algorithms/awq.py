@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,15 +51,16 @@ from quark_brevitas.algorithms.scaling import (
 from quark_brevitas.algorithms.structure import ScalingGroup, check_scaling_groups, is_linear
 from quark_brevitas.blocks.capture import CallRecorder, main_output
 from quark_brevitas.brevitas_adapter import (
+    candidate_quantizer,
     has_static_activation_quantizers,
     int_weight_format,
+    plain_linear_forwards,
     quantization_disabled,
     restart_activation_statistics,
     weight_grid,
 )
-from quark_brevitas.calibration import calibrate
+from quark_brevitas.calibration import calibrate, stacking
 from quark_brevitas.calibration.data import CalibrationData, CalibrationDataError, call_model
-from quark_brevitas.calibration.stacking import stacked_batches
 from quark_brevitas.config.algorithms import AWQConfig
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,14 @@ CLIP_STEPS = 10
 CLIP_TOKENS = 512
 #: Layers whose name contains one of these are not clipped (AutoAWQ's avoid_clipping, plus GPT-2's fused c_attn).
 NO_CLIPPING = ("q_", "k_", "query", "key", "Wqkv", "c_attn")
+#: At most this many bytes of stacked hidden state per call of the statistics pass and the candidates' forwards
+#: (never more than the engine's :data:`~quark_brevitas.calibration.stacking.STACK_BYTES`, so 0 there still turns
+#: stacking off). Smaller than the engine's: each candidate's forward makes a dozen temporaries a few times the
+#: hidden state (rotary embeddings, the MLP's products), and temporaries of a few MiB are returned to the system
+#: and faulted in again on every operation (measured on the trained 4-block Llama, 256 wide, 128-token rows:
+#: rotary embeddings at 16 rows per call 400-650 page faults per call, 3-4x the CPU time per row of 4 rows per
+#: call, none; the whole AWQ run 20 s at 512 KiB against 25-27 s at 2 MiB, about 21 s at 256 KiB and 1 MiB).
+STACK_BYTES = 512 * 2**10
 
 
 def _inspected(group: ScalingGroup) -> list[str]:
@@ -85,15 +95,23 @@ def _awq_scales(mean_abs: torch.Tensor, ratio: float) -> torch.Tensor:
     return scales / (scales.max() * scales.min()).sqrt()
 
 
-def _fake_quantized(layer: nn.Module, weight: torch.Tensor, has_grid: bool | None = None) -> torch.Tensor:
-    """``weight`` as ``layer``'s Brevitas quantizer rounds it, with the grid initialised from ``weight``; a layer
-    without an integer weight quantizer (excluded) keeps it as is. ``has_grid``: whether it has one, if the caller
-    knows (asking Brevitas runs the quantizer, which the search loops would otherwise do once per step)."""
+def _candidate_quantizer(layer: nn.Module, has_grid: bool | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function giving a weight as ``layer``'s Brevitas quantizer rounds it, with the grid initialised from that
+    weight (a layer without an integer weight quantizer, excluded, keeps it as is), for the search loops' many
+    candidates of one layer: the adapter's exact fast path where it covers the quantizer, else a quantizer call
+    each. ``has_grid``: whether it has one, if the caller knows (asking Brevitas runs the quantizer)."""
     if has_grid is None:
         has_grid = int_weight_format(layer) is not None
     if not has_grid:
-        return weight
-    return weight_grid(layer, weight).quantize(weight)
+        return lambda weight: weight
+    fast = candidate_quantizer(layer)
+    return fast if fast is not None else lambda weight: weight_grid(layer, weight).quantize(weight)
+
+
+def _fake_quantized(quantize: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
+    """``quantize(weight)``: one candidate's quantization, a function of its own so that the benchmark's roofline
+    can count its time as arithmetic."""
+    return quantize(weight)
 
 
 class _TokenSample:
@@ -161,10 +179,11 @@ def clip_search(layer: nn.Module, rows: torch.Tensor, group_size: int, data: Cal
     peak = grouped.abs().amax(dim=-1, keepdim=True)
     chunk = max(1, (1 << 22) // max(1, rows.shape[0] * groups))  # output channels per step, ~16 MB of products
     errors = torch.zeros(CLIP_STEPS, out_features, groups, device=weight.device)
+    fake_quantized = _candidate_quantizer(layer, True)
     for step in range(CLIP_STEPS):
         limit = peak * (1 - step / GRID)
         clipped = torch.clamp(grouped, -limit, limit).view(out_features, -1)[:, :in_features]
-        quantized = torch.nn.functional.pad(_fake_quantized(layer, clipped, True), (0, pad))
+        quantized = torch.nn.functional.pad(_fake_quantized(fake_quantized, clipped), (0, pad))
         difference = grouped - quantized.view(out_features, groups, size)
         for first in range(0, out_features, chunk):
             products = torch.einsum("ngk,ogk->nog", inputs, difference[first:first + chunk])
@@ -214,14 +233,14 @@ class AWQConfigHandler(BlockwiseHandler):
                                          layouts[name])
                    for name in inspected if name in group.layers and is_linear(block.get_submodule(name))}
         originals = [linear_weight(layer).detach().float().clone() for layer in layers]
-        has_grid = [int_weight_format(layer) is not None for layer in layers]
+        quantizers = [_candidate_quantizer(layer) for layer in layers]
         losses = []
         for step in range(GRID):
             scales = _awq_scales(mean_abs, step / GRID)
             candidates = {}
-            for layer_name, layer, weight, grid in zip(group.layers, layers, originals, has_grid):
+            for layer_name, layer, weight, fake_quantized in zip(group.layers, layers, originals, quantizers):
                 scaled = weight * scales[None, :]
-                candidates[layer_name] = _fake_quantized(layer, scaled, grid) / scales[None, :]
+                candidates[layer_name] = _fake_quantized(fake_quantized, scaled) / scales[None, :]
                 set_linear_weight(layer, candidates[layer_name])
             total = torch.zeros(2)
             for name in inspected:
@@ -254,10 +273,10 @@ class AWQConfigHandler(BlockwiseHandler):
             if group not in searched:
                 logger.debug("AWQ %s %s: no layer quantizes its weight, no scales searched", where, group)
         groups = searched
-        with torch.no_grad(), quantization_disabled(block):
+        with torch.no_grad(), quantization_disabled(block), plain_linear_forwards(block.modules()):
             inputs = {group.inp: block.get_submodule(group.inp) for group in groups}
             inspected = {name: block.get_submodule(name) for group in groups for name in _inspected(group)}
-            stacked = stacked_batches(data, first_alone=False)
+            stacked = stacking.stacked_batches(data, min(STACK_BYTES, stacking.STACK_BYTES), first_alone=False)
             for tracker in ([BatchTracker(stacked)] if stacked is not None else []) + [BatchTracker(None)]:
                 stats, sample = ChannelStats(), _TokenSample()
                 try:

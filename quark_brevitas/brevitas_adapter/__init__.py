@@ -14,9 +14,11 @@ Submodules, one concept each:
 - :mod:`.version`: the supported Brevitas range (checked once, at import) and FX tracing;
 - :mod:`.introspection`: the quantizer walk and questions about proxies and quant tensors;
 - :mod:`.grids`: scales, their initialisation state, and integer weight grids;
+- :mod:`.candidate_grids`: many candidate weights of one layer on their own grids, without a quantizer call each;
 - :mod:`.modes`: global flags, calibration / algorithm contexts, export-mode clean-up;
 - :mod:`.structure`: equalized wrappers and parameter identity of replaced layers;
 - :mod:`.distributed`: sharded calibration data and combining statistics across processes;
+- :mod:`.plain_layers`: switched-off quantized Linear layers run as torch's ``linear``;
 - :mod:`.precision`: float32 quantizers for half-precision models;
 - :mod:`.mse`: sampled MSE calibration of activation quantizers;
 - :mod:`.rotation`: Hadamard rotations from Brevitas's blocks and the online rotation module;
@@ -52,6 +54,7 @@ from quark_brevitas.brevitas_adapter.cache import (  # noqa: E402
     weight_cache_budget,
     weights_quantized_once,
 )
+from quark_brevitas.brevitas_adapter.candidate_grids import candidate_quantizer  # noqa: E402
 from quark_brevitas.brevitas_adapter.distributed import (  # noqa: E402
     Reducer,
     Shard,
@@ -134,6 +137,7 @@ from quark_brevitas.brevitas_adapter.modes import (  # noqa: E402
 )
 from quark_brevitas.brevitas_adapter.mse import MSE_SAMPLE_ELEMENTS, sampled_activation_mse  # noqa: E402
 from quark_brevitas.brevitas_adapter.pickling import register_pickling  # noqa: E402
+from quark_brevitas.brevitas_adapter.plain_layers import plain_linear_forwards  # noqa: E402
 from quark_brevitas.brevitas_adapter.precision import (  # noqa: E402
     HALF_DTYPES,
     float32_quantizer_kwargs,
@@ -200,6 +204,7 @@ __all__ = [
     "bias_correction_mode",
     "brevitas_version",
     "calibration_mode",
+    "candidate_quantizer",
     "check_supported_version",
     "current_shard",
     "equalization_statistics",
@@ -232,6 +237,7 @@ __all__ = [
     "mark_scale_initialised",
     "norm_correction_mode",
     "offset_of",
+    "plain_linear_forwards",
     "plain_tensor",
     "quantization_disabled",
     "quantized_units",
