@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from quark_brevitas.config.attention import attention_format
 from quark_brevitas.config.kv_cache import KV_FORMATS
 from quark_brevitas.errors import ModelError
-from quark_brevitas.model_parts.kv_cache import StaticQuantizer
+from quark_brevitas.model_parts.kv_cache import StaticQuantizer, quantizers_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -240,18 +240,9 @@ def finish_attention_calibration(model: nn.Module) -> None:
         logger.debug("%s: attention scale %s", quantizer.target, quantizer.scale.tolist())
 
 
-@contextlib.contextmanager
-def attention_quantization_disabled(model: nn.Module) -> Iterator[None]:
+def attention_quantization_disabled(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Within the block, ``model``'s query and probability quantizers pass their tensors through in float."""
-    quantizers = list(_quantizers(model))
-    states = [q.enabled for q in quantizers]
-    for quantizer in quantizers:
-        quantizer.enabled = False
-    try:
-        yield
-    finally:
-        for quantizer, state in zip(quantizers, states):
-            quantizer.enabled = state
+    return quantizers_disabled(_quantizers(model))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import contextlib
 import fnmatch
 import inspect
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,10 +283,9 @@ def finish_kv_calibration(model: nn.Module, config: Any) -> None:
 
 
 @contextlib.contextmanager
-def kv_quantization_disabled(model: nn.Module) -> Iterator[None]:
-    """Within the block, ``model``'s KV-cache quantizers pass keys and values through in float (the same model
-    with a float cache: what the cache's quantization costs is the difference)."""
-    quantizers = [m for m in model.modules() if isinstance(m, KVCacheQuantizer)]
+def quantizers_disabled(quantizers: Iterable[StaticQuantizer]) -> Iterator[None]:
+    """Within the block, ``quantizers`` pass their tensors through in float; each gets its own state back after."""
+    quantizers = list(quantizers)
     states = [q.enabled for q in quantizers]
     for quantizer in quantizers:
         quantizer.enabled = False
@@ -295,6 +294,12 @@ def kv_quantization_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         for quantizer, state in zip(quantizers, states):
             quantizer.enabled = state
+
+
+def kv_quantization_disabled(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Within the block, ``model``'s KV-cache quantizers pass keys and values through in float (the same model
+    with a float cache: what the cache's quantization costs is the difference)."""
+    return quantizers_disabled(m for m in model.modules() if isinstance(m, KVCacheQuantizer))
 
 
 def kv_scales(model: nn.Module) -> list[KVScales]:
