@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from quark_brevitas.brevitas_adapter.grids import _int_weight_quant, plain_round_and_clamp, weight_grid
+from quark_brevitas.brevitas_adapter.grids import int_weight_quant, plain_round_and_clamp, weight_grid
 from quark_brevitas.brevitas_adapter.introspection import injector_value, is_groupwise
 
 __all__ = ["candidate_quantizer"]
@@ -47,7 +47,7 @@ def _plain_parts(layer: nn.Module) -> tuple[int, float, torch.Tensor, torch.Tens
     from brevitas.core.stats.stats_op import AbsMax
     from brevitas.core.zero_point import ZeroZeroPoint
 
-    proxy, int_quant = _int_weight_quant(layer)
+    proxy, int_quant = int_weight_quant(layer)
     tensor_quant = proxy.tensor_quant
     scaling = getattr(tensor_quant, "scaling_impl", None)
     if (type(tensor_quant) is not RescalingIntQuant or type(int_quant) is not IntQuant or not is_groupwise(proxy)

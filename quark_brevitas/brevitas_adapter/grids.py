@@ -168,7 +168,7 @@ def plain_round_and_clamp(to_int: Any, clamp: Any) -> bool:
     return type(to_int) is RoundSte and type(clamp) is TensorClamp
 
 
-def _int_weight_quant(layer: nn.Module) -> Any:
+def int_weight_quant(layer: nn.Module) -> Any:
     """The layer's integer weight quantizer proxy and its ``IntQuant`` (whether or not quantization is switched off
     for the moment, e.g. by :func:`quantization_disabled`)."""
     proxy = getattr(layer, "weight_quant", None)
@@ -212,7 +212,7 @@ def weight_grid(layer: nn.Module, weight: torch.Tensor | None = None) -> WeightG
     from brevitas.core.scaling.standalone import ParameterFromStatsFromParameterScaling
     from brevitas.core.zero_point import ParameterFromStatsFromParameterZeroPoint
 
-    proxy, int_quant = _int_weight_quant(layer)
+    proxy, int_quant = int_weight_quant(layer)
     target = layer.weight if weight is None else weight
     _restore_initial_values(proxy.modules(), {ParameterFromStatsFromParameterScaling: 1.0,
                                               ParameterFromStatsFromParameterZeroPoint: 0.0})
@@ -237,7 +237,7 @@ def fixed_weight_grid(layer: nn.Module) -> WeightGrid | None:
     proxy = getattr(layer, "weight_quant", None)
     if getattr(getattr(proxy, "tensor_quant", None), "int_quant", None) is None:
         return None
-    proxy, int_quant = _int_weight_quant(layer)
+    proxy, int_quant = int_weight_quant(layer)
     if not plain_round_and_clamp(int_quant.float_to_int_impl, int_quant.tensor_clamp_impl):
         return None
     for module in proxy.modules():
@@ -287,7 +287,7 @@ def int_weight_format(layer: nn.Module) -> IntWeightFormat | None:
     if remembered is not None and layer in remembered:
         return remembered[layer]
     try:
-        proxy, _ = _int_weight_quant(layer)
+        proxy, _ = int_weight_quant(layer)
     except QuarkBrevitasError:
         found = None
     else:
