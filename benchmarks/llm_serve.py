@@ -257,26 +257,10 @@ def moe() -> None:
         del model
 
 
-def _torch_greedy(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """PyTorch's own incremental greedy decoding (DynamicCache): tokens ``[batch, steps + 1]``, last logits per step."""
-    from quark_brevitas.calibration.data import cache_keyword, output_cache
-
-    ids, mask, cache, tokens, logits = prompt, torch.ones_like(prompt), None, [], []
-    with torch.no_grad():
-        for _ in range(steps + 1):
-            out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_keyword(model): cache})
-            cache = output_cache(out)
-            logits.append(out.logits[:, -1].float())
-            ids = out.logits[:, -1].argmax(-1)[:, None]
-            tokens.append(ids[:, 0])
-            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
-    return torch.stack(tokens, dim=1), logits
-
-
 def _decode_rows(models: dict[str, torch.nn.Module], files: dict[str, tuple[str, Path]], sessions: dict[str, Any],
                  prompt: torch.Tensor) -> None:
     """Decode ``prompt`` with every file (in turn within each round, the order rotated) and print the rows."""
-    from quark_brevitas.export.onnx.decode import greedy_decode
+    from quark_brevitas.export.onnx.decode import greedy_decode, torch_greedy_decode
 
     rates: dict[str, list[float]] = {label: [] for label in files}
     results = {}
@@ -286,7 +270,7 @@ def _decode_rows(models: dict[str, torch.nn.Module], files: dict[str, tuple[str,
             result = greedy_decode(files[label][1], prompt, steps=STEPS, session=sessions[label])
             rates[label].append(prompt.shape[0] * STEPS / sum(result.seconds[1:]))
             results[label] = result
-    reference = {name: _torch_greedy(quant, prompt, STEPS) for name, quant in models.items()}
+    reference = {name: torch_greedy_decode(quant, prompt, steps=STEPS) for name, quant in models.items()}
     length = prompt.shape[1]
     print(f"\nprompt {length} tokens, context up to {length + STEPS}")
     print(f"{'file':<34} {'KV bytes/token':>14} {'tokens/s':>9} {'vs float cache':>15} {'tokens = PyTorch':>17} "
@@ -297,7 +281,7 @@ def _decode_rows(models: dict[str, torch.nn.Module], files: dict[str, tuple[str,
         base = sorted(rates[f"{name} model, float cache"])[ROUNDS // 2]
         per_token = result.cache_bytes / (prompt.shape[0] * (length + STEPS))
         tokens, logits = reference[name]
-        diff = max(float((a - b).abs().max()) for a, b in zip(result.logits, logits))
+        diff = max(float((a - b[:, -1].float()).abs().max()) for a, b in zip(result.logits, logits))
         same = "yes" if torch.equal(result.tokens, tokens) else \
             f"no ({int((result.tokens != tokens).sum())} differ)"
         print(f"{label:<34} {per_token:>14.0f} {rate:>9.1f} {rate / base:>14.2f}x {same:>17} {diff:>12.2e}")
@@ -350,6 +334,15 @@ def onnx_decode(model: torch.nn.Module | None = None, calib: list[dict[str, torc
           f"int8/fp8 {kv_bytes_per_token(model.config, 1):.0f}")
 
 
+def _trained_data() -> tuple[Path, list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """One thread, warnings only; the trained Llama's folder, calibration windows and held-out windows (the
+    perplexity rows of :func:`main` and :func:`attention`)."""
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    splits = llm.token_splits()
+    return llm.trained_llama(200), llm.windows(splits["calib"], CALIB, 4), llm.windows(splits["eval"], EVAL, 8)
+
+
 def main() -> None:
     import transformers
 
@@ -358,12 +351,7 @@ def main() -> None:
     from quark_brevitas.model_parts.kv_cache import kv_quantization_disabled
     from quark_brevitas.types import Dtype
 
-    torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING)
-    folder = llm.trained_llama(200)
-    splits = llm.token_splits()
-    calib = llm.windows(splits["calib"], CALIB, 4)
-    evaluation = llm.windows(splits["eval"], EVAL, 8)
+    folder, calib, evaluation = _trained_data()
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     rows: dict[str, float] = {"float": _perplexity(model, evaluation)}
     seconds: dict[str, float] = {}
@@ -432,12 +420,7 @@ def attention() -> None:
     from quark_brevitas.model_parts.kv_cache import kv_quantization_disabled
     from quark_brevitas.types import Dtype
 
-    torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING)
-    folder = llm.trained_llama(200)
-    splits = llm.token_splits()
-    calib = llm.windows(splits["calib"], CALIB, 4)
-    evaluation = llm.windows(splits["eval"], EVAL, 8)
+    folder, calib, evaluation = _trained_data()
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     rows: dict[str, float] = {"float (eager attention)": _perplexity(model, evaluation)}
     for post in (False, True):

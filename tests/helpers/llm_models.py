@@ -99,6 +99,20 @@ def logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return (output.logits if hasattr(output, "logits") else output[0]).float()
 
 
+def incremental_logits(model: nn.Module, tokens: torch.Tensor, prompt: int) -> torch.Tensor:
+    """``model``'s logits on ``tokens`` computed through its cache: the first ``prompt`` tokens at once, then one
+    token a step with the cache fed back (what a decoding loop computes; to compare with one full forward)."""
+    from quark_brevitas.calibration.data import cache_keyword
+
+    with torch.no_grad():
+        step = model(tokens[:, :prompt], use_cache=True)
+        cache, pieces = step.past_key_values, [step.logits]
+        for t in range(prompt, tokens.shape[1]):
+            step = model(tokens[:, t:t + 1], **{cache_keyword(model): cache}, use_cache=True)
+            pieces.append(step.logits)
+    return torch.cat(pieces, dim=1)
+
+
 def relative_error(model: nn.Module, reference: nn.Module, batches: list[torch.Tensor]) -> float:
     """``||model - reference|| / ||reference||`` over the main outputs of ``batches``."""
     errors = [(logits(model, b) - logits(reference, b)).norm() ** 2 for b in batches]

@@ -14,11 +14,10 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from helpers.llm_models import logits, tiny_gpt2, tiny_llama, token_batches  # noqa: E402
+from helpers.llm_models import incremental_logits, logits, tiny_gpt2, tiny_llama, token_batches  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
-from quark_brevitas.calibration.data import cache_keyword  # noqa: E402
 from quark_brevitas.config import Config, QConfig, QLayerConfig, QTensorConfig  # noqa: E402
 from quark_brevitas.config.template import LLMTemplate  # noqa: E402
 from quark_brevitas.errors import ConfigError, ModelError  # noqa: E402
@@ -232,12 +231,7 @@ def test_decoding_through_the_cache_matches_the_full_forward_and_generate_runs()
     tokens = token_batches(1, batch=2, length=12, seed=3)[0]
     with torch.no_grad():
         full = quant(tokens, use_cache=True).logits
-        step = quant(tokens[:, :8], use_cache=True)
-        cache, pieces = step.past_key_values, [step.logits]
-        for t in range(8, 12):
-            step = quant(tokens[:, t:t + 1], **{cache_keyword(quant): cache}, use_cache=True)
-            pieces.append(step.logits)
-    assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5)
+    assert torch.allclose(incremental_logits(quant, tokens, 8), full, atol=1e-5)
     with kv_quantization_disabled(quant), attention_quantization_disabled(quant):
         assert not torch.allclose(logits(quant, tokens), full, atol=1e-3)
     generated = quant.generate(tokens[:, :6], attention_mask=torch.ones_like(tokens[:, :6]), max_new_tokens=4,

@@ -12,11 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from helpers.consumer import run_consumer  # noqa: E402
-from helpers.llm_models import logits, tiny_llama, token_batches  # noqa: E402
+from helpers.llm_models import incremental_logits, logits, tiny_llama, token_batches  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
-from quark_brevitas.calibration.data import cache_keyword  # noqa: E402
 from quark_brevitas.config import Config, QConfig, QLayerConfig, QTensorConfig  # noqa: E402
 from quark_brevitas.config.template import LLMTemplate  # noqa: E402
 from quark_brevitas.errors import ConfigError, ModelError  # noqa: E402
@@ -168,12 +167,7 @@ def test_the_cache_holds_quantized_values_and_decoding_matches_the_full_forward(
                 else:
                     assert torch.allclose(codes, codes.round(), atol=1e-4) and codes.abs().max() <= 128
         full = out.logits
-        step = quant(tokens[:, :8], use_cache=True)
-        cache, pieces = step.past_key_values, [step.logits]
-        for t in range(8, 12):
-            step = quant(tokens[:, t:t + 1], **{cache_keyword(quant): cache}, use_cache=True)
-            pieces.append(step.logits)
-    assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5)
+    assert torch.allclose(incremental_logits(quant, tokens, 8), full, atol=1e-5)
     with kv_quantization_disabled(quant):
         assert not torch.allclose(logits(quant, tokens), full, atol=1e-5)  # the cache's quantization is felt
     generated = quant.generate(tokens[:, :6], attention_mask=torch.ones_like(tokens[:, :6]), max_new_tokens=4,

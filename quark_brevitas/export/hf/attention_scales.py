@@ -24,21 +24,11 @@ import torch
 from torch import nn
 
 from quark_brevitas.export.errors import ExportError
-from quark_brevitas.export.hf.folder import TensorFormat
-from quark_brevitas.export.hf.quark import exact_pattern, tensor_config
+from quark_brevitas.export.hf.kv_scales import attention_tensor_format, quark_output_spec
+from quark_brevitas.export.hf.quark import exact_pattern
 from quark_brevitas.model_parts.attention import AttentionScales, attention_scales
 
 __all__ = ["add_attention"]
-
-
-def _format(fmt: str) -> TensorFormat:
-    return TensorFormat("float" if fmt == "fp8_e4m3" else "int", 8, True, "tensor")
-
-
-def _quark_spec(fmt: str) -> dict[str, Any]:
-    spec = tensor_config(_format(fmt), weight=False)
-    spec["dtype"] = fmt
-    return spec
 
 
 def add_attention(model: nn.Module, format_name: str, tensors: dict[str, torch.Tensor],
@@ -62,7 +52,7 @@ def add_attention(model: nn.Module, format_name: str, tensors: dict[str, torch.T
 
 def _quark(scales: list[AttentionScales], tensors: dict[str, torch.Tensor], quantization_config: dict[str, Any],
            prefix: str) -> None:
-    quantization_config["softmax_quant_spec"] = _quark_spec(scales[0].prob_fmt)
+    quantization_config["softmax_quant_spec"] = quark_output_spec(attention_tensor_format(scales[0].prob_fmt))
     layers = quantization_config["layer_quant_config"]
     for entry in scales:
         tensors[f"{prefix}{entry.attention}.prob_output_scale"] = entry.prob.float().reshape(()).contiguous()
@@ -74,7 +64,7 @@ def _quark(scales: list[AttentionScales], tensors: dict[str, torch.Tensor], quan
             raise ExportError(f"{name}: a float query projection with a quantized query cannot be written in the "
                               "Quark format (its output_scale needs a layer entry); quantize the projection's weights")
         base = layers.get(pattern, quantization_config["global_quant_config"])
-        layers[pattern] = {**base, "output_tensors": _quark_spec(entry.query_fmt)}
+        layers[pattern] = {**base, "output_tensors": quark_output_spec(attention_tensor_format(entry.query_fmt))}
         tensors[f"{name}.output_scale"] = entry.query.float().reshape(()).contiguous()
 
 
@@ -93,8 +83,8 @@ def _compressed_tensors(model: nn.Module, scales: list[AttentionScales], tensors
     if not with_query:
         return
     classes = sorted({type(model.get_submodule(entry.attention)).__name__ for entry in with_query})
-    scheme = QuantizationScheme(targets=classes,
-                                input_activations=QuantizationArgs(**_format(with_query[0].query_fmt).args()))
+    query = attention_tensor_format(with_query[0].query_fmt)
+    scheme = QuantizationScheme(targets=classes, input_activations=QuantizationArgs(**query.args()))
     quantization_config["config_groups"]["attention"] = scheme.model_dump()
     for entry in with_query:
         tensors[f"{prefix}{entry.attention}.q_scale"] = entry.query.float().reshape(1).contiguous()

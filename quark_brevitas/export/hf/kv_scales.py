@@ -29,13 +29,23 @@ from quark_brevitas.export.hf.folder import TensorFormat
 from quark_brevitas.export.hf.quark import exact_pattern, tensor_config
 from quark_brevitas.model_parts.kv_cache import KVScales, kv_scales
 
-__all__ = ["add_kv_cache"]
+__all__ = ["add_kv_cache", "attention_tensor_format", "quark_output_spec"]
 
 _CONFIG_ATTRIBUTE = "quark_brevitas_config"  # pipeline.CONFIG_ATTRIBUTE (the export layer does not import it)
 
 
-def _format(fmt: str, per_head: bool = False) -> TensorFormat:
+def attention_tensor_format(fmt: str, per_head: bool = False) -> TensorFormat:
+    """The static symmetric 8-bit format of an attention tensor (cache, query, probabilities) in ``fmt`` (a
+    :data:`~quark_brevitas.config.kv_cache.KV_FORMATS` name): one scale per tensor or per head."""
     return TensorFormat("float" if fmt == "fp8_e4m3" else "int", 8, True, "attn_head" if per_head else "tensor")
+
+
+def quark_output_spec(fmt: TensorFormat) -> dict[str, Any]:
+    """Quark's ``QTensorConfig`` dict of an attention tensor's format, its short ``dtype`` spelled as Quark's
+    template writes it (``fp8_e4m3`` / ``int8``)."""
+    spec = tensor_config(fmt, weight=False)
+    spec["dtype"] = "fp8_e4m3" if fmt.type == "float" else "int8"
+    return spec
 
 
 def _qualified(name: str, prefix: str) -> str:
@@ -60,7 +70,7 @@ def add_kv_cache(model: nn.Module, format_name: str, tensors: dict[str, torch.Te
         raise ExportError(f"{scales[0].attention or 'attention'}: per-head KV-cache scales cannot be written in "
                           f"{format_name} (one output_scale per projection); quantize the cache per tensor, or "
                           "export format='compressed-tensors' (its attn_head strategy)")
-    fmt = _format(formats.pop(), per_head.pop())
+    fmt = attention_tensor_format(formats.pop(), per_head.pop())
     if format_name == "compressed-tensors":
         _compressed_tensors(scales, fmt, post_rope, tensors, quantization_config, prefix)
     else:
@@ -84,8 +94,7 @@ def _compressed_tensors(scales: list[KVScales], fmt: TensorFormat, post_rope: bo
 
 def _quark(scales: list[KVScales], fmt: TensorFormat, post_rope: bool, config: Any, tensors: dict[str, torch.Tensor],
            quantization_config: dict[str, Any], prefix: str) -> None:
-    output = tensor_config(fmt, weight=False)
-    output["dtype"] = "fp8_e4m3" if fmt.type == "float" else "int8"
+    output = quark_output_spec(fmt)
     layers = quantization_config["layer_quant_config"]
     kv_configs: dict[str, Any] = {}
     for entry in scales:

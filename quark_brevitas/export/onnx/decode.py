@@ -19,7 +19,7 @@ from quark_brevitas.export.args import PathLike, past_name
 from quark_brevitas.export.errors import ExportError
 from quark_brevitas.export.onnx.kv_quant import run_session, to_torch
 
-__all__ = ["DecodeResult", "greedy_decode"]
+__all__ = ["DecodeResult", "greedy_decode", "torch_greedy_decode"]
 
 #: torch dtype of an empty past of each ONNX element type the cache may have.
 _EMPTY = {"tensor(float)": torch.float32, "tensor(int8)": torch.int8, "tensor(float8e4m3fn)": torch.float8_e4m3fn}
@@ -89,3 +89,25 @@ def _bytes(value: object) -> int:
     shape = value.shape()  # an OrtValue
     size = {"tensor(float)": 4, "tensor(int8)": 1, "tensor(float8e4m3fn)": 1}.get(value.data_type(), 4)
     return int(np.prod(shape)) * size
+
+
+def torch_greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                        *, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """What :func:`greedy_decode` is compared with: ``model``'s own incremental greedy decoding in PyTorch (its
+    cache fed back, one token a step, the attention mask grown by one). Returns the greedy tokens
+    ``[batch, steps + 1]`` and each step's logits ``[batch, tokens fed, vocab]`` (step 0: the prompt's)."""
+    from quark_brevitas.calibration.data import cache_keyword, output_cache
+
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0; got {steps}")
+    ids, cache, tokens, logits = input_ids, None, [], []
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_keyword(model): cache})
+            cache = output_cache(out)
+            logits.append(out.logits)
+            ids = out.logits[:, -1].argmax(-1)[:, None]
+            tokens.append(ids[:, 0])
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+    return torch.stack(tokens, dim=1), logits

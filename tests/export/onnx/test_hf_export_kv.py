@@ -21,6 +21,7 @@ from quark_brevitas import Config, ModelExporter, ModelQuantizer, QLayerConfig, 
 from quark_brevitas.calibration.data import cache_keyword, output_cache  # noqa: E402
 from quark_brevitas.export import ExportError, export_onnx_qcdq, run_onnx, verify_onnx  # noqa: E402
 from quark_brevitas.export.args import normalize_example  # noqa: E402
+from quark_brevitas.export.onnx.decode import torch_greedy_decode  # noqa: E402
 from quark_brevitas.export.onnx.kv import TOTAL, export_module, with_past  # noqa: E402
 from quark_brevitas.export.onnx.pinned import check_pinned  # noqa: E402
 from quark_brevitas.export.onnx.runtime import run_model_proto  # noqa: E402
@@ -99,23 +100,6 @@ def _decode_onnx(path: pathlib.Path, prompt: torch.Tensor, mask: torch.Tensor, k
     return logits, tokens, all_outputs
 
 
-def _decode_torch(model: torch.nn.Module, prompt: torch.Tensor, mask: torch.Tensor,
-                  steps: int) -> tuple[list[np.ndarray], list[int]]:
-    """The reference: PyTorch's own incremental decoding of the quantized model with its DynamicCache."""
-    logits, tokens = [], []
-    ids, cache = prompt, None
-    with torch.no_grad():
-        for _ in range(steps + 1):
-            out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_keyword(model): cache})
-            cache = output_cache(out)
-            logits.append(out.logits.numpy())
-            nxt = out.logits[:, -1].argmax(-1)
-            tokens.append(nxt.tolist())
-            ids = nxt[:, None]
-            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
-    return logits, tokens
-
-
 def _kv_shape(model: torch.nn.Module) -> tuple[int, int]:
     config = model.config
     heads = config.num_attention_heads
@@ -149,7 +133,8 @@ def test_incremental_decoding_in_onnxruntime_matches_pytorch(kv_export: tuple[to
         mask[1, :2] = 0  # left padding of the second row
     kv_heads, head_dim = _kv_shape(model)
     onnx_logits, onnx_tokens, outputs = _decode_onnx(report.path, prompt, mask, kv_heads, head_dim, steps=2)
-    ref_logits, ref_tokens = _decode_torch(model, prompt, mask, steps=2)
+    ref_tokens, ref_logits = torch_greedy_decode(model, prompt, mask, steps=2)
+    ref_tokens, ref_logits = ref_tokens.T.tolist(), [x.numpy() for x in ref_logits]
     assert [o["present.1.value"].shape[2] for o in outputs] == [5, 6, 7]  # the cache grows by the tokens fed
     assert [x.shape for x in onnx_logits] == [(3, 5, VOCAB), (3, 1, VOCAB), (3, 1, VOCAB)]
     for step, (ours, ref) in enumerate(zip(onnx_logits, ref_logits)):

@@ -22,10 +22,10 @@ transformers = pytest.importorskip("transformers")
 from helpers.llm_models import VOCAB, tiny_llama, token_batches  # noqa: E402
 
 from quark_brevitas import ModelQuantizer  # noqa: E402
-from quark_brevitas.calibration.data import cache_keyword, output_cache  # noqa: E402
+from quark_brevitas.calibration.data import output_cache  # noqa: E402
 from quark_brevitas.config import Config, LLMTemplate, QLayerConfig, QTensorConfig  # noqa: E402
 from quark_brevitas.export import ExportError, export_onnx_qcdq  # noqa: E402
-from quark_brevitas.export.onnx.decode import greedy_decode  # noqa: E402
+from quark_brevitas.export.onnx.decode import greedy_decode, torch_greedy_decode  # noqa: E402
 from quark_brevitas.model_parts.attention import attention_quantization_disabled  # noqa: E402
 from quark_brevitas.model_parts.kv_cache import kv_scales  # noqa: E402
 from quark_brevitas.types import Dtype, QSchemeType  # noqa: E402
@@ -57,20 +57,6 @@ def _export(model: torch.nn.Module, path, **kwargs):  # noqa: ANN001, ANN202
     ids = _prompt(2, 6, 1)
     return export_onnx_qcdq(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path,
                             past_key_values=True, **kwargs)
-
-
-def _decode_torch(model: torch.nn.Module, prompt: torch.Tensor, mask: torch.Tensor, steps: int):  # noqa: ANN202
-    logits, tokens, ids, cache = [], [], prompt, None
-    with torch.no_grad():
-        for _ in range(steps + 1):
-            out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_keyword(model): cache})
-            cache = output_cache(out)
-            logits.append(out.logits[:, -1].float())
-            ids = out.logits[:, -1].argmax(-1)[:, None]
-            tokens.append(ids[:, 0])
-            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
-        out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_keyword(model): cache})
-    return logits, torch.stack(tokens, dim=1), output_cache(out)
 
 
 def _template_fp8() -> Config:
@@ -140,8 +126,8 @@ def test_greedy_decoding_in_onnxruntime_matches_pytorch_step_by_step(exported, p
     if padded:
         mask[1, :2] = 0
     result = greedy_decode(report.path, prompt, mask, steps=STEPS)
-    ref_logits, ref_tokens, ref_cache = _decode_torch(model, prompt, mask, STEPS)
-    for step, (got, want) in enumerate(zip(result.logits, ref_logits)):
+    ref_tokens, ref_logits = torch_greedy_decode(model, prompt, mask, steps=STEPS)
+    for step, (got, want) in enumerate(zip(result.logits, (x[:, -1].float() for x in ref_logits))):
         tolerance = 1e-4 * max(1.0, float(want.abs().max()))
         assert float((got - want).abs().max()) <= tolerance, f"{case}: step {step}"
     assert torch.equal(result.tokens, ref_tokens)
