@@ -102,14 +102,18 @@ class KVCacheQuantizer(StaticQuantizer):
     projection it stands for (``model.layers.0.self_attn.k_proj``)."""
 
 
-def fake_quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``clamp(cast(x / scale)) * scale`` in float32, returned in ``x``'s dtype (see the module docstring)."""
+def grid_codes(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``clamp(cast(x / scale))``: the codes of ``x`` on ``fmt``'s grid, as float32 values (an FP8 E4M3 number, or
+    an integer -128..127). The one definition of the grid, for the fake quantization and the exported codes."""
     y = x.float() / scale
     if fmt == "fp8_e4m3":
-        y = y.clamp(-KV_FORMATS[fmt], KV_FORMATS[fmt]).to(torch.float8_e4m3fn).float()
-    else:
-        y = torch.round(y).clamp(-KV_FORMATS[fmt] - 1, KV_FORMATS[fmt])
-    return (y * scale).to(x.dtype)
+        return y.clamp(-KV_FORMATS[fmt], KV_FORMATS[fmt]).to(torch.float8_e4m3fn).float()
+    return torch.round(y).clamp(-KV_FORMATS[fmt] - 1, KV_FORMATS[fmt])
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``clamp(cast(x / scale)) * scale`` in float32, returned in ``x``'s dtype (see the module docstring)."""
+    return (grid_codes(x, scale, fmt) * scale).to(x.dtype)
 
 
 # ===================================================================== the attention side

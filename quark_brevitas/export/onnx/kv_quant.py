@@ -53,6 +53,7 @@ from quark_brevitas.model_parts.kv_cache import (
     KVCacheQuantizer,
     StaticQuantizer,
     fake_quantize,
+    grid_codes,
 )
 
 logger = logging.getLogger(__name__)
@@ -140,16 +141,15 @@ class CacheTensor:
 
     def codes(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (grid values, ``[batch, heads, sequence, head_dim]``) as codes of the cache's format."""
-        scale = self.scale.float().view(1, -1, 1, 1) if self.scale.ndim else self.scale.float()
-        y = x.float() / scale
-        if self.fmt == "fp8_e4m3":
-            return y.clamp(-KV_FORMATS[self.fmt], KV_FORMATS[self.fmt]).to(torch.float8_e4m3fn)
-        return torch.round(y).clamp(-KV_FORMATS[self.fmt] - 1, KV_FORMATS[self.fmt]).to(torch.int8)
+        return grid_codes(x, self._scale(), self.fmt).to(TORCH_CODES[self.fmt])
 
     def values(self, codes: torch.Tensor) -> torch.Tensor:
         """The float values of ``codes`` (``code * scale``, float32)."""
-        scale = self.scale.float().view(1, -1, 1, 1) if self.scale.ndim else self.scale.float()
-        return codes.float() * scale
+        return codes.float() * self._scale()
+
+    def _scale(self) -> torch.Tensor:
+        """The scale as it broadcasts over ``[batch, heads, sequence, head_dim]``."""
+        return self.scale.float().view(1, -1, 1, 1) if self.scale.ndim else self.scale.float()
 
 
 @dataclass(frozen=True)
