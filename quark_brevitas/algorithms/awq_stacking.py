@@ -27,7 +27,7 @@ import torch
 from quark_brevitas.algorithms.scaling import Consumer
 from quark_brevitas.blocks.capture import CallRecorder
 from quark_brevitas.calibration.data import CalibrationDataError
-from quark_brevitas.calibration.stacking import Stacked
+from quark_brevitas.calibration.stacking import Stacked, rows_first, split_rows
 
 __all__ = ["BatchTracker", "CallLayout", "NotPerRow", "not_per_row", "split_per_batch"]
 
@@ -44,15 +44,10 @@ def split_per_batch(consume: Consumer, stacked: Stacked, current: list[int]) -> 
     does not have the call's rows first."""
 
     def split(name: str, rows: torch.Tensor, raw: Any) -> None:
-        parts = stacked.parts[current[0]]
-        if len(parts) == 1:
-            consume(name, rows, raw)
-            return
-        total = sum(parts)
-        if not isinstance(raw, torch.Tensor) or raw.dim() != stacked.dims or raw.shape[0] != total:
+        chunks = split_rows(rows, raw, stacked.parts[current[0]], stacked.dims)
+        if chunks is None:
             raise NotPerRow(name)
-        per_row = rows.shape[0] // total
-        for chunk in rows.split([part * per_row for part in parts]):
+        for chunk in chunks:
             consume(name, chunk, raw)
 
     return split
@@ -84,10 +79,6 @@ class CallLayout:
     def in_order(self, pieces: Sequence[Sequence[T]]) -> list[T]:
         """``pieces[c][p]`` (one per part of each call) in the order of the original calls."""
         return [pieces[call][part] for call, part in self.order]
-
-
-def _rows_first(value: Any, rows: int, dims: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == dims and value.shape[0] == rows
 
 
 class BatchTracker:
@@ -129,7 +120,7 @@ class BatchTracker:
                 for within, call in enumerate(range(starts[batch], starts[batch + 1])):
                     args, kwargs = calls[call]
                     hidden = args[0] if args else next(iter(kwargs.values()), None)
-                    if len(batch_parts) > 1 and not (_rows_first(hidden, rows, self.stacked.dims) and _rows_first(
+                    if len(batch_parts) > 1 and not (rows_first(hidden, rows, self.stacked.dims) and rows_first(
                             self.recorder.outputs[name][call], rows, self.recorder.outputs[name][call].dim())):
                         raise NotPerRow(name)
                     parts.append(list(batch_parts))

@@ -13,6 +13,7 @@ import torch
 
 from quark_brevitas.brevitas_adapter import StopFwdException
 from quark_brevitas.calibration.data import CalibrationData
+from quark_brevitas.calibration.stacking import split_rows
 
 __all__ = ["HessianPass"]
 
@@ -70,15 +71,11 @@ class HessianPass:
         if self.last_product is not None and self.last_product[0] is raw and self.last_product[1] == version:
             return self.last_product[2]
         parts = self.parts[self.batch_index] if self.parts is not None else [0]
-        if len(parts) == 1:
-            products = [rows.t() @ rows]
-        else:
-            total = sum(parts)
-            if not isinstance(raw, torch.Tensor) or raw.dim() != self.stacked_dims or raw.shape[0] != total:
-                self.unstackable = True  # this layer's rows are not the batch's rows (routed tokens, ...)
-                raise StopFwdException
-            per_row = rows.shape[0] // total
-            products = [chunk.t() @ chunk for chunk in rows.split([part * per_row for part in parts])]
+        chunks = split_rows(rows, raw, parts, self.stacked_dims)
+        if chunks is None:
+            self.unstackable = True  # this layer's rows are not the batch's rows (routed tokens, ...)
+            raise StopFwdException
+        products = [chunk.t() @ chunk for chunk in chunks]
         self.last_product = (raw, version, products)
         return products
 

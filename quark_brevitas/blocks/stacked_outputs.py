@@ -29,7 +29,7 @@ from torch import nn
 
 from quark_brevitas.brevitas_adapter import iter_quantizers
 from quark_brevitas.calibration.data import BlockInputs
-from quark_brevitas.calibration.stacking import stacked_batches
+from quark_brevitas.calibration.stacking import rows_first, stacked_batches
 from quark_brevitas.errors import CalibrationDataError
 
 __all__ = ["stacked_forward"]
@@ -51,7 +51,7 @@ def _reading_rows(block: nn.Module, rows: list[int], dims: int) -> Iterator[None
 
     def check(_module: nn.Module, args: tuple[Any, ...]) -> None:
         value = args[0] if args else None
-        if not isinstance(value, torch.Tensor) or value.dim() != dims or value.shape[0] != rows[0]:
+        if not rows_first(value, rows[0], dims):
             raise _NotRows
 
     layers = {id(site.layer): site.layer for site in iter_quantizers(block, enabled_only=False)

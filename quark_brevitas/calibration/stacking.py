@@ -27,7 +27,7 @@ import torch
 
 from quark_brevitas.calibration.data import BlockInputs, CalibrationData
 
-__all__ = ["STACK_BYTES", "Stacked", "stacked_batches"]
+__all__ = ["STACK_BYTES", "Stacked", "rows_first", "split_rows", "stacked_batches"]
 
 #: At most this many bytes of stacked hidden state per call; 0 turns stacking off. Small on purpose: a call's
 #: intermediate tensors (a few times larger) then stay in the CPU's caches. On the 4-block Llama of issue 32 (64
@@ -43,6 +43,25 @@ class Stacked(NamedTuple):
     data: CalibrationData
     parts: list[list[int]]
     dims: int
+
+
+def rows_first(value: Any, rows: int, dims: int) -> bool:
+    """Whether ``value`` is a tensor of ``dims`` dimensions with ``rows`` rows first: what a layer of a stacked
+    call must read (or a block return) for its batches' parts to be cut apart again."""
+    return isinstance(value, torch.Tensor) and value.dim() == dims and value.shape[0] == rows
+
+
+def split_rows(rows: torch.Tensor, raw: Any, parts: Sequence[int], dims: int) -> list[torch.Tensor] | None:
+    """A layer input of a stacked call, flattened to ``rows`` (tokens x features) from ``raw``, cut into its
+    original batches' pieces (``parts``: their rows, in order; one part: ``[rows]`` as it is). ``None`` when
+    ``raw`` does not have the call's rows first (``dims`` dimensions): a layer fed other rows (routed tokens)."""
+    if len(parts) == 1:
+        return [rows]
+    total = sum(parts)
+    if not rows_first(raw, total, dims):
+        return None
+    per_row = rows.shape[0] // total
+    return list(rows.split([part * per_row for part in parts]))
 
 
 class _Unstackable(Exception):
