@@ -148,7 +148,7 @@ class WeightGrid(NamedTuple):
 def _column_quantizer(grid: WeightGrid) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """:meth:`WeightGrid.quantize_values` with the choice of path made once (GPTQ's column loop calls it per
     column): the same operations, so the same values."""
-    if grid.offset_dequantization or not plain_round_and_clamp(grid.to_int, grid.clamp):
+    if not grid.plain_rounding():
         return grid.quantize_values
     min_int, max_int = grid.min_int, grid.max_int
 
