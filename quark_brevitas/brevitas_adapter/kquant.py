@@ -18,10 +18,23 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["KQuantScaleRestrict", "is_kquant_layer", "snap_kquant_scales"]
+__all__ = ["KQuantScaleRestrict", "float16_scale", "is_kquant_layer", "snap_kquant_scales", "snap_super_blocks"]
 
 _FLOAT16_TINY = 2.0 ** -24
 _FLOAT16_MAX = 65504.0
+
+
+def float16_scale(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as the positive float16 number a GGUF block stores (clamped into float16's range), in float32."""
+    return value.clamp(min=_FLOAT16_TINY, max=_FLOAT16_MAX).to(torch.float16).float()
+
+
+def snap_super_blocks(block: torch.Tensor, top_multiple: int, low: int) -> torch.Tensor:
+    """``block`` (``[..., super-blocks, groups per super-block]``, >= 0) as ``d * k``: per super-block one float16
+    ``d``, its largest value over ``top_multiple``, and integers ``k`` in ``low..top_multiple``: the K-quants'
+    sub-scales (``low`` 1) and sub-minimums (``low`` 0)."""
+    d = float16_scale(block.amax(dim=-1, keepdim=True) / top_multiple)
+    return d * torch.clamp(torch.round(block / d), low, top_multiple)
 
 
 def snap_kquant_scales(scales: torch.Tensor, groups_per_super_block: int, sub_scale_max: int,
@@ -39,13 +52,9 @@ def snap_kquant_scales(scales: torch.Tensor, groups_per_super_block: int, sub_sc
     if groups % groups_per_super_block:
         pairs = groups_per_32 if groups % groups_per_32 == 0 else 1
         top = flat.reshape(flat.shape[0], -1, pairs).amax(dim=-1, keepdim=True)
-        top = top.clamp(min=_FLOAT16_TINY, max=_FLOAT16_MAX).to(torch.float16).float()
-        return top.expand(-1, -1, pairs).reshape(shape).to(scales.dtype)
+        return float16_scale(top).expand(-1, -1, pairs).reshape(shape).to(scales.dtype)
     block = flat.reshape(flat.shape[0], -1, groups_per_super_block)
-    top = block.amax(dim=-1, keepdim=True)
-    d = (top / sub_scale_max).clamp(min=_FLOAT16_TINY, max=_FLOAT16_MAX).to(torch.float16).float()
-    sub = torch.clamp(torch.round(block / d), 1, sub_scale_max)
-    return (d * sub).reshape(shape).to(scales.dtype)
+    return snap_super_blocks(block, sub_scale_max, 1).reshape(shape).to(scales.dtype)
 
 
 class _SnapScales(torch.autograd.Function):

@@ -30,6 +30,7 @@ import torch
 from brevitas.core.quant.int_base import IntQuant
 from torch import nn
 
+from quark_brevitas.brevitas_adapter.kquant import snap_super_blocks
 from quark_brevitas.errors import ModelError
 
 __all__ = ["KQUANT_MINIMUM_LETS", "OFFSET_SIGNIFICANT_BITS", "KQuantMinimumSearch", "KQuantMinimumShift",
@@ -38,8 +39,6 @@ __all__ = ["KQUANT_MINIMUM_LETS", "OFFSET_SIGNIFICANT_BITS", "KQuantMinimumSearc
 
 #: Significant bits of a sub-minimum ``dmin * m``: float16's 11 times a 6-bit integer.
 OFFSET_SIGNIFICANT_BITS = 17
-_FLOAT16_TINY = 2.0 ** -24
-_FLOAT16_MAX = 65504.0
 #: Candidate scales of the search: (code range + k * step) / (max - min) for k in -steps..steps.
 _SEARCH_STEPS, _SEARCH_STEP = 10, 0.1
 
@@ -65,9 +64,7 @@ def snap_kquant_minimums(offsets: torch.Tensor, scales: torch.Tensor, groups_per
                          f"super-blocks ({groups_per_super_block} groups); a weight has {groups} groups per row: "
                          "quantize it with a symmetric gguf_k grid or a 32-channel type (gguf_q4_1, gguf_q5_0)")
     block = offsets.reshape(-1, groups // groups_per_super_block, groups_per_super_block).float().clamp(min=0)
-    dmin = (block.amax(dim=-1, keepdim=True) / minimum_max).clamp(min=_FLOAT16_TINY, max=_FLOAT16_MAX)
-    dmin = dmin.to(torch.float16).float()
-    minimum = dmin * torch.clamp(torch.round(block / dmin), 0, minimum_max)
+    minimum = snap_super_blocks(block, minimum_max, 0)
     return (minimum.reshape(shape) / scales.float()).to(scales.dtype)
 
 
