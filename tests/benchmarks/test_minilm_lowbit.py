@@ -94,3 +94,25 @@ def test_quark_results_are_scored_by_our_code_and_survive_a_failed_process(tmp_p
     cut = bench.quark_results(_Finished(1, ""), runs, fake, str(tmp_path))
     assert cut[("rtn", 3, 128, True)]["cosine"] == 12.0
     assert cut[("qronos", 3, 128, True)]["error"].startswith("Quark's process exited with 1")
+
+
+def test_tie_arithmetic_codes() -> None:
+    """``rtn_codes`` (the ``--tie-arithmetic`` table): a group's negative extreme is the tie ``-3.5`` steps, which the
+    exact quotient sends to -4 (half to even) and the positive extreme to 3 (4 clamped); the float32 division is
+    the library's round to nearest code for code; the reciprocal stays on the grid and within a step of exact."""
+    weight = torch.randn(16, 256, generator=torch.Generator().manual_seed(1))
+    weight[0, 5] = -10.0  # group 0 of row 0: a negative extreme
+    weight[1, 130] = 9.0  # group 1 of row 1: a positive extreme
+    exact, scale = bench.rtn_codes(weight, 3, 128, "exact")
+    assert exact[0, 5] == -4 and exact[1, 130] == 3
+    assert torch.allclose(scale[0, :128], torch.full((128,), 10.0 / 3.5))
+    divide, _ = bench.rtn_codes(weight, 3, 128, "divide")
+    reciprocal, _ = bench.rtn_codes(weight, 3, 128, "reciprocal")
+    for codes in (divide, reciprocal):
+        assert codes.min() >= -4 and codes.max() <= 3 and (codes - exact).abs().max() <= 1
+    model = nn.Sequential(nn.Linear(256, 16, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(weight)
+    config = Config(bench.SPECS[0].format().layer(bench.RECIPES["round to nearest"]), pre_quant_opt_config=[])
+    library = ModelQuantizer(config).quantize_model(model)[0].quant_weight().int().reshape(weight.shape)
+    assert torch.equal(library.float(), divide)
