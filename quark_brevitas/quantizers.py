@@ -47,7 +47,7 @@ from brevitas.core.stats import (
     StatsOp,
 )
 from brevitas.core.zero_point import ParameterFromStatsFromParameterZeroPoint
-from brevitas.inject.enum import ScalingPerOutputType
+from brevitas.inject.enum import FloatToIntImplType, ScalingPerOutputType
 from brevitas.proxy.groupwise_float_parameter_quant import GroupwiseWeightFloatQuantProxyFromInjector
 from brevitas.quant import mx_quant_ocp as bq_mx
 from brevitas.quant import scaled_int as bq_int
@@ -322,12 +322,35 @@ class RoundHalfAwayFromZeroSte(nn.Module):
         return _RoundHalfAwayFromZero.apply(x)
 
 
+#: The offset, in steps, that turns round half to even into ties-up rounding (``RoundType.half_up``): finer than
+#: any grid the exact graph arithmetic produces (2^-15 steps), coarse enough that ``|x / scale| < 2^8`` plus it
+#: is exact in float32.
+TIES_UP_OFFSET = 2.0 ** -16
+#: What ``RoundType.half_up`` quantizers write as a QONNX ``Quant`` node's ``rounding_mode``: the name of the Brevitas
+#: rounding its exporter traces the node's values with (Brevitas knows no ties-up rounding; its DPU rounding rounds
+#: negative ties up and positive ones to even). The QONNX export rewrites every such node into the exact form
+#: (:mod:`quark_brevitas.export.onnx.ties_up`), so no file keeps it; nothing else in quark_brevitas rounds this way.
+TIES_UP_MODE = "DPU"
+
+
+class RoundTiesUpSte(nn.Module):
+    """``RoundType.half_up`` as a Brevitas ``float_to_int_impl``: ``round_half_even(x + 2^-16)`` with an identity
+    gradient (see :data:`TIES_UP_OFFSET`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (torch.round(x + TIES_UP_OFFSET) - x).detach()
+
+
 #: Element rounding (``round_method``); ``None`` is Brevitas's default, round half to even.
 _ROUNDING: dict[RoundType | None, dict[str, Any]] = {
     None: {},
     RoundType.half_even: {"float_to_int_impl": RoundSte},
     RoundType.floor: {"float_to_int_impl": FloorSte},
     RoundType.round: {"float_to_int_impl": RoundHalfAwayFromZeroSte},
+    RoundType.half_up: {"float_to_int_impl": RoundTiesUpSte, "float_to_int_impl_type": FloatToIntImplType.DPU},
 }
 
 def verify_spec(spec: QuantizationSpec, role: str, path: str) -> None:
@@ -427,5 +450,5 @@ def _percentile_lets(spec: QuantizationSpec) -> dict[str, Any]:
     return {"high_percentile_q": percentile, "low_percentile_q": 100.0 - percentile}
 
 
-__all__ = ["DEFAULT_PERCENTILE", "HalfStepIntScaling", "RoundHalfAwayFromZeroSte", "build_quantizer", "scheme_of",
-           "table_keys", "verify_spec"]
+__all__ = ["DEFAULT_PERCENTILE", "TIES_UP_MODE", "TIES_UP_OFFSET", "HalfStepIntScaling", "RoundHalfAwayFromZeroSte",
+           "RoundTiesUpSte", "build_quantizer", "scheme_of", "table_keys", "verify_spec"]

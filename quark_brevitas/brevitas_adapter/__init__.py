@@ -157,6 +157,7 @@ from quark_brevitas.brevitas_adapter.rotation import (  # noqa: E402
 )
 from quark_brevitas.brevitas_adapter.structure import (  # noqa: E402
     adopt_parameters,
+    attach_bias_quant,
     equalized_scale_shape,
     quant_layer_for,
     swap_parameter,
@@ -199,6 +200,7 @@ __all__ = [
     "a2gpfq_mode",
     "activation_equalization_mode",
     "adopt_parameters",
+    "attach_bias_quant",
     "all_reduce_statistics",
     "barrier",
     "bias_correction_mode",

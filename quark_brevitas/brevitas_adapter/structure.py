@@ -21,7 +21,8 @@ from brevitas.proxy.quant_proxy import QuantProxyFromInjector
 from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
-__all__ = ["adopt_parameters", "equalized_scale_shape", "quant_layer_for", "swap_parameter", "wrap_equalized"]
+__all__ = ["adopt_parameters", "attach_bias_quant", "equalized_scale_shape", "quant_layer_for", "swap_parameter",
+           "wrap_equalized"]
 
 
 # ===================================================================== equalized layers
@@ -122,3 +123,14 @@ def swap_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
     state: registering ``weight`` or ``bias`` on a Brevitas layer would re-initialise its quantizer and
     drop its scale, so the parameter table is written directly."""
     module._parameters[name] = param
+
+
+def attach_bias_quant(layer: nn.Module, quant: Any, input_quant: nn.Module) -> None:
+    """Give a Brevitas layer built without bias quantization the bias quantizer ``quant`` (an injector whose scale
+    is input scale x weight scale) and ``input_quant`` (an existing activation quantizer proxy, shared, whose
+    scale is that input scale): Brevitas's bias quantizer reads the input's scale from the layer's own input
+    quantizer. Used by the graph backend, where a layer's input is quantized by a quantizer upstream."""
+    training = layer.training
+    layer.bias_quant = quant.proxy_class(layer, quant)
+    layer.bias_quant.train(training)
+    layer.input_quant = input_quant

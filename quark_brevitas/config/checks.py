@@ -25,7 +25,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from quark_brevitas.config import algorithms
-from quark_brevitas.config.enums import DeviceType, ParamType, QSchemeType, QuantType, ScaleType, ZeroPointType
+from quark_brevitas.config.enums import (
+    DeviceType,
+    ParamType,
+    QSchemeType,
+    QuantType,
+    RoundType,
+    ScaleType,
+    ZeroPointType,
+)
 from quark_brevitas.config.kquants import verify_gguf_scales
 from quark_brevitas.config.serialization import check_fields
 from quark_brevitas.config.specs import (
@@ -263,6 +271,10 @@ def _verify_format(spec: QuantizationSpec, kind: str, scheme: str, path: str) ->
 def _verify_options(spec: QuantizationSpec, kind: str, scheme: str, path: str) -> None:
     """param_type, percentile, zero_point_type and symmetry rules that depend on the scheme."""
     dynamic = kind == "act" and scheme in (PER_GROUP, MX, DYNAMIC_PER_TENSOR, DYNAMIC_PER_TOKEN)
+    ties_up = spec.round_method is RoundType.half_up
+    if ties_up and (kind != "act" or dynamic or spec.quant_type is not QuantType.int_quant):
+        raise ConfigError(f"{path}.round_method", "half_up (FINN's ties-up thresholds) is for static int activations "
+                          "only; weights and dynamic or float quantizers round with half_even, floor or round")
     if scheme == MX and not spec.symmetric:
         raise ConfigError(f"{path}.symmetric", "per_group with scale_type=pof2 is the OCP MX shared-exponent rule, "
                           "which is symmetric; use symmetric=True, or scale_type=float for asymmetric per_group")

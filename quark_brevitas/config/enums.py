@@ -72,6 +72,11 @@ class RoundType(Enum):
     round = "round"
     floor = "floor"
     half_even = "half_even"
+    #: Nearest, ties up (toward +inf): FINN's ``MultiThreshold`` rule, ``x >= (k + 1/2) * scale`` (quark_brevitas's
+    #: addition). Computed as ``round_half_even(x / scale + 2^-16)``, which is the same for every value on a grid
+    #: of at least 2^-15 steps, and which a QONNX file states exactly (``Add(x, scale * 2^-16)`` in front of a
+    #: ``Quant`` that rounds half to even) when the scale is a power of two. Static int activations only.
+    half_up = "half_up"
 
 
 class DeviceType(Enum):

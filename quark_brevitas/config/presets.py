@@ -137,14 +137,21 @@ def _fp8() -> Config:
 
 # ---------------------------------------------------------------- FINN (whole networks, Backend.graph)
 # Every tensor reaching a compute layer is quantized (docs/how-to/graph-finn.md): per-tensor symmetric activations
-# (unsigned behind ReLUs, signed elsewhere, zero point 0), per-channel symmetric weights, float biases (FINN absorbs
-# them into the next thresholds).
+# (unsigned behind ReLUs, signed elsewhere, zero point 0), per-channel symmetric weights. At 2 and 4 bits (the FPGA
+# widths) the arithmetic is FINN's exactly: power-of-two scales and int32 biases on the accumulator's grid make
+# every product and sum in the file exact in float32, and activations round ties up as FINN's thresholds do
+# (RoundType.half_up), so FINN's converted model computes the file's values bit for bit. finn_w8a8 is also the
+# onnxruntime target (QCDQ on integer kernels, whose QuantizeLinear rounds ties to even): float scales and float
+# biases (FINN absorbs them into the next thresholds).
 def _finn(bits: int) -> Callable[[], Config]:
     def build() -> Config:
-        from quark_brevitas.config.enums import Backend
+        from quark_brevitas.config.enums import Backend, RoundType, ScaleType
 
-        weight = QTensorConfig(bit_width=bits, qscheme=QSchemeType.per_channel)
-        return Config(QLayerConfig(weight=weight, input_tensors=QTensorConfig(bit_width=bits)), backend=Backend.graph)
+        exact = {"scale_type": ScaleType.pof2} if bits < 8 else {}
+        weight = QTensorConfig(bit_width=bits, qscheme=QSchemeType.per_channel, **exact)
+        activation = QTensorConfig(bit_width=bits, **exact, **({"round_method": RoundType.half_up} if exact else {}))
+        bias = _INT32_BIAS if exact else None
+        return Config(QLayerConfig(weight=weight, input_tensors=activation, bias=bias), backend=Backend.graph)
 
     return build
 
@@ -215,8 +222,10 @@ DESCRIPTIONS: dict[str, str] = {
     "gguf_q2_k_mix": "llama.cpp's Q2_K mix: Q2_K, Q3_K/Q4_K for attn_v, ffn_down, attn_output, Q6_K head; needs the "
                      "model",
     "finn_w8a8": "Backend.graph for FINN: every tensor int8 (unsigned after ReLU), int8 per-channel weights",
-    "finn_w4a4": "Backend.graph for FINN: every tensor 4-bit (unsigned after ReLU), int4 per-channel weights",
-    "finn_w2a2": "Backend.graph for FINN: every tensor 2-bit (unsigned after ReLU), int2 per-channel weights",
+    "finn_w4a4": "Backend.graph for FINN: every tensor 4-bit (unsigned after ReLU), int4 per-channel weights; "
+                 "power-of-two scales, ties rounded up (FINN's arithmetic exactly)",
+    "finn_w2a2": "Backend.graph for FINN: every tensor 2-bit (unsigned after ReLU), int2 per-channel weights; "
+                 "power-of-two scales, ties rounded up (FINN's arithmetic exactly)",
 }
 
 

@@ -10,8 +10,9 @@ the points in front of them. See :mod:`.points` for where the points go and why,
 
 The config maps plainly: a layer's ``input_tensors`` is the spec of every point whose value reaches it,
 ``output_tensors`` quantizes the layer's own output (the model's output when set on the last layer), ``weight`` as
-in the layerwise backend. ``bias`` must be ``None``: a float bias is what FINN absorbs into the next thresholds,
-and an integer bias would need the input's scale at the layer, which lives in an upstream quantizer.
+in the layerwise backend. ``bias``: ``None`` keeps it float (FINN absorbs it into the next thresholds); an integer
+bias (``scale = input scale x weight scale``) takes the scale of the quantizer the layer's input comes from
+(:func:`.rewrite.share_input_scales`), which keeps a power-of-two network's arithmetic exact.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 
 from quark_brevitas.backend import LayerMapping, LayerwiseBackend, PlannedLayer
 from quark_brevitas.backend.graph.points import GraphAnalysis, QuantPoint, analyse
-from quark_brevitas.backend.graph.rewrite import insert_points, privatise_forks
+from quark_brevitas.backend.graph.rewrite import insert_points, privatise_forks, share_input_scales
 from quark_brevitas.backend.graph.trace import trace
 from quark_brevitas.config import Config, QuantizationConfig, QuantType
 from quark_brevitas.config.enums import QSchemeType
@@ -105,11 +106,6 @@ class GraphBackend:
                 refusal = _activation_refusal(spec) if spec is not None else None
                 if refusal is not None:
                     raise ConfigError(self._path(row, role, refusal[0]), f"layer {row.name!r}: {refusal[1]}")
-            if layer.bias is not None:
-                raise ConfigError(self._path(row, "bias", ""), (
-                    f"layer {row.name!r}: Backend.graph keeps biases float (bias=None): FINN absorbs a float bias "
-                    "into the next quantizer's thresholds, and an integer bias needs the input scale at the layer, "
-                    "which the graph backend keeps in the quantizer upstream"))
 
     @staticmethod
     def _path(row: PlannedLayer, role: str, field: str) -> str:
@@ -139,6 +135,10 @@ class GraphBackend:
                                               log=log)
         quantizers = insert_points(graph_model, analysis)
         privatise_forks(graph_model, analysis, quantizers)
+        biased = {row.name.removeprefix(f"{prefix}.") if prefix else row.name: row.layer_config.bias
+                  for row in rows if row.quantized and row.layer_config is not None
+                  and row.layer_config.bias is not None}
+        share_input_scales(graph_model, analysis, quantizers, biased)
         graph_model.recompile()
         logger.log(log, "Backend.graph: %d quantization points (%d shared-scale groups)", len(analysis.points),
                    sum(point.kind == "shared" for point in analysis.points))
@@ -146,9 +146,10 @@ class GraphBackend:
 
 
 def _without_inputs(config: Config) -> Config:
-    """``config`` with no ``input_tensors`` at any level: the graph points quantize the layers' inputs."""
+    """``config`` with no ``input_tensors`` (and no ``bias``) at any level: the graph points quantize the layers'
+    inputs, and an integer bias takes its scale from them (:func:`.rewrite.share_input_scales`)."""
     def strip(layer: QuantizationConfig) -> QuantizationConfig:
-        return dataclasses.replace(layer, input_tensors=None)
+        return dataclasses.replace(layer, input_tensors=None, bias=None)
 
     return dataclasses.replace(
         config, global_quant_config=strip(config.global_quant_config),

@@ -28,8 +28,7 @@ from torch import nn
 
 from quark_brevitas.backend.graph.ops import COMPUTE, classify, tensor_args
 from quark_brevitas.backend.graph.trace import trace
-from quark_brevitas.config import Config, QTensorConfig
-from quark_brevitas.config.enums import QSchemeType
+from quark_brevitas.config import Config
 from quark_brevitas.config.presets import get_preset
 from quark_brevitas.errors import ConfigError
 
@@ -91,17 +90,18 @@ def finn_config(bits: int, model: nn.Module, *, ends_bits: int | None = None, ou
     first, last = end_layers(model)
     layer = config.global_quant_config
     overrides = {}
+    # The overrides keep the preset's arithmetic (scale type, rounding); only the widths change.
     if ends_bits is not None:
-        wide = QTensorConfig(bit_width=ends_bits, qscheme=QSchemeType.per_channel)
+        wide = dataclasses.replace(layer.weight, bit_width=ends_bits)
         for name in first:
-            overrides[name] = dataclasses.replace(layer, input_tensors=QTensorConfig(bit_width=ends_bits),
-                                                  weight=wide)
+            overrides[name] = dataclasses.replace(
+                layer, input_tensors=dataclasses.replace(layer.input_tensors, bit_width=ends_bits), weight=wide)
         for name in last:
             overrides[name] = dataclasses.replace(overrides.get(name, layer), weight=wide)
     if output_bits is not None:
+        output = dataclasses.replace(layer.input_tensors, bit_width=output_bits)
         for name in last:
-            overrides[name] = dataclasses.replace(overrides.get(name, layer),
-                                                  output_tensors=QTensorConfig(bit_width=output_bits))
+            overrides[name] = dataclasses.replace(overrides.get(name, layer), output_tensors=output)
     return dataclasses.replace(config, layer_quant_config=overrides)
 
 

@@ -8,14 +8,18 @@ scale, in calibration, in training and in the exported file alike.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import brevitas.nn as qnn
 from brevitas.graph.utils import set_module
 from torch import nn
 
-from quark_brevitas.backend.graph.ops import ACT_UNSIGNED, PASSTHROUGH, tensor_args
+from quark_brevitas.backend.graph.ops import ACT_UNSIGNED, MERGE, PASSTHROUGH, tensor_args
 from quark_brevitas.backend.graph.points import GraphAnalysis, QuantPoint
+from quark_brevitas.brevitas_adapter import attach_bias_quant
+from quark_brevitas.config import QuantizationSpec
+from quark_brevitas.errors import ConfigError
 from quark_brevitas.quantizers import build_quantizer
 
 
@@ -88,4 +92,41 @@ def privatise_forks(graph_model: Any, analysis: GraphAnalysis, quantizers: set[s
         consumer.replace_input_with(value, call)
 
 
-__all__ = ["insert_points", "privatise_forks", "quantizer_module"]
+def _feeding_quantizer(node: Any, analysis: GraphAnalysis, quantizers: set[str]) -> str | None:
+    """The quantizer module whose grid the value read by ``node`` is on: the nearest quantizer call upstream
+    through ops that keep the grid (reshapes, max pooling, ..., and the adds/concats of a shared quantizer's
+    outputs); ``None`` if a float op comes first."""
+    probe = tensor_args(node)[0]
+    while not (probe.op == "call_module" and probe.target in quantizers):
+        if analysis.kinds.get(probe.name) not in (PASSTHROUGH, MERGE) or not tensor_args(probe):
+            return None
+        probe = tensor_args(probe)[0]
+    return str(probe.target)
+
+
+def share_input_scales(graph_model: Any, analysis: GraphAnalysis, quantizers: set[str],
+                       bias_specs: Mapping[str, QuantizationSpec]) -> list[str]:
+    """Give every compute layer whose config has an integer bias (``bias_specs``: layer name -> spec, ``scale =
+    input scale x weight scale``) that bias quantizer, with the quantizer its input comes from as its own input
+    quantizer, so that the bias quantizer sees the input's scale; the names of those layers.
+
+    The value is already on that quantizer's grid, so the second call changes nothing (as in
+    :func:`privatise_forks`); the bias lands on the accumulator's grid, which keeps a power-of-two network's
+    arithmetic exact in float32 (docs/how-to/graph-finn.md). A layer called on values of two quantizers, or on a
+    value no quantizer reaches, cannot have one bias scale: ``ConfigError`` naming it."""
+    modules = dict(graph_model.named_modules())
+    found: dict[str, set[str]] = {}
+    for node in graph_model.graph.nodes:
+        if node.op == "call_module" and str(node.target) in bias_specs:
+            found.setdefault(str(node.target), set()).add(_feeding_quantizer(node, analysis, quantizers) or "")
+    for name, feeding in found.items():
+        if len(feeding) != 1 or "" in feeding:
+            why = "its input is not on one quantizer's grid" if "" in feeding else \
+                f"it is called on the outputs of {len(feeding)} quantizers ({', '.join(sorted(feeding))})"
+            raise ConfigError("bias", f"layer {name!r}: an integer bias takes the scale of the layer's input "
+                              f"quantizer, but {why}; use bias=None (a float bias) for this layer")
+        attach_bias_quant(modules[name], build_quantizer(bias_specs[name], "bias"), modules[feeding.pop()].act_quant)
+    return sorted(found)
+
+
+__all__ = ["insert_points", "privatise_forks", "quantizer_module", "share_input_scales"]

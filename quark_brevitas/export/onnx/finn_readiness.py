@@ -106,7 +106,9 @@ def finn_readiness(path: str | os.PathLike[str] | Any) -> list[FinnFinding]:
             elif weight in inits and not np.array_equal(inits[weight], np.round(inits[weight])):
                 findings.append(FinnFinding("float_weight", label, weight, label, f"weight {weight!r} is float",
                                             "give the layer a weight spec (QuantizationConfig.weight)"))
-        elif node.op_type in _MERGE:
+        elif node.op_type in _MERGE and len([n for n in node.input if n and n not in inits]) > 1:
+            # (an Add of one tensor and a constant -- a bias, the ties-up offset -- is absorbed by FINN's
+            # Streamline into the next thresholds; only tensors merged with tensors need one scale)
             dynamic = [name for name in node.input if name and name not in inits]
             quants = [source(name)[0] for name in dynamic]
             scales = [None if q is None else inits.get(q.input[1]) for q in quants]

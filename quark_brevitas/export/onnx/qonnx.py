@@ -52,6 +52,7 @@ from quark_brevitas.export.args import Example, PathLike, TensorArgs, normalize_
 from quark_brevitas.export.errors import ExportArgumentError, ExportError, ExportMismatchError
 from quark_brevitas.export.onnx.inspect import DEFAULT_INT_OPSET
 from quark_brevitas.export.onnx.orchestrate import ExportFormat, GraphNames, brevitas_export, export_verified
+from quark_brevitas.export.onnx.ties_up import fold_bias_quants, rewrite_ties_up
 from quark_brevitas.export.onnx.verify import VerificationResult
 from quark_brevitas.extras import require
 
@@ -266,6 +267,12 @@ class QONNXFormat(ExportFormat[QONNXExportReport]):
             self.cleaned = _cleanup(self.modelwrapper.ModelWrapper(str(raw_path)))
         except Exception as exc:
             raise ExportError(f"qonnx could not clean up the exported graph: {type(exc).__name__}: {exc}") from exc
+        if rewrite_ties_up(self.cleaned.model):  # FINN's exact arithmetic (finn_w4a4 / finn_w2a2): its bias form too
+            from qonnx.transformation.general import RemoveUnusedTensors
+            from qonnx.transformation.infer_shapes import InferShapes
+
+            fold_bias_quants(self.cleaned.model)
+            self.cleaned = self.cleaned.transform(RemoveUnusedTensors()).transform(InferShapes())
         return self.cleaned.model
 
     def run(self, path: pathlib.Path, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:

@@ -1,0 +1,130 @@
+"""Ties-up activations (``RoundType.half_up``) in a QONNX file, stated with the ops every QONNX reader has.
+
+FINN turns an activation ``Quant`` into a ``MultiThreshold`` that counts ``x >= (k + 1/2) * scale``: ties round up.
+QONNX's ``Quant`` with ``rounding_mode="ROUND"`` is ``np.round``, ties to even, and the qonnx that FINN pins knows
+no other rounding to nearest. Where the graph's arithmetic is exact (power-of-two scales, integer accumulation:
+the values reaching a quantizer lie on a grid of the step's powers of two), exact ties are frequent and the two
+rules disagree on them, so FINN's converted model would compute something else than the file.
+
+A ``half_up`` quantizer rounds ``x / scale + 2^-16`` half to even (:data:`~quark_brevitas.quantizers.TIES_UP_OFFSET`):
+on any grid of at least 2^-15 steps that is ties up, and elsewhere it changes nothing. Brevitas writes such a node
+with ``rounding_mode="TIES_UP"`` (no reader knows that name); :func:`rewrite_ties_up` replaces it with
+``Add(x, scale * 2^-16)`` in front of a ``Quant`` that rounds half to even, which is the same arithmetic exactly when
+the scale is a power of two (dividing by it is exact in float32). In front of a quantized ReLU the ``Add`` goes
+before the ``Relu``, as ``ReLU(x + e)`` quantizes like ``ReLU(x) + e`` for ``e`` below half a step, and FINN's ReLU
+handler needs the ``Relu`` right before the ``Quant``. FINN absorbs the ``Add`` into the thresholds it builds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from quark_brevitas.export.errors import ExportError
+from quark_brevitas.quantizers import TIES_UP_MODE, TIES_UP_OFFSET
+
+__all__ = ["fold_bias_quants", "rewrite_ties_up"]
+
+#: Ops whose third input is a bias (what :func:`fold_bias_quants` looks for).
+_BIASED_OPS = ("Conv", "ConvTranspose", "Gemm")
+
+
+def _attribute(node: onnx.NodeProto, name: str) -> onnx.AttributeProto | None:
+    return next((a for a in node.attribute if a.name == name), None)
+
+
+def _is_power_of_two(values: np.ndarray) -> bool:
+    mantissa, _ = np.frexp(values.astype(np.float64))
+    return bool(values.size) and bool(np.all(values > 0)) and bool(np.all(mantissa == 0.5))
+
+
+def _per_channel(offset: np.ndarray, shape: list[int] | None) -> np.ndarray:
+    """A per-tensor ``offset`` repeated over the channel axis (1) of a value of ``shape``: FINN absorbs a per-channel
+    ``Add`` into the thresholds behind it, but a scalar ``Add`` right behind another quantizer's thresholds it takes
+    for the sign bias of a signed export (``AbsorbSignBiasIntoMultiThreshold``) and fails on. Per-channel offsets
+    (and values of unknown shape or one channel) stay as they are."""
+    if offset.size != 1 or not shape or len(shape) < 2 or shape[1] <= 1:
+        return offset
+    return np.full([1, shape[1], *[1] * (len(shape) - 2)], offset.reshape(()), dtype=np.float32)
+
+
+def rewrite_ties_up(model: onnx.ModelProto) -> int:
+    """Rewrite every ties-up ``Quant`` node of ``model`` (in place; see the module docstring); how many there were.
+
+    Raises :class:`ExportError` for a ties-up node whose scale is not a constant power of two: the rewritten
+    file would not compute what the quantizer computes (use ``scale_type=pof2`` with ``round_method=half_up``)."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    producers = {output: node for node in graph.node for output in node.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    shapes = {info.name: [d.dim_value for d in info.type.tensor_type.shape.dim]
+              for info in (*graph.input, *graph.value_info)}
+    rewritten = 0
+    for node in list(graph.node):
+        mode = _attribute(node, "rounding_mode")
+        if node.op_type != "Quant" or mode is None or mode.s.decode() != TIES_UP_MODE:
+            continue
+        scale_init = initializers.get(node.input[1])
+        scale = numpy_helper.to_array(scale_init) if scale_init is not None else None
+        if scale is None or not _is_power_of_two(scale):
+            raise ExportError(
+                f"QONNX Quant node {node.name!r} rounds ties up (round_method=half_up), which a QONNX file states "
+                "exactly only with a constant power-of-two scale (scale_type=pof2); its scale is "
+                f"{'not a constant' if scale is None else scale.ravel()[:4].tolist()}")
+        target = node
+        producer = producers.get(node.input[0])
+        if producer is not None and producer.op_type == "Relu" and len(consumers.get(node.input[0], [])) == 1:
+            target = producer
+        offset = (scale * np.float32(TIES_UP_OFFSET)).astype(np.float32)
+        offset_name = f"{node.name}_ties_up_offset"
+        graph.initializer.append(numpy_helper.from_array(_per_channel(offset, shapes.get(target.input[0])),
+                                                         offset_name))
+        shifted = f"{node.name}_ties_up_input"
+        add = helper.make_node("Add", [target.input[0], offset_name], [shifted], name=f"{node.name}_ties_up")
+        target.input[0] = shifted
+        position = list(graph.node).index(target)
+        graph.node.insert(position, add)
+        mode.s = b"ROUND"
+        rewritten += 1
+    return rewritten
+
+
+def fold_bias_quants(model: onnx.ModelProto) -> int:
+    """Replace every ``Quant`` node on a constant bias (the third input of a Conv / ConvTranspose / Gemm) with the
+    float32 values it computes (in place); how many there were.
+
+    An exact FINN file has its integer biases on the accumulator's power-of-two grid, so the values are exact in
+    float32. FINN's converter cannot take them as ``Quant`` nodes: it moves a bias's per-channel scale into a
+    division in front of the bias add whose output it then annotates as integer, and its executor refuses the
+    non-integer values ("Rounding error is too high"). As float initializers FINN absorbs them into the next
+    thresholds, exactly. The quantization is computed as qonnx's ``Quant`` computes it (float32, ties to even)."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, index))
+    folded = 0
+    for node in list(graph.node):
+        if node.op_type != "Quant" or any(name not in initializers for name in node.input[:4]):
+            continue
+        users = consumers.get(node.output[0], [])
+        if not users or any(user.op_type not in _BIASED_OPS or index != 2 for user, index in users):
+            continue
+        x, scale, zero_point, bits = (numpy_helper.to_array(initializers[name]).astype(np.float32)
+                                      for name in node.input[:4])
+        signed = _attribute(node, "signed")
+        narrow = _attribute(node, "narrow")
+        signed_value, narrow_value = (signed.i if signed else 1), (narrow.i if narrow else 0)
+        low = -(2.0 ** (bits - 1)) + narrow_value if signed_value else 0.0
+        high = 2.0 ** (bits - 1) - 1 if signed_value else 2.0 ** bits - 1 - narrow_value
+        codes = np.clip(np.round(x / scale + zero_point), low, high)
+        values = ((codes - zero_point) * scale).astype(np.float32)
+        graph.node.remove(node)
+        graph.initializer.append(numpy_helper.from_array(values, node.output[0]))
+        folded += 1
+    return folded
