@@ -263,6 +263,8 @@ def _bad_value(path: tuple, value: Any) -> st.SearchStrategy[Any]:
         return _junk("text", "none") | st.text(max_size=12).filter(lambda t: t not in _ENUM_NAMES)
     if last in _NULLABLE_SCALAR_FIELDS:
         return _junk(*_NULLABLE_SCALAR_FIELDS[last], "none")
+    if last == "target_device":  # None (no device) is valid: junk of the other kinds, or a name no device has
+        return _junk("text", "none") | st.text(max_size=12).filter(lambda t: t not in {"CPU", "IPU"})
     if last == "observer_cls":  # None or one of Quark's observers by name
         return _junk("text", "none") | st.text(max_size=12).filter(lambda t: t not in OBSERVER_FIELDS)
     if last in _ENUM_FIELDS or last == "name":
