@@ -14,7 +14,7 @@ from quark_brevitas.backend.graph import GraphBackend, plan_points, points_table
 from quark_brevitas.backend.graph.points import QuantPoint
 from quark_brevitas.cli import main
 from quark_brevitas.config import Backend, Config, QConfig, QLayerConfig, QTensorConfig
-from quark_brevitas.config.enums import QuantizationMode
+from quark_brevitas.config.enums import QSchemeType, QuantizationMode
 from quark_brevitas.config.presets import get_preset
 from quark_brevitas.container import Container
 from quark_brevitas.errors import ConfigError, ModelError
@@ -168,11 +168,57 @@ def test_specs_the_backend_cannot_hold_are_config_errors(spec: QTensorConfig, fi
         ModelQuantizer(config).plan(randomised(GRAPH_ZOO["mlp"]()))
 
 
-def test_bias_spec_is_refused() -> None:
+def test_integer_bias_takes_the_scale_of_the_quantizer_upstream() -> None:
+    """``bias=QTensorConfig(bit_width=32)`` in graph mode: each layer's bias codes are ``round(b / (s_in * s_w))``
+    with ``s_in`` the scale of the point its input comes from (through the max pooling and flatten between),
+    computed here by hand, and the layer's input quantizer is that point's (one scale, one calibration)."""
+    x = input_batch(32)
+    config = Config(QLayerConfig(weight=QTensorConfig(bit_width=4, qscheme=QSchemeType.per_channel),
+                                 input_tensors=A4, bias=QTensorConfig(bit_width=32)), backend=Backend.graph)
+    model = randomised(GRAPH_ZOO["residual_cnn"]())
+    quant = ModelQuantizer(config).quantize_model(model, [x[:16], x[16:]])
+    assert quant.fc.input_quant is quant.graph_quant_gap.act_quant
+    assert quant.conv1.input_quant is quant.relu0.act_quant
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = [getattr(quant, name).register_forward_hook(
+        lambda module, args, out, name=name: seen.__setitem__(name, (args[0].detach(), out.detach())))
+        for name in ("conv0", "conv1", "conv2", "fc")]
+    with torch.no_grad():
+        quant(x)
+    for hook in hooks:
+        hook.remove()
+    for name, (inputs, output) in seen.items():
+        layer = getattr(quant, name)
+        with torch.no_grad():
+            s_in = layer.input_quant.scale().detach()
+            weight = layer.quant_weight()
+            s_acc = s_in * weight.scale.detach().reshape(-1)
+            bias = torch.round(layer.bias / s_acc) * s_acc  # the integer bias, by hand
+            if isinstance(layer, nn.Linear):
+                expected = torch.nn.functional.linear(inputs, weight.value, bias)
+            else:
+                expected = torch.nn.functional.conv2d(inputs, weight.value, bias, layer.stride, layer.padding,
+                                                      layer.dilation, layer.groups)
+        assert torch.allclose(output, expected, rtol=0, atol=1e-5 * float(expected.abs().max())), name
+        assert not torch.equal(bias, layer.bias.detach()), name  # the float bias is not already on the grid
+
+
+class _SharedLinear(nn.Module):
+    """One Linear called on the outputs of two different quantizers (a ReLU and a Tanh)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(x)) + self.fc(torch.tanh(x))
+
+
+def test_integer_bias_of_a_layer_fed_by_two_quantizers_is_refused() -> None:
     config = Config(QLayerConfig(weight=A4, input_tensors=A4, bias=QTensorConfig(bit_width=32)),
                     backend=Backend.graph)
-    with pytest.raises(ConfigError, match="bias"):
-        ModelQuantizer(config).plan(randomised(GRAPH_ZOO["mlp"]()))
+    with pytest.raises(ConfigError, match="'fc'.*2 quantizers"):
+        ModelQuantizer(config).quantize_model(_SharedLinear(), [torch.randn(4, 8)])
 
 
 def test_output_quantized_only_when_asked() -> None:

@@ -39,6 +39,28 @@ def _is_power_of_two(values: np.ndarray) -> bool:
     return bool(values.size) and bool(np.all(values > 0)) and bool(np.all(mantissa == 0.5))
 
 
+#: Ops whose output is on their input's grid (nearest-neighbour Resize: the graph backend's upsampling).
+_KEEPS_GRID = ("MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Pad", "Identity", "Resize",
+               "Relu")
+
+
+def _input_grid(tensor: str, producers: dict[str, onnx.NodeProto],
+                initializers: dict[str, onnx.TensorProto]) -> np.ndarray | None:
+    """The step of the grid ``tensor`` lies on when it comes from per-tensor ``Quant`` nodes through grid-keeping
+    ops (and concatenations of such values: the finest of their steps); ``None`` when unknown."""
+    node = producers.get(tensor)
+    while node is not None and node.op_type in _KEEPS_GRID:
+        node = producers.get(node.input[0])
+    if node is None:
+        return None
+    if node.op_type == "Concat":
+        grids = [_input_grid(name, producers, initializers) for name in node.input]
+        return None if any(g is None for g in grids) else min(grids, key=lambda g: float(g.max()))
+    scale = initializers.get(node.input[1]) if node.op_type == "Quant" else None
+    value = numpy_helper.to_array(scale) if scale is not None else None
+    return value if value is not None and value.size == 1 and _is_power_of_two(value) else None
+
+
 def _per_channel(offset: np.ndarray, shape: list[int] | None) -> np.ndarray:
     """A per-tensor ``offset`` repeated over the channel axis (1) of a value of ``shape``: FINN absorbs a per-channel
     ``Add`` into the thresholds behind it, but a scalar ``Add`` right behind another quantizer's thresholds it takes
@@ -79,6 +101,11 @@ def rewrite_ties_up(model: onnx.ModelProto) -> int:
         producer = producers.get(node.input[0])
         if producer is not None and producer.op_type == "Relu" and len(consumers.get(node.input[0], [])) == 1:
             target = producer
+        mode.s = b"ROUND"
+        rewritten += 1
+        grid = _input_grid(target.input[0], producers, initializers)
+        if grid is not None and bool(np.all(grid >= scale)):
+            continue  # values on a grid of whole steps: no ties, and an Add would only be one more node
         offset = (scale * np.float32(TIES_UP_OFFSET)).astype(np.float32)
         offset_name = f"{node.name}_ties_up_offset"
         graph.initializer.append(numpy_helper.from_array(_per_channel(offset, shapes.get(target.input[0])),
@@ -88,8 +115,6 @@ def rewrite_ties_up(model: onnx.ModelProto) -> int:
         target.input[0] = shifted
         position = list(graph.node).index(target)
         graph.node.insert(position, add)
-        mode.s = b"ROUND"
-        rewritten += 1
     return rewritten
 
 
