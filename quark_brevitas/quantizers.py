@@ -235,6 +235,10 @@ _SCALE_LETS: dict[ScaleType, dict[str, Any]] = {
         "restrict_scaling_type": RestrictValueType.POWER_OF_TWO,
         "restrict_value_float_to_int_impl": CeilSte,
     },
+    ScaleType.pof2_round: {
+        "restrict_scaling_type": RestrictValueType.POWER_OF_TWO,
+        "restrict_value_float_to_int_impl": RoundSte,
+    },
     ScaleType.float16: {},  # significant bits depend on the spec: _scale_lets
 }
 
@@ -432,7 +436,7 @@ def _range_lets(spec: QuantizationSpec) -> dict[str, Any]:
     ``2^(b-1)`` keeps the scale a power of two."""
     if narrow_range_of(spec):
         return {"narrow_range": True}
-    if spec.scale_type in (ScaleType.pof2, ScaleType.gguf_0):  # their own divisor, 2^(b-1)
+    if spec.scale_type in (ScaleType.pof2, ScaleType.pof2_round, ScaleType.gguf_0):  # their own divisor, 2^(b-1)
         return {"narrow_range": False}
     return {"narrow_range": False, "int_scaling_impl": HalfStepIntScaling}
 

@@ -100,7 +100,7 @@ def tensor_bits(tensor: torch.Tensor, spec: QuantizationSpec | None, *, transpos
         axis = 0 if transposed else 1
         size = tensor.shape[axis]
         scales = numel // size * math.ceil(size / spec.group_size)
-    scale_bits = 8 if spec.scale_type is ScaleType.pof2 else 32
+    scale_bits = 8 if spec.scale_type in (ScaleType.pof2, ScaleType.pof2_round) else 32
     zero_point_bits = 0
     if spec.quant_type is QuantType.int_quant and not spec.symmetric:
         zero_point_bits = 32 if spec.zero_point_type is ZeroPointType.float32 else spec.bit_width

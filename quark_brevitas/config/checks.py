@@ -134,7 +134,8 @@ SUPPORTED_QUANTIZERS: tuple[QuantizerKey, ...] = (
 #: Integer bias widths (Brevitas's Int8/16/24/32 bias quantizers).
 BIAS_BIT_WIDTHS = (8, 16, 24, 32)
 #: Scale types the translation table honours (the other ScaleType members are Quark's, without a Brevitas rule).
-SUPPORTED_SCALE_TYPES = (ScaleType.float, ScaleType.pof2, ScaleType.float16, ScaleType.gguf_k, ScaleType.gguf_0)
+SUPPORTED_SCALE_TYPES = (ScaleType.float, ScaleType.pof2, ScaleType.pof2_round, ScaleType.float16, ScaleType.gguf_k,
+                         ScaleType.gguf_0)
 #: Significant bits of a float16 number (10 stored mantissa bits and the implicit one).
 FLOAT16_SIGNIFICANT_BITS = 11
 
@@ -271,6 +272,9 @@ def _verify_format(spec: QuantizationSpec, kind: str, scheme: str, path: str) ->
 def _verify_options(spec: QuantizationSpec, kind: str, scheme: str, path: str) -> None:
     """param_type, percentile, zero_point_type and symmetry rules that depend on the scheme."""
     dynamic = kind == "act" and scheme in (PER_GROUP, MX, DYNAMIC_PER_TENSOR, DYNAMIC_PER_TOKEN)
+    if spec.scale_type is ScaleType.pof2_round and (scheme not in (PER_TENSOR, PER_CHANNEL) or dynamic):
+        raise ConfigError(f"{path}.scale_type", "pof2_round is for static per_tensor and per_channel scales; use "
+                          "pof2 for MX (per_group) or float scales for dynamic ones")
     ties_up = spec.round_method is RoundType.half_up
     if ties_up and (kind != "act" or dynamic or spec.quant_type is not QuantType.int_quant):
         raise ConfigError(f"{path}.round_method", "half_up (FINN's ties-up thresholds) is for static int activations "

@@ -147,7 +147,7 @@ def _finn(bits: int) -> Callable[[], Config]:
     def build() -> Config:
         from quark_brevitas.config.enums import Backend, RoundType, ScaleType
 
-        exact = {"scale_type": ScaleType.pof2} if bits < 8 else {}
+        exact = {"scale_type": ScaleType.pof2_round} if bits < 8 else {}
         weight = QTensorConfig(bit_width=bits, qscheme=QSchemeType.per_channel, **exact)
         activation = QTensorConfig(bit_width=bits, **exact, **({"round_method": RoundType.half_up} if exact else {}))
         bias = _INT32_BIAS if exact else None

@@ -64,9 +64,11 @@ class QuantizationSpec:
     - ``qscheme``: granularity: ``per_tensor``, ``per_channel`` (weights; dynamic activations: one scale
       per token) or ``per_group`` (``group_size`` consecutive input channels share a scale).
     - ``symmetric``: zero point in the middle of the integer range (True) or fitted to min/max (False).
-    - ``scale_type``: ``float`` or ``pof2`` (power-of-two) scales; ``per_group`` with ``pof2`` is the OCP MX
-      shared-exponent rule; ``float16`` (integer weights): every scale is a float16 number, as GGUF stores it
-      (asymmetric: with ``11 - bit_width`` significant bits, so that ``scale * zero_point`` is one too);
+    - ``scale_type``: ``float`` or ``pof2`` (power-of-two, exponent rounded up) scales, ``pof2_round``
+      (power-of-two, exponent rounded to nearest: Quark's power-of-two observers' rule; per tensor and per
+      channel); ``per_group`` with ``pof2`` is the OCP MX shared-exponent rule; ``float16`` (integer weights): every
+      scale is a float16 number, as GGUF stores it (asymmetric: with ``11 - bit_width`` significant bits, so that
+      ``scale * zero_point`` is one too);
       ``gguf_k`` (integer weights per group of 16 / 32 with a K-quant's bits): per 256 input channels, integer
       multiples of one float16 number, as GGUF's K-quants Q2_K .. Q6_K store them (asymmetric uint2 / uint4 /
       uint5: a minimum per group too, multiples of a second float16 number, llama.cpp's Q2_K / Q4_K / Q5_K);

@@ -62,7 +62,7 @@ def test_wide_ends_and_quantized_output_name_the_layers() -> None:
         assert config.layer_quant_config[name].input_tensors == layer.input_tensors  # the shared point's width
         assert config.layer_quant_config[name].weight == wide
         assert config.layer_quant_config[name].output_tensors == QTensorConfig(bit_width=6)
-    assert layer.weight.bit_width == 2 and FINN_QAT_RECIPE[2] == (30, 1e-2)
+    assert layer.weight.bit_width == 2 and FINN_QAT_RECIPE[2] == (60, 1e-2)
 
 
 def test_quantized_output_puts_the_models_output_on_one_grid() -> None:

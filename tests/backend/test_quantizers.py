@@ -197,6 +197,28 @@ def test_int_weight_stats_matches_definition(bits, per_channel, symmetric):
             assert zps[31].item() == 2**bits - 1
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_int_weight_pof2_round_takes_the_nearest_power_of_two(bits):
+    """``pof2_round``: Brevitas's power-of-two range ``max|w| / 2^(b-1)`` with the exponent rounded to nearest
+    (``pof2`` rounds it up), per channel, by hand: rows whose max|w| is 2.5 (log2 1.32: 2 against 4), 3.5 (1.81:
+    4 either way) and 0.3 (-1.74: 0.25 against 0.5)."""
+    w = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)).clamp(-0.2, 0.2)
+    w[0, 3], w[1, 7], w[2, 1] = 2.5, -3.5, 0.3
+    nearest = torch.tensor([2.0, 4.0, 0.25]) / 2 ** (bits - 1)
+    up = torch.tensor([4.0, 4.0, 0.5]) / 2 ** (bits - 1)
+    for scale_type, expected in ((ScaleType.pof2_round, nearest), (ScaleType.pof2, up)):
+        q = _quant_weight(w, QTensorConfig(bit_width=bits, qscheme=QSchemeType.per_channel, scale_type=scale_type))
+        assert torch.equal(q.scale.detach().reshape(-1), expected), scale_type
+        codes = torch.clamp(torch.round(w / expected[:, None]), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        assert torch.equal(q.value.detach(), codes * expected[:, None]), scale_type
+
+
+def test_pof2_round_is_refused_per_group() -> None:
+    spec = QTensorConfig(bit_width=4, qscheme=QSchemeType.per_group, group_size=32, scale_type=ScaleType.pof2_round)
+    with pytest.raises(ConfigError, match="weight.scale_type"):
+        verify_config(Config(QLayerConfig(weight=spec)))
+
+
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,

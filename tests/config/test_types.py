@@ -20,7 +20,7 @@ REFERENCE_000 = {
 #: Members quark_brevitas adds after the reference's (documented in the schema): ``gguf_k`` is the GGUF K-quant scale
 #: grid (group scales as small integer multiples of one float16 number per 256 channels); ``gguf_0`` llama.cpp's signed
 #: Q4_0 / Q5_0 block scale.
-ADDED_000 = {"ScaleType": ["gguf_k", "gguf_0"]}
+ADDED_000 = {"ScaleType": ["gguf_k", "gguf_0", "pof2_round"], "RoundType": ["half_up"]}
 
 
 @pytest.mark.parametrize("enum_name", sorted(REFERENCE_000))

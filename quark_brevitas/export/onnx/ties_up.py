@@ -75,7 +75,8 @@ def rewrite_ties_up(model: onnx.ModelProto) -> int:
     """Rewrite every ties-up ``Quant`` node of ``model`` (in place; see the module docstring); how many there were.
 
     Raises :class:`ExportError` for a ties-up node whose scale is not a constant power of two: the rewritten
-    file would not compute what the quantizer computes (use ``scale_type=pof2`` with ``round_method=half_up``)."""
+    file would not compute what the quantizer computes (use ``scale_type=pof2_round`` or ``pof2`` with
+    ``round_method=half_up``)."""
     graph = model.graph
     initializers = {init.name: init for init in graph.initializer}
     producers = {output: node for node in graph.node for output in node.output}
@@ -95,7 +96,7 @@ def rewrite_ties_up(model: onnx.ModelProto) -> int:
         if scale is None or not _is_power_of_two(scale):
             raise ExportError(
                 f"QONNX Quant node {node.name!r} rounds ties up (round_method=half_up), which a QONNX file states "
-                "exactly only with a constant power-of-two scale (scale_type=pof2); its scale is "
+                "exactly only with a constant power-of-two scale (scale_type=pof2_round or pof2); its scale is "
                 f"{'not a constant' if scale is None else scale.ravel()[:4].tolist()}")
         target = node
         producer = producers.get(node.input[0])
