@@ -11,7 +11,7 @@ from torch import nn
 from quark_brevitas.api import ModelQuantizer
 from quark_brevitas.backend.graph import FINN_QAT_RECIPE, end_layers, finn_config
 from quark_brevitas.config import QTensorConfig
-from quark_brevitas.config.enums import QSchemeType
+from quark_brevitas.config.enums import QSchemeType, RoundType, ScaleType
 from quark_brevitas.config.presets import get_preset
 from quark_brevitas.errors import ConfigError
 
@@ -52,16 +52,20 @@ def test_without_options_it_is_the_preset() -> None:
 def test_wide_ends_and_quantized_output_name_the_layers() -> None:
     config = finn_config(2, TwoStems(), ends_bits=8, output_bits=6)
     layer = config.global_quant_config
-    wide = QTensorConfig(bit_width=8, qscheme=QSchemeType.per_channel)
+    # the preset's arithmetic (power-of-two scales, ties up), only the widths changed
+    exact = {"scale_type": ScaleType.pof2_round}
+    wide = QTensorConfig(bit_width=8, qscheme=QSchemeType.per_channel, **exact)
     assert set(config.layer_quant_config) == {"a", "b", "tail", "other"}
     for name in ("a", "b"):
-        assert config.layer_quant_config[name].input_tensors == QTensorConfig(bit_width=8)
+        assert config.layer_quant_config[name].input_tensors == QTensorConfig(bit_width=8, **exact,
+                                                                              round_method=RoundType.half_up)
         assert config.layer_quant_config[name].weight == wide
         assert config.layer_quant_config[name].output_tensors is None
     for name in ("tail", "other"):
         assert config.layer_quant_config[name].input_tensors == layer.input_tensors  # the shared point's width
         assert config.layer_quant_config[name].weight == wide
-        assert config.layer_quant_config[name].output_tensors == QTensorConfig(bit_width=6)
+        assert config.layer_quant_config[name].output_tensors == QTensorConfig(bit_width=6, **exact,
+                                                                               round_method=RoundType.half_up)
     assert layer.weight.bit_width == 2 and FINN_QAT_RECIPE[2] == (60, 1e-2)
 
 

@@ -79,7 +79,7 @@ BAD_CONFIGS = [
     (QLayerConfig(input_tensors=QTensorConfig(qscheme=QSchemeType.per_channel)),
      "global_quant_config.input_tensors.qscheme", "per_tensor"),
     (QLayerConfig(weight=QTensorConfig(scale_type=ScaleType.bfloat16)), "global_quant_config.weight.scale_type",
-     "float, pof2, float16"),
+     "float, pof2, pof2_round, float16"),
     (QLayerConfig(weight=QTensorConfig(exponent_bit_width=4)), "global_quant_config.weight.exponent_bit_width",
      "float_quant"),
     (QLayerConfig(weight=QTensorConfig(bit_width="8")), "global_quant_config.weight.bit_width",  # type: ignore

@@ -107,7 +107,7 @@ def test_supported_combinations_are_the_translation_tables_rows() -> None:
 def test_spec_check_without_brevitas_names_the_field() -> None:
     """The config-time checks (no Brevitas) name the field and what is allowed."""
     with pytest.raises(ConfigError, match=r"^x\.scale_type: bfloat16 is not supported; allowed: float, pof2, "
-                                          r"float16, gguf_k, gguf_0$"):
+                                          r"pof2_round, float16, gguf_k, gguf_0$"):
         verify_spec(QTensorConfig(scale_type=ScaleType.bfloat16), "weight", "x")
     with pytest.raises(ConfigError, match=r"^b\.bit_width: bias bit width 12 unsupported; allowed: \[8, 16, 24, 32\]$"):
         verify_spec(QTensorConfig(bit_width=12), "bias", "b")

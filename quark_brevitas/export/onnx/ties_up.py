@@ -46,14 +46,17 @@ _KEEPS_GRID = ("MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsquee
 
 def _input_grid(tensor: str, producers: dict[str, onnx.NodeProto],
                 initializers: dict[str, onnx.TensorProto]) -> np.ndarray | None:
-    """The step of the grid ``tensor`` lies on when it comes from per-tensor ``Quant`` nodes through grid-keeping
-    ops (and concatenations of such values: the finest of their steps); ``None`` when unknown."""
+    """The step of the grid ``tensor`` lies on when it comes from per-tensor power-of-two ``Quant`` nodes through
+    grid-keeping ops (and adds / concatenations of such values: the finest of their steps); ``None`` when
+    unknown."""
     node = producers.get(tensor)
     while node is not None and node.op_type in _KEEPS_GRID:
         node = producers.get(node.input[0])
     if node is None:
         return None
-    if node.op_type == "Concat":
+    if node.op_type in ("Concat", "Add", "Sub"):  # a merge of values on grids is on the finest of them
+        if any(name in initializers for name in node.input):
+            return None  # a constant added: not a grid this function knows
         grids = [_input_grid(name, producers, initializers) for name in node.input]
         return None if any(g is None for g in grids) else min(grids, key=lambda g: float(g.max()))
     scale = initializers.get(node.input[1]) if node.op_type == "Quant" else None
@@ -107,7 +110,10 @@ def rewrite_ties_up(model: onnx.ModelProto) -> int:
         grid = _input_grid(target.input[0], producers, initializers)
         if grid is not None and bool(np.all(grid >= scale)):
             continue  # values on a grid of whole steps: no ties, and an Add would only be one more node
-        offset = (scale * np.float32(TIES_UP_OFFSET)).astype(np.float32)
+        # On a known grid, half its step: it moves ties up and nothing else, and it is large enough that qonnx's
+        # RemoveIdentityOps (which takes an Add of less than 1e-5 for an identity, and breaks a forked input when
+        # it removes one) leaves it alone. Elsewhere (accumulators) the quantizer's own 2^-16 steps.
+        offset = (grid / 2 if grid is not None else scale * np.float32(TIES_UP_OFFSET)).astype(np.float32)
         offset_name = f"{node.name}_ties_up_offset"
         graph.initializer.append(numpy_helper.from_array(_per_channel(offset, shapes.get(target.input[0])),
                                                          offset_name))
