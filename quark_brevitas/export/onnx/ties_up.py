@@ -64,6 +64,30 @@ def _input_grid(tensor: str, producers: dict[str, onnx.NodeProto],
     return value if value is not None and value.size == 1 and _is_power_of_two(value) else None
 
 
+#: qonnx's ``RemoveIdentityOps`` removes an ``Add`` whose constant is within this of zero (its default ``atol``).
+_IDENTITY_ATOL = 1e-5
+
+
+def _scaled_offset(name: str, tensor: str, scale: np.ndarray, shape: list[int] | None
+                   ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str]:
+    """``x + scale * 2^-16`` as ``(x * (2^16 / scale) + 1) * (scale / 2^16)``: the same value exactly (power-of-two
+    factors, and ``x / scale`` on a grid of 2^-15 steps below 2^8), with no constant that qonnx's
+    ``RemoveIdentityOps`` takes for an identity. Used where the value feeds other nodes too: qonnx removes a
+    near-zero ``Add`` by renaming its input, which breaks the input's other readers."""
+    up = (np.float32(1 / TIES_UP_OFFSET) / scale).astype(np.float32)
+    down = (scale * np.float32(TIES_UP_OFFSET)).astype(np.float32)
+    one = np.ones_like(scale, dtype=np.float32)
+    inits = [numpy_helper.from_array(_per_channel(value, shape), f"{name}_ties_up_{suffix}")
+             for value, suffix in ((up, "up"), (one, "one"), (down, "down"))]
+    nodes = [helper.make_node("Mul", [tensor, f"{name}_ties_up_up"], [f"{name}_ties_up_scaled"],
+                              name=f"{name}_ties_up_scale"),
+             helper.make_node("Add", [f"{name}_ties_up_scaled", f"{name}_ties_up_one"], [f"{name}_ties_up_shifted"],
+                              name=f"{name}_ties_up"),
+             helper.make_node("Mul", [f"{name}_ties_up_shifted", f"{name}_ties_up_down"], [f"{name}_ties_up_input"],
+                              name=f"{name}_ties_up_unscale")]
+    return nodes, inits, f"{name}_ties_up_input"
+
+
 def _per_channel(offset: np.ndarray, shape: list[int] | None) -> np.ndarray:
     """A per-tensor ``offset`` repeated over the channel axis (1) of a value of ``shape``: FINN absorbs a per-channel
     ``Add`` into the thresholds behind it, but a scalar ``Add`` right behind another quantizer's thresholds it takes
@@ -114,14 +138,21 @@ def rewrite_ties_up(model: onnx.ModelProto) -> int:
         # RemoveIdentityOps (which takes an Add of less than 1e-5 for an identity, and breaks a forked input when
         # it removes one) leaves it alone. Elsewhere (accumulators) the quantizer's own 2^-16 steps.
         offset = (grid / 2 if grid is not None else scale * np.float32(TIES_UP_OFFSET)).astype(np.float32)
-        offset_name = f"{node.name}_ties_up_offset"
-        graph.initializer.append(numpy_helper.from_array(_per_channel(offset, shapes.get(target.input[0])),
-                                                         offset_name))
-        shifted = f"{node.name}_ties_up_input"
-        add = helper.make_node("Add", [target.input[0], offset_name], [shifted], name=f"{node.name}_ties_up")
+        shape = shapes.get(target.input[0])
+        forked = len(consumers.get(target.input[0], [])) > 1
+        if forked and float(np.max(offset)) < _IDENTITY_ATOL:
+            new_nodes, new_inits, shifted = _scaled_offset(node.name, target.input[0], scale, shape)
+        else:
+            offset_name = f"{node.name}_ties_up_offset"
+            new_inits = [numpy_helper.from_array(_per_channel(offset, shape), offset_name)]
+            shifted = f"{node.name}_ties_up_input"
+            new_nodes = [helper.make_node("Add", [target.input[0], offset_name], [shifted],
+                                          name=f"{node.name}_ties_up")]
+        graph.initializer.extend(new_inits)
         target.input[0] = shifted
         position = list(graph.node).index(target)
-        graph.node.insert(position, add)
+        for new_node in reversed(new_nodes):
+            graph.node.insert(position, new_node)
     return rewritten
 
 

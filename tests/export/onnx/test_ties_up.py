@@ -115,3 +115,41 @@ def test_rewrite_puts_the_offset_in_front_of_the_quant_or_its_relu(relu: bool) -
 def test_rewrite_refuses_a_scale_that_is_not_a_power_of_two() -> None:
     with pytest.raises(ExportError, match="'q'.*power-of-two"):
         rewrite_ties_up(_quant_model(0.3, False))
+
+
+class _ForkedAccumulator(nn.Module):
+    """A convolution's output read by two quantizers (a ReLU's and a residual add's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv0, self.conv1 = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv0(x)
+        return torch.flatten(y + self.conv1(torch.relu(y)), 1)
+
+
+def test_an_offset_on_a_forked_value_survives_qonnx_cleanups(tmp_path) -> None:
+    """At small scales the 2^-16-step offset is below qonnx's identity tolerance (1e-5), and qonnx's
+    RemoveIdentityOps would remove the Add by renaming the convolution's output, which its other reader still
+    reads. On a forked value the offset is written as Mul(2^16 / s), Add(1), Mul(s / 2^16): still exact (the file
+    gives PyTorch's values to the bit), and no constant qonnx takes for an identity."""
+    from qonnx.core.modelwrapper import ModelWrapper
+    from qonnx.transformation.remove import RemoveIdentityOps
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 1, 6, 6) * 0.01
+    config = Config(QLayerConfig(weight=QTensorConfig(bit_width=4, qscheme=QSchemeType.per_channel,
+                                                      scale_type=ScaleType.pof2_round),
+                                 input_tensors=QTensorConfig(bit_width=4, scale_type=ScaleType.pof2_round,
+                                                             round_method=RoundType.half_up)),
+                    backend=Backend.graph)
+    quant = ModelQuantizer(config).quantize_model(_ForkedAccumulator(), [x])
+    report = export_qonnx(quant, x, tmp_path / "m.onnx")
+    assert report.max_abs_diff == 0.0
+    proto = onnx.load(tmp_path / "m.onnx")
+    scaled = [n for n in proto.graph.node if n.name.endswith("_ties_up_scale")]
+    assert scaled  # a quantizer reading the forked convolution output with an offset below 1e-5
+    cleaned = ModelWrapper(proto).transform(RemoveIdentityOps())
+    assert len(cleaned.graph.node) == len(proto.graph.node)
+    assert np.array_equal(run_qonnx(cleaned, x)[0], run_qonnx(tmp_path / "m.onnx", x)[0])
