@@ -273,12 +273,9 @@ def _verify_options(spec: QuantizationSpec, kind: str, scheme: str, path: str) -
     """param_type, percentile, zero_point_type and symmetry rules that depend on the scheme."""
     dynamic = kind == "act" and scheme in (PER_GROUP, MX, DYNAMIC_PER_TENSOR, DYNAMIC_PER_TOKEN)
     if spec.scale_type is ScaleType.pof2_round and (scheme not in (PER_TENSOR, PER_CHANNEL) or dynamic):
-        raise ConfigError(f"{path}.scale_type", "pof2_round is for static per_tensor and per_channel scales; use "
-                          "pof2 for MX (per_group) or float scales for dynamic ones")
-    ties_up = spec.round_method is RoundType.half_up
-    if ties_up and (kind != "act" or dynamic or spec.quant_type is not QuantType.int_quant):
-        raise ConfigError(f"{path}.round_method", "half_up (FINN's ties-up thresholds) is for static int activations "
-                          "only; weights and dynamic or float quantizers round with half_even, floor or round")
+        raise ConfigError(f"{path}.scale_type", "pof2_round is for static per_tensor/per_channel scales (MX: pof2)")
+    if spec.round_method is RoundType.half_up and (kind != "act" or dynamic or spec.quant_type is not INT):
+        raise ConfigError(f"{path}.round_method", "half_up is for static int activations; else half_even/floor/round")
     if scheme == MX and not spec.symmetric:
         raise ConfigError(f"{path}.symmetric", "per_group with scale_type=pof2 is the OCP MX shared-exponent rule, "
                           "which is symmetric; use symmetric=True, or scale_type=float for asymmetric per_group")
