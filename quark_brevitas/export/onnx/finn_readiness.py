@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from quark_brevitas.export.errors import ExportError
+from quark_brevitas.export.onnx.passes.graph import GRID_KEEPING_OPS
 
 _COMPUTE = {"Conv", "MatMul", "Gemm", "ConvTranspose"}
-_KEEPS_GRID = {"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Pad", "Identity", "Resize"}
 _MERGE = {"Add", "Sub", "Concat"}
 _QUANT = {"Quant", "BipolarQuant"}
 _GRAPH_FIX = "quantize the whole network: Config(..., backend=Backend.graph) or a finn_w*a* preset"
@@ -74,7 +74,7 @@ def finn_readiness(path: str | os.PathLike[str] | Any) -> list[FinnFinding]:
         """The quantizer a tensor comes from through grid-keeping ops (or None), and the tensors on the way."""
         chain = [tensor]
         node = producer.get(tensor)
-        while node is not None and node.op_type in _KEEPS_GRID:
+        while node is not None and node.op_type in GRID_KEEPING_OPS:
             tensor = node.input[0]
             chain.append(tensor)
             node = producer.get(tensor)
@@ -106,10 +106,10 @@ def finn_readiness(path: str | os.PathLike[str] | Any) -> list[FinnFinding]:
             elif weight in inits and not np.array_equal(inits[weight], np.round(inits[weight])):
                 findings.append(FinnFinding("float_weight", label, weight, label, f"weight {weight!r} is float",
                                             "give the layer a weight spec (QuantizationConfig.weight)"))
-        elif node.op_type in _MERGE and len([n for n in node.input if n and n not in inits]) > 1:
-            # (an Add of one tensor and a constant -- a bias, the ties-up offset -- is absorbed by FINN's
-            # Streamline into the next thresholds; only tensors merged with tensors need one scale)
+        elif node.op_type in _MERGE:
             dynamic = [name for name in node.input if name and name not in inits]
+            if len(dynamic) < 2:  # one tensor and a constant (a bias, the ties-up offset): FINN's Streamline
+                continue          # absorbs it into the next thresholds; only merged tensors need one scale
             quants = [source(name)[0] for name in dynamic]
             scales = [None if q is None else inits.get(q.input[1]) for q in quants]
             if any(q is None for q in quants):

@@ -8,9 +8,10 @@ rules disagree on them, so FINN's converted model would compute something else t
 
 A ``half_up`` quantizer rounds ``x / scale + 2^-16`` half to even (:data:`~quark_brevitas.quantizers.TIES_UP_OFFSET`):
 on any grid of at least 2^-15 steps that is ties up, and elsewhere it changes nothing. Brevitas writes such a node
-with ``rounding_mode="TIES_UP"`` (no reader knows that name); :func:`rewrite_ties_up` replaces it with
-``Add(x, scale * 2^-16)`` in front of a ``Quant`` that rounds half to even, which is the same arithmetic exactly when
-the scale is a power of two (dividing by it is exact in float32). In front of a quantized ReLU the ``Add`` goes
+with the ``rounding_mode`` :data:`~quark_brevitas.quantizers.TIES_UP_MODE`; :func:`rewrite_ties_up` replaces it with
+``Add(x, offset)`` in front of a ``Quant`` that rounds half to even (the offset: half the step of the grid the input
+is known to lie on, else ``scale * 2^-16``), which is the same arithmetic exactly when the scale is a power of two
+(dividing by it is exact in float32). In front of a quantized ReLU the ``Add`` goes
 before the ``Relu``, as ``ReLU(x + e)`` quantizes like ``ReLU(x) + e`` for ``e`` below half a step, and FINN's ReLU
 handler needs the ``Relu`` right before the ``Quant``. FINN absorbs the ``Add`` into the thresholds it builds.
 """
@@ -22,12 +23,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from quark_brevitas.export.errors import ExportError
+from quark_brevitas.export.onnx.passes.graph import BIAS_CONSUMERS, GRID_KEEPING_OPS, GraphIndex
 from quark_brevitas.quantizers import TIES_UP_MODE, TIES_UP_OFFSET
 
 __all__ = ["fold_bias_quants", "rewrite_ties_up"]
-
-#: Ops whose third input is a bias (what :func:`fold_bias_quants` looks for).
-_BIASED_OPS = ("Conv", "ConvTranspose", "Gemm")
 
 
 def _attribute(node: onnx.NodeProto, name: str) -> onnx.AttributeProto | None:
@@ -39,28 +38,25 @@ def _is_power_of_two(values: np.ndarray) -> bool:
     return bool(values.size) and bool(np.all(values > 0)) and bool(np.all(mantissa == 0.5))
 
 
-#: Ops whose output is on their input's grid (nearest-neighbour Resize: the graph backend's upsampling).
-_KEEPS_GRID = ("MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Pad", "Identity", "Resize",
-               "Relu")
+#: Ops whose output is on their input's grid: the layout and pooling ops, and a ReLU (of values on a grid).
+_KEEPS_GRID = GRID_KEEPING_OPS | {"Relu"}
 
 
-def _input_grid(tensor: str, producers: dict[str, onnx.NodeProto],
-                initializers: dict[str, onnx.TensorProto]) -> np.ndarray | None:
+def _input_grid(tensor: str, index: GraphIndex) -> np.ndarray | None:
     """The step of the grid ``tensor`` lies on when it comes from per-tensor power-of-two ``Quant`` nodes through
     grid-keeping ops (and adds / concatenations of such values: the finest of their steps); ``None`` when
     unknown."""
-    node = producers.get(tensor)
+    node = index.producer.get(tensor)
     while node is not None and node.op_type in _KEEPS_GRID:
-        node = producers.get(node.input[0])
+        node = index.producer.get(node.input[0])
     if node is None:
         return None
     if node.op_type in ("Concat", "Add", "Sub"):  # a merge of values on grids is on the finest of them
-        if any(name in initializers for name in node.input):
+        if any(name in index.inits for name in node.input):
             return None  # a constant added: not a grid this function knows
-        grids = [_input_grid(name, producers, initializers) for name in node.input]
+        grids = [_input_grid(name, index) for name in node.input]
         return None if any(g is None for g in grids) else min(grids, key=lambda g: float(g.max()))
-    scale = initializers.get(node.input[1]) if node.op_type == "Quant" else None
-    value = numpy_helper.to_array(scale) if scale is not None else None
+    value = index.const(node.input[1]) if node.op_type == "Quant" else None
     return value if value is not None and value.size == 1 and _is_power_of_two(value) else None
 
 
@@ -105,12 +101,7 @@ def rewrite_ties_up(model: onnx.ModelProto) -> int:
     file would not compute what the quantizer computes (use ``scale_type=pof2_round`` or ``pof2`` with
     ``round_method=half_up``)."""
     graph = model.graph
-    initializers = {init.name: init for init in graph.initializer}
-    producers = {output: node for node in graph.node for output in node.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    index = GraphIndex(graph)
     shapes = {info.name: [d.dim_value for d in info.type.tensor_type.shape.dim]
               for info in (*graph.input, *graph.value_info)}
     rewritten = 0
@@ -118,20 +109,19 @@ def rewrite_ties_up(model: onnx.ModelProto) -> int:
         mode = _attribute(node, "rounding_mode")
         if node.op_type != "Quant" or mode is None or mode.s.decode() != TIES_UP_MODE:
             continue
-        scale_init = initializers.get(node.input[1])
-        scale = numpy_helper.to_array(scale_init) if scale_init is not None else None
+        scale = index.const(node.input[1])
         if scale is None or not _is_power_of_two(scale):
             raise ExportError(
                 f"QONNX Quant node {node.name!r} rounds ties up (round_method=half_up), which a QONNX file states "
                 "exactly only with a constant power-of-two scale (scale_type=pof2_round or pof2); its scale is "
                 f"{'not a constant' if scale is None else scale.ravel()[:4].tolist()}")
         target = node
-        producer = producers.get(node.input[0])
-        if producer is not None and producer.op_type == "Relu" and len(consumers.get(node.input[0], [])) == 1:
+        producer = index.producer.get(node.input[0])
+        if producer is not None and producer.op_type == "Relu" and len(index.consumers.get(node.input[0], [])) == 1:
             target = producer
         mode.s = b"ROUND"
         rewritten += 1
-        grid = _input_grid(target.input[0], producers, initializers)
+        grid = _input_grid(target.input[0], index)
         if grid is not None and bool(np.all(grid >= scale)):
             continue  # values on a grid of whole steps: no ties, and an Add would only be one more node
         # On a known grid, half its step: it moves ties up and nothing else, and it is large enough that qonnx's
@@ -139,7 +129,7 @@ def rewrite_ties_up(model: onnx.ModelProto) -> int:
         # it removes one) leaves it alone. Elsewhere (accumulators) the quantizer's own 2^-16 steps.
         offset = (grid / 2 if grid is not None else scale * np.float32(TIES_UP_OFFSET)).astype(np.float32)
         shape = shapes.get(target.input[0])
-        forked = len(consumers.get(target.input[0], [])) > 1
+        forked = len(index.consumers.get(target.input[0], [])) > 1
         if forked and float(np.max(offset)) < _IDENTITY_ATOL:
             new_nodes, new_inits, shifted = _scaled_offset(node.name, target.input[0], scale, shape)
         else:
@@ -164,30 +154,23 @@ def fold_bias_quants(model: onnx.ModelProto) -> int:
     float32. FINN's converter cannot take them as ``Quant`` nodes: it moves a bias's per-channel scale into a
     division in front of the bias add whose output it then annotates as integer, and its executor refuses the
     non-integer values ("Rounding error is too high"). As float initializers FINN absorbs them into the next
-    thresholds, exactly. The quantization is computed as qonnx's ``Quant`` computes it (float32, ties to even)."""
+    thresholds, exactly. The values are computed by qonnx's own ``Quant``, the file's reader."""
+    from qonnx.custom_op.registry import getCustomOp
+
     graph = model.graph
-    initializers = {init.name: init for init in graph.initializer}
-    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-    for node in graph.node:
-        for index, name in enumerate(node.input):
-            consumers.setdefault(name, []).append((node, index))
+    index = GraphIndex(graph)
     folded = 0
     for node in list(graph.node):
-        if node.op_type != "Quant" or any(name not in initializers for name in node.input[:4]):
+        if node.op_type != "Quant" or any(name not in index.inits for name in node.input[:4]):
             continue
-        users = consumers.get(node.output[0], [])
-        if not users or any(user.op_type not in _BIASED_OPS or index != 2 for user, index in users):
+        out = node.output[0]
+        users = index.consumers.get(out, [])
+        if not users or any(user.op_type not in BIAS_CONSUMERS or list(user.input).index(out) != 2
+                            or list(user.input).count(out) != 1 for user in users):
             continue
-        x, scale, zero_point, bits = (numpy_helper.to_array(initializers[name]).astype(np.float32)
-                                      for name in node.input[:4])
-        signed = _attribute(node, "signed")
-        narrow = _attribute(node, "narrow")
-        signed_value, narrow_value = (signed.i if signed else 1), (narrow.i if narrow else 0)
-        low = -(2.0 ** (bits - 1)) + narrow_value if signed_value else 0.0
-        high = 2.0 ** (bits - 1) - 1 if signed_value else 2.0 ** bits - 1 - narrow_value
-        codes = np.clip(np.round(x / scale + zero_point), low, high)
-        values = ((codes - zero_point) * scale).astype(np.float32)
+        context = {name: index.const(name) for name in node.input[:4]}
+        getCustomOp(node).execute_node(context, graph)
         graph.node.remove(node)
-        graph.initializer.append(numpy_helper.from_array(values, node.output[0]))
+        graph.initializer.append(numpy_helper.from_array(context[out].astype(np.float32), out))
         folded += 1
     return folded

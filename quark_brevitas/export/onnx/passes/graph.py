@@ -24,6 +24,9 @@ BIAS_CONSUMERS = frozenset({"Conv", "ConvTranspose", "Gemm"})
 #: Ops that only move or copy elements (Brevitas puts them between a weight and its consumer, and
 #: between an activation's DequantizeLinear and the layer reading it).
 LAYOUT_OPS = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+#: Ops whose output values lie on their input's grid (a quantizer's grid survives them): the layout ops, max
+#: pooling, padding with zeros and (nearest-neighbour) resizing.
+GRID_KEEPING_OPS = LAYOUT_OPS | {"MaxPool", "Pad", "Resize"}
 
 
 def attr(node: onnx.NodeProto, name: str, default: int) -> int:
