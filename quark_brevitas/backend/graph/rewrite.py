@@ -82,23 +82,24 @@ def privatise_forks(graph_model: Any, analysis: GraphAnalysis, quantizers: set[s
     nodes = {node.name: node for node in graph.nodes}
     for name in analysis.private:
         consumer = nodes[name]
-        value = probe = tensor_args(consumer)[0]
-        while not (probe.op == "call_module" and probe.target in quantizers):
-            if analysis.kinds.get(probe.name, PASSTHROUGH) != PASSTHROUGH or not tensor_args(probe):
-                raise AssertionError(f"graph backend: no quantizer found in front of {name!r}")  # a planning bug
-            probe = tensor_args(probe)[0]
+        value = tensor_args(consumer)[0]
+        target = _feeding_quantizer(consumer, analysis, quantizers, through=(PASSTHROUGH,), unknown=PASSTHROUGH)
+        if target is None:
+            raise AssertionError(f"graph backend: no quantizer found in front of {name!r}")  # a planning bug
         with graph.inserting_before(consumer):
-            call = graph.call_module(probe.target, (value,))
+            call = graph.call_module(target, (value,))
         consumer.replace_input_with(value, call)
 
 
-def _feeding_quantizer(node: Any, analysis: GraphAnalysis, quantizers: set[str]) -> str | None:
+def _feeding_quantizer(node: Any, analysis: GraphAnalysis, quantizers: set[str],
+                       through: tuple[str, ...] = (PASSTHROUGH, MERGE), unknown: str | None = None) -> str | None:
     """The quantizer module whose grid the value read by ``node`` is on: the nearest quantizer call upstream
-    through ops that keep the grid (reshapes, max pooling, ..., and the adds/concats of a shared quantizer's
-    outputs); ``None`` if a float op comes first."""
+    through ops of the kinds ``through`` (by default those that keep the grid: reshapes, max pooling, ..., and the
+    adds/concats of a shared quantizer's outputs; a node the analysis does not know is of kind ``unknown``);
+    ``None`` if another op comes first."""
     probe = tensor_args(node)[0]
     while not (probe.op == "call_module" and probe.target in quantizers):
-        if analysis.kinds.get(probe.name) not in (PASSTHROUGH, MERGE) or not tensor_args(probe):
+        if analysis.kinds.get(probe.name, unknown) not in through or not tensor_args(probe):
             return None
         probe = tensor_args(probe)[0]
     return str(probe.target)
